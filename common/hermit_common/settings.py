@@ -1,0 +1,221 @@
+"""Settings from the environment: one frozen, typed, validated object per component.
+
+Each component builds its settings once in ``main()`` from ``os.environ`` (or any
+mapping, for tests). A wrong or missing value raises ``SettingsError`` naming the
+variable and what is wrong with it. ``redacted()`` gives a copy safe to log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from hermit_common.errors import SettingsError
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class _Env:
+    """Reads typed values from an environment mapping, naming the variable on error."""
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self._environ = environ
+
+    def _raw(self, name: str) -> str | None:
+        value = self._environ.get(name)
+        if value is None or value.strip() == "":
+            return None
+        return value.strip()
+
+    def str(self, name: str, default: str | None = None) -> str:
+        value = self._raw(name)
+        if value is None:
+            if default is None:
+                raise SettingsError(f"{name} is required but not set")
+            return default
+        return value
+
+    def optional_str(self, name: str) -> str | None:
+        return self._raw(name)
+
+    def int(self, name: str, default: int, *, minimum: int | None = None,
+            maximum: int | None = None) -> int:
+        raw = self._raw(name)
+        if raw is None:
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise SettingsError(f"{name}={raw!r} is not an integer") from None
+        if minimum is not None and value < minimum:
+            raise SettingsError(f"{name}={value} is below the minimum {minimum}")
+        if maximum is not None and value > maximum:
+            raise SettingsError(f"{name}={value} is above the maximum {maximum}")
+        return value
+
+    def float(self, name: str, default: float, *, minimum: float | None = None,
+              maximum: float | None = None) -> float:
+        raw = self._raw(name)
+        if raw is None:
+            return default
+        try:
+            value = float(raw)
+        except ValueError:
+            raise SettingsError(f"{name}={raw!r} is not a number") from None
+        if minimum is not None and value < minimum:
+            raise SettingsError(f"{name}={value} is below the minimum {minimum}")
+        if maximum is not None and value > maximum:
+            raise SettingsError(f"{name}={value} is above the maximum {maximum}")
+        return value
+
+    def bool(self, name: str, default: bool) -> bool:
+        raw = self._raw(name)
+        if raw is None:
+            return default
+        if raw.lower() in _TRUE:
+            return True
+        if raw.lower() in _FALSE:
+            return False
+        raise SettingsError(f"{name}={raw!r} is not a boolean (use true or false)")
+
+    def url(self, name: str, default: str | None = None) -> str:
+        value = self.str(name, default)
+        return _check_url(name, value)
+
+    def optional_url(self, name: str) -> str | None:
+        value = self._raw(name)
+        return None if value is None else _check_url(name, value)
+
+    def choice(self, name: str, default: str, choices: tuple[str, ...]) -> str:
+        value = self.str(name, default)
+        if value not in choices:
+            raise SettingsError(f"{name}={value!r} is not one of {', '.join(choices)}")
+        return value
+
+
+def _check_url(name: str, value: str) -> str:
+    parsed = urlparse(value)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise SettingsError(f"{name}={value!r} is not an http(s) URL")
+    return value.rstrip("/")
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """Where checkpoints live: an S3-compatible bucket."""
+
+    bucket: str
+    prefix: str = "hermit"
+    endpoint_url: str | None = None  # None: AWS S3 itself
+    region: str = "us-east-1"
+    access_key_id: str | None = None  # None: boto3's default credential chain
+    secret_access_key: str | None = None
+    upload_concurrency: int = 8
+    chunk_size_bytes: int = 4 * 1024 * 1024
+    max_attempts: int = 5
+    connect_timeout_seconds: float = 5.0
+    read_timeout_seconds: float = 60.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> StoreSettings:
+        env = _Env(environ)
+        bucket = env.str("HERMIT_S3_BUCKET")
+        prefix = env.str("HERMIT_S3_PREFIX", "hermit").strip("/")
+        access = env.optional_str("HERMIT_S3_ACCESS_KEY_ID")
+        secret = env.optional_str("HERMIT_S3_SECRET_ACCESS_KEY")
+        if (access is None) != (secret is None):
+            raise SettingsError(
+                "HERMIT_S3_ACCESS_KEY_ID and HERMIT_S3_SECRET_ACCESS_KEY must be set together"
+            )
+        return cls(
+            bucket=bucket,
+            prefix=prefix,
+            endpoint_url=env.optional_url("HERMIT_S3_ENDPOINT"),
+            region=env.str("HERMIT_S3_REGION", "us-east-1"),
+            access_key_id=access,
+            secret_access_key=secret,
+            upload_concurrency=env.int("HERMIT_S3_CONCURRENCY", 8, minimum=1, maximum=64),
+            chunk_size_bytes=env.int(
+                "HERMIT_CHUNK_SIZE_BYTES", 4 * 1024 * 1024, minimum=64 * 1024,
+                maximum=64 * 1024 * 1024,
+            ),
+            max_attempts=env.int("HERMIT_S3_MAX_ATTEMPTS", 5, minimum=1, maximum=20),
+            connect_timeout_seconds=env.float(
+                "HERMIT_S3_CONNECT_TIMEOUT_SECONDS", 5.0, minimum=0.1),
+            read_timeout_seconds=env.float("HERMIT_S3_READ_TIMEOUT_SECONDS", 60.0, minimum=0.1),
+        )
+
+
+@dataclass(frozen=True)
+class WatcherSettings:
+    """Which interruption notices the node-agent watches, and where."""
+
+    provider: str = "aws"  # aws | gcp | azure | none
+    aws_imds_url: str = "http://169.254.169.254"
+    gcp_metadata_url: str = "http://metadata.google.internal"
+    azure_metadata_url: str = "http://169.254.169.254"
+    poll_interval_seconds: float = 1.0
+    request_timeout_seconds: float = 2.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> WatcherSettings:
+        env = _Env(environ)
+        return cls(
+            provider=env.choice("HERMIT_CLOUD_PROVIDER", "aws", ("aws", "gcp", "azure", "none")),
+            aws_imds_url=env.url("HERMIT_AWS_IMDS_URL", "http://169.254.169.254"),
+            gcp_metadata_url=env.url("HERMIT_GCP_METADATA_URL", "http://metadata.google.internal"),
+            azure_metadata_url=env.url("HERMIT_AZURE_METADATA_URL", "http://169.254.169.254"),
+            poll_interval_seconds=env.float(
+                "HERMIT_POLL_INTERVAL_SECONDS", 1.0, minimum=0.1, maximum=2.0),
+            request_timeout_seconds=env.float(
+                "HERMIT_METADATA_TIMEOUT_SECONDS", 2.0, minimum=0.1, maximum=30.0),
+        )
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """Everything the node-agent needs, built once at start-up."""
+
+    node_name: str
+    store: StoreSettings
+    watcher: WatcherSettings
+    criu_path: str = "criu"
+    work_dir: str = "/var/lib/hermit"
+    metrics_port: int = 9101
+    log_level: str = "INFO"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> NodeSettings:
+        env = _Env(environ)
+        return cls(
+            node_name=env.str("HERMIT_NODE_NAME"),
+            store=StoreSettings.from_env(environ),
+            watcher=WatcherSettings.from_env(environ),
+            criu_path=env.str("HERMIT_CRIU_PATH", "criu"),
+            work_dir=env.str("HERMIT_WORK_DIR", "/var/lib/hermit"),
+            metrics_port=env.int("HERMIT_METRICS_PORT", 9101, minimum=1, maximum=65535),
+            log_level=env.choice(
+                "HERMIT_LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR")),
+        )
+
+
+_SECRET_FIELDS = {"secret_access_key", "access_key_id"}
+
+
+def redacted(settings: object) -> dict[str, object]:
+    """A dict of the settings with credentials masked, for the start-up log line."""
+    if not dataclasses.is_dataclass(settings) or isinstance(settings, type):
+        raise TypeError("redacted() takes a settings dataclass instance")
+    out: dict[str, object] = {}
+    for field in dataclasses.fields(settings):
+        value = getattr(settings, field.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out[field.name] = redacted(value)
+        elif field.name in _SECRET_FIELDS and value is not None:
+            out[field.name] = "***"
+        else:
+            out[field.name] = value
+    return out

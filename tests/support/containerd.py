@@ -1,0 +1,1 @@
+"""Fixture module (filled in by its owner)."""
