@@ -18,7 +18,7 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-class _Env:
+class Env:
     """Reads typed values from an environment mapping, naming the variable on error."""
 
     def __init__(self, environ: Mapping[str, str]) -> None:
@@ -30,7 +30,7 @@ class _Env:
             return None
         return value.strip()
 
-    def str(self, name: str, default: str | None = None) -> str:
+    def text(self, name: str, default: str | None = None) -> str:
         value = self._raw(name)
         if value is None:
             if default is None:
@@ -41,7 +41,7 @@ class _Env:
     def optional_str(self, name: str) -> str | None:
         return self._raw(name)
 
-    def int(self, name: str, default: int, *, minimum: int | None = None,
+    def integer(self, name: str, default: int, *, minimum: int | None = None,
             maximum: int | None = None) -> int:
         raw = self._raw(name)
         if raw is None:
@@ -56,7 +56,7 @@ class _Env:
             raise SettingsError(f"{name}={value} is above the maximum {maximum}")
         return value
 
-    def float(self, name: str, default: float, *, minimum: float | None = None,
+    def number(self, name: str, default: float, *, minimum: float | None = None,
               maximum: float | None = None) -> float:
         raw = self._raw(name)
         if raw is None:
@@ -71,7 +71,7 @@ class _Env:
             raise SettingsError(f"{name}={value} is above the maximum {maximum}")
         return value
 
-    def bool(self, name: str, default: bool) -> bool:
+    def flag(self, name: str, default: bool) -> bool:
         raw = self._raw(name)
         if raw is None:
             return default
@@ -82,7 +82,7 @@ class _Env:
         raise SettingsError(f"{name}={raw!r} is not a boolean (use true or false)")
 
     def url(self, name: str, default: str | None = None) -> str:
-        value = self.str(name, default)
+        value = self.text(name, default)
         return _check_url(name, value)
 
     def optional_url(self, name: str) -> str | None:
@@ -90,7 +90,7 @@ class _Env:
         return None if value is None else _check_url(name, value)
 
     def choice(self, name: str, default: str, choices: tuple[str, ...]) -> str:
-        value = self.str(name, default)
+        value = self.text(name, default)
         if value not in choices:
             raise SettingsError(f"{name}={value!r} is not one of {', '.join(choices)}")
         return value
@@ -121,9 +121,9 @@ class StoreSettings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> StoreSettings:
-        env = _Env(environ)
-        bucket = env.str("HERMIT_S3_BUCKET")
-        prefix = env.str("HERMIT_S3_PREFIX", "hermit").strip("/")
+        env = Env(environ)
+        bucket = env.text("HERMIT_S3_BUCKET")
+        prefix = env.text("HERMIT_S3_PREFIX", "hermit").strip("/")
         access = env.optional_str("HERMIT_S3_ACCESS_KEY_ID")
         secret = env.optional_str("HERMIT_S3_SECRET_ACCESS_KEY")
         if (access is None) != (secret is None):
@@ -134,18 +134,18 @@ class StoreSettings:
             bucket=bucket,
             prefix=prefix,
             endpoint_url=env.optional_url("HERMIT_S3_ENDPOINT"),
-            region=env.str("HERMIT_S3_REGION", "us-east-1"),
+            region=env.text("HERMIT_S3_REGION", "us-east-1"),
             access_key_id=access,
             secret_access_key=secret,
-            upload_concurrency=env.int("HERMIT_S3_CONCURRENCY", 8, minimum=1, maximum=64),
-            chunk_size_bytes=env.int(
+            upload_concurrency=env.integer("HERMIT_S3_CONCURRENCY", 8, minimum=1, maximum=64),
+            chunk_size_bytes=env.integer(
                 "HERMIT_CHUNK_SIZE_BYTES", 4 * 1024 * 1024, minimum=64 * 1024,
                 maximum=64 * 1024 * 1024,
             ),
-            max_attempts=env.int("HERMIT_S3_MAX_ATTEMPTS", 5, minimum=1, maximum=20),
-            connect_timeout_seconds=env.float(
+            max_attempts=env.integer("HERMIT_S3_MAX_ATTEMPTS", 5, minimum=1, maximum=20),
+            connect_timeout_seconds=env.number(
                 "HERMIT_S3_CONNECT_TIMEOUT_SECONDS", 5.0, minimum=0.1),
-            read_timeout_seconds=env.float("HERMIT_S3_READ_TIMEOUT_SECONDS", 60.0, minimum=0.1),
+            read_timeout_seconds=env.number("HERMIT_S3_READ_TIMEOUT_SECONDS", 60.0, minimum=0.1),
         )
 
 
@@ -162,15 +162,15 @@ class WatcherSettings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> WatcherSettings:
-        env = _Env(environ)
+        env = Env(environ)
         return cls(
             provider=env.choice("HERMIT_CLOUD_PROVIDER", "aws", ("aws", "gcp", "azure", "none")),
             aws_imds_url=env.url("HERMIT_AWS_IMDS_URL", "http://169.254.169.254"),
             gcp_metadata_url=env.url("HERMIT_GCP_METADATA_URL", "http://metadata.google.internal"),
             azure_metadata_url=env.url("HERMIT_AZURE_METADATA_URL", "http://169.254.169.254"),
-            poll_interval_seconds=env.float(
+            poll_interval_seconds=env.number(
                 "HERMIT_POLL_INTERVAL_SECONDS", 1.0, minimum=0.1, maximum=2.0),
-            request_timeout_seconds=env.float(
+            request_timeout_seconds=env.number(
                 "HERMIT_METADATA_TIMEOUT_SECONDS", 2.0, minimum=0.1, maximum=30.0),
         )
 
@@ -189,14 +189,14 @@ class NodeSettings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> NodeSettings:
-        env = _Env(environ)
+        env = Env(environ)
         return cls(
-            node_name=env.str("HERMIT_NODE_NAME"),
+            node_name=env.text("HERMIT_NODE_NAME"),
             store=StoreSettings.from_env(environ),
             watcher=WatcherSettings.from_env(environ),
-            criu_path=env.str("HERMIT_CRIU_PATH", "criu"),
-            work_dir=env.str("HERMIT_WORK_DIR", "/var/lib/hermit"),
-            metrics_port=env.int("HERMIT_METRICS_PORT", 9101, minimum=1, maximum=65535),
+            criu_path=env.text("HERMIT_CRIU_PATH", "criu"),
+            work_dir=env.text("HERMIT_WORK_DIR", "/var/lib/hermit"),
+            metrics_port=env.integer("HERMIT_METRICS_PORT", 9101, minimum=1, maximum=65535),
             log_level=env.choice(
                 "HERMIT_LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR")),
         )

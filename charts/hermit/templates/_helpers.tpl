@@ -1,0 +1,102 @@
+{{/* Names, labels and shared env for the Hermit chart. */}}
+
+{{- define "hermit.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "hermit.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "hermit.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "hermit.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: hermit
+{{- end -}}
+
+{{/* hermit.selectorLabels: call with (dict "ctx" $ "component" "operator"). */}}
+{{- define "hermit.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "hermit.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "hermit.operator.fullname" -}}
+{{- printf "%s-operator" (include "hermit.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "hermit.nodeAgent.fullname" -}}
+{{- printf "%s-node-agent" (include "hermit.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "hermit.operator.serviceAccountName" -}}
+{{- if .Values.operator.serviceAccount.create -}}
+{{- default (include "hermit.operator.fullname" .) .Values.operator.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.operator.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "hermit.nodeAgent.serviceAccountName" -}}
+{{- if .Values.nodeAgent.serviceAccount.create -}}
+{{- default (include "hermit.nodeAgent.fullname" .) .Values.nodeAgent.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.nodeAgent.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* hermit.image: call with (dict "ctx" $ "image" .Values.operator.image). */}}
+{{- define "hermit.image" -}}
+{{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) -}}
+{{- end -}}
+
+{{/* Environment both components share: the checkpoint store (HERMIT_S3_*, see
+     hermit_common.settings.StoreSettings), the cloud provider and metrics. */}}
+{{- define "hermit.commonEnv" -}}
+- name: HERMIT_S3_BUCKET
+  value: {{ required "s3.bucket is required: the S3 bucket that stores checkpoints" .Values.s3.bucket | quote }}
+- name: HERMIT_S3_PREFIX
+  value: {{ .Values.s3.prefix | quote }}
+- name: HERMIT_S3_REGION
+  value: {{ .Values.s3.region | quote }}
+{{- with .Values.s3.endpoint }}
+- name: HERMIT_S3_ENDPOINT
+  value: {{ . | quote }}
+{{- end }}
+{{- with .Values.s3.existingSecret }}
+- name: HERMIT_S3_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.s3.accessKeyIdKey }}
+- name: HERMIT_S3_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.s3.secretAccessKeyKey }}
+{{- end }}
+- name: HERMIT_CLOUD_PROVIDER
+  value: {{ .Values.cloudProvider | quote }}
+- name: HERMIT_METRICS_PORT
+  value: {{ .Values.metrics.port | quote }}
+- name: HERMIT_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: HERMIT_POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+{{- end -}}

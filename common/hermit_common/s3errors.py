@@ -1,0 +1,117 @@
+"""Turning botocore exceptions into Hermit errors with one line that says what failed.
+
+Messages name the endpoint, bucket and key, never credentials or signed URLs.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Final
+
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectionClosedError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    NoCredentialsError,
+    PartialCredentialsError,
+    ReadTimeoutError,
+)
+
+from hermit_common.errors import CheckpointRefused, HermitError, StoreUnavailable
+
+NOT_FOUND_CODES: Final = frozenset({"NoSuchKey", "404", "NotFound"})
+_DENIED_CODES: Final = frozenset({
+    "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "Forbidden",
+    "AllAccessDisabled", "ExpiredToken", "InvalidToken",
+})
+# Errors worth another try after botocore's own retries gave up.
+_TRANSIENT_CODES: Final = frozenset({
+    "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout",
+    "RequestTimeTooSkewed", "500", "502", "503", "504", "XMinioServerNotInitialized",
+})
+
+
+class CheckpointNotFound(CheckpointRefused):
+    """The requested checkpoint has no manifest in the store."""
+
+
+def error_code(exc: ClientError) -> str:
+    """The S3 error code of a ClientError (or its HTTP status as a string)."""
+    err = exc.response.get("Error", {})
+    code = str(err.get("Code") or "")
+    if code:
+        return code
+    return str(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", "unknown"))
+
+
+def is_not_found(exc: BaseException) -> bool:
+    return isinstance(exc, ClientError) and error_code(exc) in NOT_FOUND_CODES
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for failures another attempt may fix (network, throttling, 5xx)."""
+    if isinstance(exc, ClientError):
+        return error_code(exc) in _TRANSIENT_CODES
+    return isinstance(exc, (EndpointConnectionError, ConnectionClosedError, ConnectTimeoutError,
+                            ReadTimeoutError, ConnectionError, TimeoutError))
+
+
+def _root_reason(exc: BaseException) -> str:
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(cur, socket.gaierror):
+            return "host name not found"
+        if isinstance(cur, (ConnectTimeoutError, socket.timeout, TimeoutError)):
+            return "timed out"
+        if isinstance(cur, ConnectionResetError):
+            return "connection reset"
+        if isinstance(cur, OSError) and cur.strerror:
+            return cur.strerror.lower()
+        cur = cur.__cause__ or cur.__context__
+    text = str(exc).lower()
+    if "refused" in text:
+        return "connection refused"
+    if "timed out" in text or "timeout" in text:
+        return "timed out"
+    if "name or service not known" in text or "nodename nor servname" in text:
+        return "host name not found"
+    return type(exc).__name__
+
+
+def to_hermit_error(exc: BaseException, *, endpoint: str, bucket: str, key: str,
+                    action: str) -> HermitError:
+    """Maps a botocore (or socket) exception to a HermitError with a one-line message.
+
+    ``action`` is a short verb phrase, e.g. "upload chunk" or "read manifest".
+    """
+    if isinstance(exc, HermitError):
+        return exc
+    where = f"s3://{bucket}/{key}" if key else f"s3://{bucket}"
+    if isinstance(exc, ClientError):
+        code = error_code(exc)
+        if code == "NoSuchBucket":
+            return StoreUnavailable(
+                f"cannot {action}: bucket {bucket!r} does not exist at {endpoint}")
+        if code in _DENIED_CODES:
+            return StoreUnavailable(
+                f"cannot {action} {where}: access denied by {endpoint} ({code})")
+        if code in NOT_FOUND_CODES:
+            return StoreUnavailable(f"cannot {action} {where}: not found")
+        message = str(exc.response.get("Error", {}).get("Message") or "").splitlines()
+        detail = f": {message[0]}" if message and message[0] else ""
+        return StoreUnavailable(f"cannot {action} {where}: S3 error {code}{detail}")
+    if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+        return StoreUnavailable(f"cannot {action} {where}: no S3 credentials configured")
+    if isinstance(exc, (EndpointConnectionError, ConnectTimeoutError, ConnectionClosedError,
+                        ReadTimeoutError, ConnectionError, TimeoutError)):
+        return StoreUnavailable(f"cannot reach S3 endpoint {endpoint}: {_root_reason(exc)}")
+    if isinstance(exc, BotoCoreError):
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return StoreUnavailable(f"cannot {action} {where}: {first}")
+    return StoreUnavailable(f"cannot {action} {where}: {type(exc).__name__}: {exc}")

@@ -1,0 +1,691 @@
+"""The content-addressed checkpoint store on S3.
+
+Layout (``prefix`` may be empty)::
+
+    s3://<bucket>/<prefix>/<namespace>/<sandbox>/chunks/<sha256>
+    s3://<bucket>/<prefix>/<namespace>/<sandbox>/checkpoints/<checkpoint>/manifest.json
+
+Files are cut into fixed-size chunks, each named by the sha256 of its
+uncompressed bytes and stored zstd-compressed. Chunks are shared by all
+checkpoints of a sandbox, so an unchanged chunk is uploaded once. The manifest
+is written last: a manifest that exists describes a complete checkpoint.
+``download`` verifies the manifest's binding and every chunk's digest before it
+returns, so its output can be handed to CRIU.
+
+``collect_garbage`` must not run concurrently with ``upload`` for the same
+sandbox (an upload may reuse a chunk that no manifest references yet); the
+caller serialises them per sandbox.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import random
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import zstandard
+
+from hermit_common.errors import CheckpointFailed, CheckpointRefused, HermitError
+from hermit_common.manifest import (
+    MAX_MANIFEST_BYTES,
+    Binding,
+    Manifest,
+    Totals,
+    check_section_name,
+    digest_bytes,
+    utc_now,
+)
+from hermit_common.s3errors import (
+    CheckpointNotFound,
+    is_not_found,
+    is_transient,
+    to_hermit_error,
+)
+from hermit_common.settings import StoreSettings
+from hermit_common.tree import (
+    KIND_DIR,
+    KIND_FIFO,
+    KIND_FILE,
+    KIND_SYMLINK,
+    Entry,
+    scan_tree,
+)
+
+__all__ = ["CheckpointNotFound", "CheckpointStore", "UploadProgress", "UploadResult",
+           "make_s3_client"]
+
+log = logging.getLogger(__name__)
+
+_NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+_ZSTD_LEVEL: Final = 3
+_PUT_ATTEMPTS: Final = 4  # on top of botocore's own retries
+_BACKOFF_BASE_SECONDS: Final = 0.25
+_BACKOFF_CAP_SECONDS: Final = 4.0
+_DELETE_BATCH: Final = 1000
+
+
+@dataclass(frozen=True)
+class UploadProgress:
+    """Reported after each chunk: how far an upload is."""
+
+    chunks_done: int
+    chunks_total: int
+    bytes_done: int  # raw bytes read and hashed
+    bytes_total: int
+    uploaded_bytes: int  # compressed bytes PUT so far
+
+
+@dataclass(frozen=True)
+class UploadResult:
+    """What an upload stored; the fields a Checkpoint's status reports."""
+
+    manifest_uri: str
+    manifest_digest: str
+    manifest: Manifest
+    image_bytes: int  # raw bytes of all files
+    uploaded_bytes: int  # compressed bytes PUT, manifest included
+    stored_bytes: int  # compressed size of all distinct chunks referenced
+    chunks_total: int  # chunk references
+    chunks_uploaded: int
+    duration: float  # seconds
+
+
+ProgressCallback = Callable[[UploadProgress], None]
+
+
+def make_s3_client(settings: StoreSettings) -> Any:
+    """A thread-safe boto3 S3 client configured from ``settings``."""
+    import boto3
+    from botocore.config import Config
+
+    config = Config(
+        retries={"mode": "standard", "max_attempts": settings.max_attempts},
+        connect_timeout=settings.connect_timeout_seconds,
+        read_timeout=settings.read_timeout_seconds,
+        max_pool_connections=max(10, settings.upload_concurrency + 4),
+        s3={"addressing_style": "path" if settings.endpoint_url else "auto"},
+        user_agent_extra="hermit",
+    )
+    session = boto3.session.Session()
+    return session.client(
+        "s3",
+        endpoint_url=settings.endpoint_url,
+        region_name=settings.region,
+        aws_access_key_id=settings.access_key_id,
+        aws_secret_access_key=settings.secret_access_key,
+        config=config,
+    )
+
+
+def _check_name(value: str, what: str) -> str:
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise CheckpointFailed(f"{what} name {value!r:.80} is not a valid object name")
+    return value
+
+
+@dataclass(frozen=True)
+class _ChunkTask:
+    section: str
+    entry_index: int
+    chunk_index: int
+    path: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class _ChunkDone:
+    task: _ChunkTask
+    digest: str
+    uploaded_bytes: int
+
+
+class _UploadState:
+    """Shared between upload workers: which chunks exist, which are claimed."""
+
+    def __init__(self, existing: Mapping[str, int]) -> None:
+        self.lock = threading.Lock()
+        self.sizes: dict[str, int] = dict(existing)  # digest -> compressed size
+        self.claimed: set[str] = set(existing)
+        self.stop = threading.Event()
+
+
+class _Location:
+    __slots__ = ("label", "length", "offset", "path")
+
+    def __init__(self, path: str, offset: int, length: int, label: str) -> None:
+        self.path, self.offset, self.length, self.label = path, offset, length, label
+
+
+def _read_exact(path: str, offset: int, length: int) -> bytes:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise CheckpointFailed(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        parts: list[bytes] = []
+        got = 0
+        while got < length:
+            data = os.pread(fd, length - got, offset + got)
+            if not data:
+                raise CheckpointFailed(f"cannot read {path}: file shrank while it was captured")
+            parts.append(data)
+            got += len(data)
+        return b"".join(parts)
+    except OSError as exc:
+        raise CheckpointFailed(f"cannot read {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+
+
+def _write_all(path: str, offset: int, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        view = memoryview(data)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+    finally:
+        os.close(fd)
+
+
+class CheckpointStore:
+    """Checkpoints of sandboxes as manifests plus shared, content-addressed chunks."""
+
+    def __init__(self, settings: StoreSettings, client: Any | None = None) -> None:
+        self.settings = settings
+        self._client = client if client is not None else make_s3_client(settings)
+        self._endpoint = settings.endpoint_url or "AWS S3"
+        self._local = threading.local()
+
+    # -- keys ---------------------------------------------------------------
+
+    def _sandbox_prefix(self, namespace: str, sandbox: str) -> str:
+        base = f"{_check_name(namespace, 'namespace')}/{_check_name(sandbox, 'sandbox')}/"
+        prefix = self.settings.prefix.strip("/")
+        return f"{prefix}/{base}" if prefix else base
+
+    def chunk_key(self, namespace: str, sandbox: str, digest: str) -> str:
+        return f"{self._sandbox_prefix(namespace, sandbox)}chunks/{digest}"
+
+    def manifest_key(self, namespace: str, sandbox: str, checkpoint: str) -> str:
+        name = _check_name(checkpoint, "checkpoint")
+        return f"{self._sandbox_prefix(namespace, sandbox)}checkpoints/{name}/manifest.json"
+
+    def manifest_uri(self, namespace: str, sandbox: str, checkpoint: str) -> str:
+        return f"s3://{self.settings.bucket}/{self.manifest_key(namespace, sandbox, checkpoint)}"
+
+    # -- S3 primitives ----------------------------------------------------------
+
+    def _error(self, exc: BaseException, key: str, action: str) -> HermitError:
+        return to_hermit_error(exc, endpoint=self._endpoint, bucket=self.settings.bucket,
+                               key=key, action=action)
+
+    def _list(self, prefix: str, action: str) -> Iterator[dict[str, Any]]:
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.settings.bucket, "Prefix": prefix}
+            if token:
+                kwargs["ContinuationToken"] = token
+            try:
+                page = self._client.list_objects_v2(**kwargs)
+            except Exception as exc:
+                raise self._error(exc, prefix, action) from None
+            yield from page.get("Contents", [])
+            if not page.get("IsTruncated"):
+                return
+            token = page.get("NextContinuationToken")
+
+    def _put(self, key: str, body: bytes, content_type: str, action: str,
+             stop: threading.Event | None = None, deadline: float | None = None) -> None:
+        """PUT with extra backoff-and-jitter attempts for errors botocore gave up on."""
+        for attempt in range(1, _PUT_ATTEMPTS + 1):
+            if stop is not None and stop.is_set():
+                raise CheckpointFailed("upload aborted")
+            if deadline is not None and time.monotonic() > deadline:
+                raise CheckpointFailed(f"cannot {action}: the upload deadline passed")
+            try:
+                self._client.put_object(Bucket=self.settings.bucket, Key=key, Body=body,
+                                        ContentType=content_type)
+                return
+            except Exception as exc:
+                if attempt == _PUT_ATTEMPTS or not is_transient(exc):
+                    raise self._error(exc, key, action) from None
+                delay = min(_BACKOFF_CAP_SECONDS, _BACKOFF_BASE_SECONDS * 2 ** (attempt - 1))
+                delay *= random.uniform(0.5, 1.5)
+                log.debug("retrying %s of %s in %.2fs: %s", action, key, delay,
+                          type(exc).__name__)
+                if stop is not None:
+                    stop.wait(delay)
+                else:
+                    time.sleep(delay)
+
+    def _get(self, key: str, action: str, max_bytes: int) -> bytes:
+        try:
+            response = self._client.get_object(Bucket=self.settings.bucket, Key=key)
+        except Exception as exc:
+            if is_not_found(exc):
+                raise
+            raise self._error(exc, key, action) from None
+        body = response["Body"]
+        try:
+            length = int(response.get("ContentLength", 0))
+            if length > max_bytes:
+                raise CheckpointRefused(
+                    f"cannot {action} s3://{self.settings.bucket}/{key}: object of {length} "
+                    f"bytes is larger than the limit of {max_bytes}")
+            data: bytes = body.read(max_bytes + 1)
+        except HermitError:
+            raise
+        except Exception as exc:
+            raise self._error(exc, key, action) from None
+        finally:
+            body.close()
+        if len(data) > max_bytes:
+            raise CheckpointRefused(
+                f"cannot {action} s3://{self.settings.bucket}/{key}: object is larger than "
+                f"the limit of {max_bytes} bytes")
+        return data
+
+    # -- compression ----------------------------------------------------------
+
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        comp = getattr(self._local, "compressor", None)
+        if comp is None:
+            comp = zstandard.ZstdCompressor(level=_ZSTD_LEVEL, write_content_size=True)
+            self._local.compressor = comp
+        return comp
+
+    def _decompressor(self) -> zstandard.ZstdDecompressor:
+        dec = getattr(self._local, "decompressor", None)
+        if dec is None:
+            dec = zstandard.ZstdDecompressor()
+            self._local.decompressor = dec
+        return dec
+
+    # -- public API -------------------------------------------------------------
+
+    def ensure_bucket(self) -> None:
+        """Creates the bucket if it does not exist (for tests and demos)."""
+        bucket = self.settings.bucket
+        try:
+            self._client.head_bucket(Bucket=bucket)
+            return
+        except Exception as exc:
+            if not is_not_found(exc) and "NoSuchBucket" not in str(exc):
+                raise self._error(exc, "", "check bucket") from None
+        kwargs: dict[str, Any] = {"Bucket": bucket}
+        if self.settings.region != "us-east-1":
+            kwargs["CreateBucketConfiguration"] = {"LocationConstraint": self.settings.region}
+        try:
+            self._client.create_bucket(**kwargs)
+        except Exception as exc:
+            code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
+            if code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise self._error(exc, "", "create bucket") from None
+
+    def list_chunks(self, namespace: str, sandbox: str) -> dict[str, int]:
+        """The sandbox's stored chunks: digest -> compressed size."""
+        prefix = f"{self._sandbox_prefix(namespace, sandbox)}chunks/"
+        return {obj["Key"][len(prefix):]: int(obj.get("Size", 0))
+                for obj in self._list(prefix, "list chunks")}
+
+    def list_checkpoints(self, namespace: str, sandbox: str) -> list[str]:
+        """Names of the sandbox's complete checkpoints (those with a manifest), sorted."""
+        prefix = f"{self._sandbox_prefix(namespace, sandbox)}checkpoints/"
+        names = []
+        for obj in self._list(prefix, "list checkpoints"):
+            rest = obj["Key"][len(prefix):]
+            name, sep, leaf = rest.partition("/")
+            if sep and leaf == "manifest.json":
+                names.append(name)
+        return sorted(names)
+
+    def delete_checkpoint(self, namespace: str, sandbox: str, checkpoint: str) -> None:
+        """Deletes a checkpoint's manifest; its chunks go with ``collect_garbage``."""
+        key = self.manifest_key(namespace, sandbox, checkpoint)
+        try:
+            self._client.delete_object(Bucket=self.settings.bucket, Key=key)
+        except Exception as exc:
+            raise self._error(exc, key, "delete checkpoint") from None
+
+    def read_manifest(self, namespace: str, sandbox: str, checkpoint: str) -> tuple[Manifest, str]:
+        """Fetches and parses a manifest; returns it with the digest of its stored bytes."""
+        raw = self._read_manifest_bytes(namespace, sandbox, checkpoint)
+        return Manifest.from_json(raw), digest_bytes(raw)
+
+    def collect_garbage(self, namespace: str, sandbox: str, *,
+                        min_age_seconds: float = 0.0) -> int:
+        """Deletes the sandbox's chunks no remaining manifest references; returns how many.
+
+        Chunks younger than ``min_age_seconds`` are kept (they may belong to an
+        upload whose manifest is not written yet).
+        """
+        referenced: set[str] = set()
+        for name in self.list_checkpoints(namespace, sandbox):
+            try:
+                manifest, _ = self.read_manifest(namespace, sandbox, name)
+            except CheckpointNotFound:
+                continue  # deleted meanwhile
+            referenced |= manifest.chunk_digests()
+        prefix = f"{self._sandbox_prefix(namespace, sandbox)}chunks/"
+        now = time.time()
+        doomed = []
+        for obj in self._list(prefix, "list chunks"):
+            if obj["Key"][len(prefix):] in referenced:
+                continue
+            modified = obj.get("LastModified")
+            if min_age_seconds > 0 and modified is not None and \
+                    now - modified.timestamp() < min_age_seconds:
+                continue
+            doomed.append(obj["Key"])
+        for start in range(0, len(doomed), _DELETE_BATCH):
+            batch = doomed[start:start + _DELETE_BATCH]
+            try:
+                response = self._client.delete_objects(
+                    Bucket=self.settings.bucket,
+                    Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+            except Exception as exc:
+                raise self._error(exc, prefix, "delete chunks") from None
+            errors = response.get("Errors", [])
+            if errors:
+                first = errors[0]
+                raise self._error(
+                    RuntimeError(f"{first.get('Code')}: {first.get('Message')}"),
+                    str(first.get("Key", prefix)), "delete chunks")
+        if doomed:
+            log.info("deleted %d unreferenced chunks of %s/%s", len(doomed), namespace, sandbox)
+        return len(doomed)
+
+    # -- upload -----------------------------------------------------------------
+
+    def upload(self, binding: Binding, sections: Mapping[str, Path],
+               restore: Mapping[str, Any], *, on_progress: ProgressCallback | None = None,
+               deadline: float | None = None) -> UploadResult:
+        """Uploads the directory trees ``sections`` as checkpoint ``binding.checkpoint``.
+
+        ``deadline`` is a ``time.monotonic()`` value after which the upload gives
+        up. Any failure raises StoreUnavailable or CheckpointFailed and leaves
+        no manifest (chunks already PUT stay for reuse or garbage collection).
+        """
+        started = time.monotonic()
+        ns, sandbox = binding.namespace, binding.sandbox
+        manifest_key = self.manifest_key(ns, sandbox, binding.checkpoint)
+        chunk_size = self.settings.chunk_size_bytes
+        scanned: dict[str, list[Entry]] = {}
+        for name, root in sections.items():
+            try:
+                check_section_name(name)
+            except CheckpointRefused as exc:
+                raise CheckpointFailed(str(exc)) from None
+            scanned[name] = scan_tree(Path(root))
+        tasks: list[_ChunkTask] = []
+        image_bytes = 0
+        for name, entries in scanned.items():
+            top = os.fspath(sections[name])
+            for index, entry in enumerate(entries):
+                if entry.kind != KIND_FILE:
+                    continue
+                image_bytes += entry.size
+                path = os.path.join(top, entry.path)
+                for ci, offset in enumerate(range(0, entry.size, chunk_size)):
+                    tasks.append(_ChunkTask(name, index, ci, path, offset,
+                                            min(chunk_size, entry.size - offset)))
+        state = _UploadState(self.list_chunks(ns, sandbox))
+        digests: dict[tuple[str, int], list[str]] = {}
+        counters = {"done": 0, "bytes": 0, "uploaded": 0, "new": 0}
+
+        def record(done: _ChunkDone) -> None:
+            t = done.task
+            slot = digests.setdefault((t.section, t.entry_index), [])
+            slot.extend([""] * (t.chunk_index + 1 - len(slot)))
+            slot[t.chunk_index] = done.digest
+            counters["done"] += 1
+            counters["bytes"] += t.length
+            if done.uploaded_bytes:
+                counters["uploaded"] += done.uploaded_bytes
+                counters["new"] += 1
+            if on_progress is not None:
+                on_progress(UploadProgress(counters["done"], len(tasks), counters["bytes"],
+                                           image_bytes, counters["uploaded"]))
+
+        self._run_upload(tasks, state, ns, sandbox, deadline, record)
+        uploaded_bytes = counters["uploaded"]
+        chunks_uploaded = counters["new"]
+
+        final: dict[str, tuple[Entry, ...]] = {}
+        referenced: set[str] = set()
+        files = 0
+        for name, entries in scanned.items():
+            out = []
+            for index, entry in enumerate(entries):
+                if entry.kind == KIND_FILE:
+                    files += 1
+                    chunks = tuple(digests.get((name, index), []))
+                    referenced.update(chunks)
+                    entry = dataclasses.replace(entry, chunks=chunks)
+                out.append(entry)
+            final[name] = tuple(out)
+        stored_bytes = sum(state.sizes[d] for d in referenced)
+        manifest = Manifest(
+            binding=binding, created_at=utc_now(), chunk_size=chunk_size, sections=final,
+            restore=dict(restore),
+            totals=Totals(files=files, image_bytes=image_bytes, chunks=len(tasks),
+                          unique_chunks=len(referenced), stored_bytes=stored_bytes),
+        )
+        raw = manifest.to_json()
+        self._put(manifest_key, raw, "application/json", "write manifest", deadline=deadline)
+        uploaded_bytes += len(raw)
+        result = UploadResult(
+            manifest_uri=f"s3://{self.settings.bucket}/{manifest_key}",
+            manifest_digest=digest_bytes(raw), manifest=manifest, image_bytes=image_bytes,
+            uploaded_bytes=uploaded_bytes, stored_bytes=stored_bytes, chunks_total=len(tasks),
+            chunks_uploaded=chunks_uploaded, duration=time.monotonic() - started,
+        )
+        log.info("checkpoint %s/%s/%s uploaded: %d bytes, %d/%d chunks new, %.2fs",
+                 ns, sandbox, binding.checkpoint, image_bytes, chunks_uploaded, len(tasks),
+                 result.duration)
+        return result
+
+    def _run_upload(self, tasks: list[_ChunkTask], state: _UploadState, ns: str, sandbox: str,
+                    deadline: float | None, on_done: Callable[[_ChunkDone], None]) -> None:
+        """Runs the chunk tasks in the pool; the first failure stops the rest and is raised."""
+        if not tasks:
+            return
+        workers = max(1, min(self.settings.upload_concurrency, len(tasks)))
+        with ThreadPoolExecutor(workers, thread_name_prefix="hermit-upload") as pool:
+            pending: set[Future[_ChunkDone]] = {
+                pool.submit(self._upload_chunk, t, state, ns, sandbox, deadline) for t in tasks}
+            try:
+                while pending:
+                    done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                    for future in done:
+                        on_done(future.result())
+            except BaseException:
+                state.stop.set()
+                for future in pending:
+                    future.cancel()
+                raise
+
+    def _upload_chunk(self, task: _ChunkTask, state: _UploadState, ns: str, sandbox: str,
+                      deadline: float | None) -> _ChunkDone:
+        if state.stop.is_set():
+            raise CheckpointFailed("upload aborted")
+        data = _read_exact(task.path, task.offset, task.length)
+        digest = hashlib.sha256(data).hexdigest()
+        with state.lock:
+            if digest in state.claimed:
+                return _ChunkDone(task, digest, 0)
+            state.claimed.add(digest)
+        body = self._compressor().compress(data)
+        self._put(self.chunk_key(ns, sandbox, digest), body, "application/zstd",
+                  "upload chunk", state.stop, deadline)
+        with state.lock:
+            state.sizes[digest] = len(body)
+        return _ChunkDone(task, digest, len(body))
+
+    # -- download ---------------------------------------------------------------
+
+    def _read_manifest_bytes(self, namespace: str, sandbox: str, checkpoint: str) -> bytes:
+        key = self.manifest_key(namespace, sandbox, checkpoint)
+        try:
+            return self._get(key, "read manifest", MAX_MANIFEST_BYTES)
+        except Exception as exc:
+            if is_not_found(exc):
+                raise CheckpointNotFound(
+                    f"checkpoint {namespace}/{checkpoint} of sandbox {namespace}/{sandbox} "
+                    f"not found at s3://{self.settings.bucket}/{key}") from None
+            raise
+
+    def download(self, namespace: str, sandbox: str, checkpoint: str, dest: Path, *,
+                 expect_uid: str, expect_digest: str | None = None) -> Manifest:
+        """Fetches, verifies and writes a checkpoint into ``dest/<section>/``.
+
+        Raises CheckpointRefused (foreign, tampered, malformed or unsafe
+        checkpoint), CheckpointNotFound, or StoreUnavailable. On failure nothing
+        is left under ``dest``; on success every byte has been verified.
+        """
+        raw = self._read_manifest_bytes(namespace, sandbox, checkpoint)
+        actual = digest_bytes(raw)
+        if expect_digest is not None and actual != expect_digest:
+            raise CheckpointRefused(
+                f"checkpoint {namespace}/{checkpoint}: manifest digest {actual} does not match "
+                f"the expected {expect_digest}")
+        manifest = Manifest.from_json(raw)
+        b = manifest.binding
+        if (b.namespace, b.sandbox, b.sandbox_uid, b.checkpoint) != \
+                (namespace, sandbox, expect_uid, checkpoint):
+            raise CheckpointRefused(
+                f"checkpoint {namespace}/{checkpoint} belongs to sandbox {b.namespace}/{b.sandbox} "
+                f"(uid {b.sandbox_uid}, checkpoint {b.checkpoint}), not {namespace}/{sandbox} "
+                f"(uid {expect_uid})")
+        dest = Path(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        created: list[Path] = []
+        try:
+            for name in manifest.sections:
+                section_root = dest / name
+                try:
+                    section_root.mkdir(mode=0o700)
+                except FileExistsError:
+                    raise CheckpointFailed(
+                        f"cannot restore into {section_root}: it already exists") from None
+                created.append(section_root)
+            self._materialize(manifest, dest, namespace, sandbox, checkpoint)
+        except BaseException:
+            for path in created:
+                shutil.rmtree(path, ignore_errors=True)
+            raise
+        return manifest
+
+    def _materialize(self, manifest: Manifest, dest: Path, ns: str, sandbox: str,
+                     checkpoint: str) -> None:
+        locations: dict[str, list[_Location]] = {}
+        chunk_size = manifest.chunk_size
+        for name, entries in manifest.sections.items():
+            root = os.fspath(dest / name)
+            for entry in entries:
+                full = os.path.join(root, entry.path)
+                if entry.kind == KIND_DIR:
+                    os.mkdir(full, 0o700)
+                elif entry.kind == KIND_FILE:
+                    fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                                 | os.O_CLOEXEC, 0o600)
+                    try:
+                        os.ftruncate(fd, entry.size)
+                    finally:
+                        os.close(fd)
+                    for ci, digest in enumerate(entry.chunks):
+                        offset = ci * chunk_size
+                        length = min(chunk_size, entry.size - offset)
+                        locations.setdefault(digest, []).append(
+                            _Location(full, offset, length, f"{name}/{entry.path}"))
+        self._fetch_chunks(locations, chunk_size, ns, sandbox, checkpoint)
+        is_root = os.geteuid() == 0
+        dirs: list[tuple[str, Entry]] = []
+        for name, entries in manifest.sections.items():
+            root = os.fspath(dest / name)
+            for entry in entries:
+                full = os.path.join(root, entry.path)
+                if entry.kind == KIND_SYMLINK:
+                    assert entry.target is not None
+                    os.symlink(entry.target, full)
+                elif entry.kind == KIND_FIFO:
+                    os.mkfifo(full, 0o600)
+                elif entry.kind == KIND_DIR:
+                    dirs.append((full, entry))
+                    continue
+                elif entry.kind != KIND_FILE:
+                    continue  # whiteouts stay manifest entries
+                _apply_metadata(full, entry, is_root)
+        for full, entry in sorted(dirs, key=lambda d: d[0].count("/"), reverse=True):
+            _apply_metadata(full, entry, is_root)
+
+    def _fetch_chunks(self, locations: Mapping[str, list[_Location]], chunk_size: int,
+                      ns: str, sandbox: str, checkpoint: str) -> None:
+        if not locations:
+            return
+        stop = threading.Event()
+        workers = max(1, min(self.settings.upload_concurrency, len(locations)))
+        with ThreadPoolExecutor(workers, thread_name_prefix="hermit-download") as pool:
+            pending = {pool.submit(self._fetch_chunk, digest, locs, chunk_size, ns, sandbox,
+                                   checkpoint, stop)
+                       for digest, locs in locations.items()}
+            try:
+                while pending:
+                    done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                    for future in done:
+                        future.result()
+            except BaseException:
+                stop.set()
+                for future in pending:
+                    future.cancel()
+                raise
+
+    def _fetch_chunk(self, digest: str, locs: list[_Location], chunk_size: int, ns: str,
+                     sandbox: str, checkpoint: str, stop: threading.Event) -> None:
+        if stop.is_set():
+            return
+        key = self.chunk_key(ns, sandbox, digest)
+        first = locs[0]
+        where = f"checkpoint {ns}/{checkpoint}: chunk {digest} of {first.label}"
+        try:
+            compressed = self._get(key, "download chunk", 2 * chunk_size + (1 << 20))
+        except CheckpointRefused as exc:
+            raise CheckpointRefused(f"{where} is too large: {exc}") from None
+        except Exception as exc:
+            if is_not_found(exc):
+                raise CheckpointRefused(f"{where} is missing from the store") from None
+            raise
+        try:
+            data = self._decompressor().decompress(compressed, max_output_size=chunk_size)
+        except zstandard.ZstdError as exc:
+            raise CheckpointRefused(f"{where} is corrupt: cannot decompress ({exc})") from None
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != digest:
+            raise CheckpointRefused(f"{where} is corrupt: its content has sha256 {actual}")
+        for loc in locs:
+            if len(data) != loc.length:
+                raise CheckpointRefused(
+                    f"checkpoint {ns}/{checkpoint}: chunk {digest} of {loc.label} has "
+                    f"{len(data)} bytes, the manifest expects {loc.length}")
+            _write_all(loc.path, loc.offset, data)
+
+
+def _apply_metadata(path: str, entry: Entry, is_root: bool) -> None:
+    if is_root:
+        os.chown(path, entry.uid, entry.gid, follow_symlinks=False)
+    if entry.kind != KIND_SYMLINK:
+        os.chmod(path, entry.mode)
+    os.utime(path, ns=(entry.mtime_ns, entry.mtime_ns), follow_symlinks=False)

@@ -1,0 +1,84 @@
+# Host network (bridge), etcd, kube-apiserver, kube-controller-manager,
+# kube-scheduler. Sourced by hack/cluster.
+# shellcheck shell=bash
+
+net_up() {
+  if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
+    ip link add "$BRIDGE" type bridge
+    ip addr add "$BRIDGE_IP/24" dev "$BRIDGE"
+  fi
+  ip link set "$BRIDGE" up
+  mkdir -p "$CLUSTER_DIR"
+  [ -f "$CLUSTER_DIR/ip_forward.orig" ] || cat /proc/sys/net/ipv4/ip_forward >"$CLUSTER_DIR/ip_forward.orig"
+  sysctl -qw net.ipv4.ip_forward=1
+  sysctl -qw "net.ipv4.conf.$BRIDGE.send_redirects=0"
+  modprobe br_netfilter 2>/dev/null || true
+}
+
+net_down() {
+  ip link del "$BRIDGE" 2>/dev/null || true
+  if [ -f "$CLUSTER_DIR/ip_forward.orig" ]; then
+    sysctl -qw "net.ipv4.ip_forward=$(cat "$CLUSTER_DIR/ip_forward.orig")"
+    rm -f "$CLUSTER_DIR/ip_forward.orig"
+  fi
+}
+
+apiserver_ready() {
+  curl -sf --cacert "$PKI/ca.crt" --cert "$PKI/admin.crt" --key "$PKI/admin.key" \
+    "$APISERVER_URL/readyz" >/dev/null
+}
+
+control_plane_up() {
+  net_up
+  pki_control_plane
+  local logs="$CLUSTER_DIR/logs"
+  mkdir -p "$CLUSTER_VAR/etcd" "$logs"
+  start_daemon etcd "$logs/etcd.log" "$HERMIT_BIN/etcd" --name hermit \
+    --data-dir "$CLUSTER_VAR/etcd" \
+    --listen-client-urls "http://127.0.0.1:$ETCD_CLIENT_PORT" \
+    --advertise-client-urls "http://127.0.0.1:$ETCD_CLIENT_PORT" \
+    --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+    --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+    --initial-cluster "hermit=http://127.0.0.1:$ETCD_PEER_PORT" \
+    --listen-metrics-urls "" --quota-backend-bytes 2147483648 \
+    --unsafe-no-fsync --log-level warn
+  wait_for "etcd" 30 curl -sf "http://127.0.0.1:$ETCD_CLIENT_PORT/health"
+
+  start_daemon kube-apiserver "$logs/kube-apiserver.log" "$HERMIT_BIN/kube-apiserver" \
+    --etcd-servers "http://127.0.0.1:$ETCD_CLIENT_PORT" \
+    --bind-address "$BRIDGE_IP" --advertise-address "$BRIDGE_IP" --secure-port "$APISERVER_PORT" \
+    --tls-cert-file "$PKI/apiserver.crt" --tls-private-key-file "$PKI/apiserver.key" \
+    --client-ca-file "$PKI/ca.crt" \
+    --kubelet-client-certificate "$PKI/apiserver-kubelet-client.crt" \
+    --kubelet-client-key "$PKI/apiserver-kubelet-client.key" \
+    --kubelet-preferred-address-types InternalIP \
+    --service-account-key-file "$PKI/sa.pub" --service-account-signing-key-file "$PKI/sa.key" \
+    --service-account-issuer https://kubernetes.default.svc.cluster.local \
+    --service-cluster-ip-range "$SERVICE_CIDR" \
+    --authorization-mode Node,RBAC --enable-admission-plugins NodeRestriction \
+    --allow-privileged=true --profiling=false --v=1
+  wait_for "kube-apiserver /readyz" 90 apiserver_ready
+
+  start_daemon kube-controller-manager "$logs/kube-controller-manager.log" \
+    "$HERMIT_BIN/kube-controller-manager" \
+    --kubeconfig "$CLUSTER_DIR/controller-manager.kubeconfig" \
+    --authentication-kubeconfig "$CLUSTER_DIR/controller-manager.kubeconfig" \
+    --authorization-kubeconfig "$CLUSTER_DIR/controller-manager.kubeconfig" \
+    --bind-address 127.0.0.1 --leader-elect=false \
+    --cluster-signing-cert-file "$PKI/ca.crt" --cluster-signing-key-file "$PKI/ca.key" \
+    --root-ca-file "$PKI/ca.crt" --service-account-private-key-file "$PKI/sa.key" \
+    --use-service-account-credentials=true --controllers '*,bootstrapsigner,tokencleaner' \
+    --service-cluster-ip-range "$SERVICE_CIDR" --cluster-cidr "$CLUSTER_CIDR" \
+    --allocate-node-cidrs=false --profiling=false --v=1
+  start_daemon kube-scheduler "$logs/kube-scheduler.log" "$HERMIT_BIN/kube-scheduler" \
+    --kubeconfig "$CLUSTER_DIR/scheduler.kubeconfig" \
+    --authentication-kubeconfig "$CLUSTER_DIR/scheduler.kubeconfig" \
+    --authorization-kubeconfig "$CLUSTER_DIR/scheduler.kubeconfig" \
+    --bind-address 127.0.0.1 --leader-elect=false --profiling=false --v=1
+}
+
+control_plane_down() {
+  local c
+  for c in kube-scheduler kube-controller-manager kube-apiserver etcd; do stop_daemon "$c"; done
+  rm -rf "$CLUSTER_VAR/etcd"
+}

@@ -1,0 +1,71 @@
+# Layout, addresses and small helpers of the local cluster (sourced by hack/cluster).
+# shellcheck shell=bash
+CLUSTER_DIR="${HERMIT_CLUSTER_DIR:-$HERMIT_CACHE/cluster}"   # certs, configs, logs, pids
+CLUSTER_VAR=/var/lib/hermit-cluster                          # etcd, containerd roots, kubelet roots
+CLUSTER_RUN=/run/hermit-cluster                              # sockets, containerd state, netns mounts
+KUBECONFIG_ADMIN="$CLUSTER_DIR/kubeconfig"
+
+BRIDGE=hermit-br0
+BRIDGE_IP=10.213.0.1                  # host side; kube-apiserver listens here
+NODE_NET_PREFIX=10.213.0              # node i: 10.213.0.(10+i)
+POD_NET_PREFIX=10.214                 # node i: 10.214.i.0/24
+CLUSTER_CIDR=10.214.0.0/16
+SERVICE_CIDR=10.215.0.0/16
+KUBERNETES_SVC_IP=10.215.0.1
+APISERVER_PORT=6443
+ETCD_CLIENT_PORT=23790
+ETCD_PEER_PORT=23800
+AEMM_PORT=1338
+CGROUP_ROOT=hermit                    # /sys/fs/cgroup/<ctrl>/hermit/<node>
+APISERVER_URL="https://$BRIDGE_IP:$APISERVER_PORT"
+IMDS_ANNOTATION=hermit.dev/imds-url
+DEFAULT_NODES=(spot-1:spot spot-2:spot ondemand-1:on-demand)
+IMAGES=(pause sandbox hermit)
+
+kctl() { "$HERMIT_BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" "$@"; }
+
+# cgroup v1 hierarchies the node cgroups are created in (all named/legacy ones).
+cgroup_ctrls() {
+  local d
+  for d in /sys/fs/cgroup/*/; do
+    d=${d%/}; d=${d##*/}
+    [ "$d" = unified ] && continue
+    [ -f "/sys/fs/cgroup/$d/cgroup.procs" ] && echo "$d"
+  done
+}
+
+pid_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+# wait_for DESCRIPTION SECONDS CMD...: polls CMD every 0.5 s until it succeeds.
+wait_for() {
+  local what=$1 secs=$2; shift 2
+  local deadline=$((SECONDS + secs))
+  until "$@" >/dev/null 2>&1; do
+    [ $SECONDS -lt $deadline ] || die "timed out after ${secs}s waiting for $what"
+    sleep 0.5
+  done
+}
+
+# start_daemon NAME LOG CMD...: runs CMD detached (own session), pid in $CLUSTER_DIR/pids/NAME.
+start_daemon() {
+  local name=$1 logf=$2; shift 2
+  local pidf="$CLUSTER_DIR/pids/$name.pid"
+  mkdir -p "$CLUSTER_DIR/pids" "$(dirname "$logf")"
+  if pid_alive "$pidf"; then return 0; fi
+  setsid "$@" </dev/null >>"$logf" 2>&1 &
+  echo $! >"$pidf"
+}
+
+# stop_daemon NAME: SIGTERM, then SIGKILL after 10 s.
+stop_daemon() {
+  local pidf="$CLUSTER_DIR/pids/$1.pid"
+  [ -f "$pidf" ] || return 0
+  local pid; pid=$(cat "$pidf")
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -TERM "$pid" 2>/dev/null || true
+    local deadline=$((SECONDS + 10))
+    while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
+    kill -KILL "$pid" 2>/dev/null || true
+  fi
+  rm -f "$pidf"
+}

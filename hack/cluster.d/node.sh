@@ -1,0 +1,270 @@
+# One Kubernetes node = a network namespace on the host bridge + a cgroup subtree
+# + its own containerd, kubelet, kube-proxy and instance-metadata mock (AEMM).
+# Sourced by hack/cluster.
+# shellcheck shell=bash
+
+node_dir() { echo "$CLUSTER_DIR/nodes/$1"; }
+node_exists() { [ -f "$(node_dir "$1")/index" ]; }
+node_names() { local d; for d in "$CLUSTER_DIR"/nodes/*/index; do [ -f "$d" ] && basename "$(dirname "$d")"; done; return 0; }
+node_index() { cat "$(node_dir "$1")/index"; }
+node_ip() { echo "$NODE_NET_PREFIX.$((10 + $(node_index "$1")))"; }
+node_capacity() { cat "$(node_dir "$1")/capacity"; }
+node_imds_url() { echo "http://$(node_ip "$1"):$AEMM_PORT"; }
+node_sock() { echo "$CLUSTER_RUN/$1/containerd.sock"; }
+
+node_alloc() {  # node_alloc NAME CAPACITY: reserves an index (1..200) for NAME
+  local name=$1 cap=$2 dir i used
+  dir=$(node_dir "$name")
+  node_exists "$name" && return 0
+  used=" $(cat "$CLUSTER_DIR"/nodes/*/index 2>/dev/null | tr '\n' ' ') "
+  for i in $(seq 1 200); do
+    case $used in *" $i "*) continue ;; esac
+    mkdir -p "$dir"; echo "$cap" >"$dir/capacity"; echo "$i" >"$dir/index"; return 0
+  done
+  die "no free node index"
+}
+
+node_net_up() {
+  local name=$1 i ip ns=hermit-$1 veth
+  i=$(node_index "$name"); ip=$(node_ip "$name"); veth="hmv$i"
+  if ! ip netns list | grep -qw "$ns"; then ip netns add "$ns"; fi
+  if ! ip link show "$veth" >/dev/null 2>&1; then
+    ip link add "$veth" type veth peer name eth0 netns "$ns"
+    ip link set "$veth" master "$BRIDGE" up
+    ip -n "$ns" addr add "$ip/24" dev eth0
+  fi
+  ip -n "$ns" link set lo up
+  ip -n "$ns" link set eth0 up
+  ip -n "$ns" route replace default via "$BRIDGE_IP"
+  ip route replace "$POD_NET_PREFIX.$i.0/24" via "$ip"
+  ip netns exec "$ns" sysctl -qw net.ipv4.ip_forward=1
+  ip netns exec "$ns" sysctl -qw net.bridge.bridge-nf-call-iptables=1 2>/dev/null || true
+}
+
+node_cgroups_up() {
+  local name=$1 c base lvl
+  for c in $(cgroup_ctrls); do
+    base=/sys/fs/cgroup/$c
+    for lvl in "$CGROUP_ROOT" "$CGROUP_ROOT/$name" "$CGROUP_ROOT/$name/daemons"; do
+      [ -d "$base/$lvl" ] && continue
+      mkdir "$base/$lvl"
+      if [ "$c" = cpuset ]; then  # a cpuset child starts empty: inherit the parent's
+        cat "$(dirname "$base/$lvl")/cpuset.cpus" >"$base/$lvl/cpuset.cpus"
+        cat "$(dirname "$base/$lvl")/cpuset.mems" >"$base/$lvl/cpuset.mems"
+      fi
+    done
+  done
+}
+
+# node_cgroup_pids NAME: every pid in the node's cgroup subtree (pids hierarchy, else any).
+node_cgroup_pids() {
+  local c d
+  for c in pids memory cpu; do
+    d=/sys/fs/cgroup/$c/$CGROUP_ROOT/$1
+    [ -d "$d" ] || continue
+    find "$d" -name cgroup.procs -exec cat {} + 2>/dev/null
+    return 0
+  done
+}
+
+node_cgroups_down() {
+  local c d
+  for c in $(cgroup_ctrls); do
+    d=/sys/fs/cgroup/$c/$CGROUP_ROOT/$1
+    [ -d "$d" ] && find "$d" -depth -type d -exec rmdir {} + 2>/dev/null
+    [ -d "$d" ] && log "warning: cgroup $d still present"
+  done
+  return 0
+}
+
+node_write_configs() {
+  local name=$1 i ip dir var run
+  i=$(node_index "$name"); ip=$(node_ip "$name"); dir=$(node_dir "$name")
+  var=$CLUSTER_VAR/$name; run=$CLUSTER_RUN/$name
+  mkdir -p "$dir/cni" "$var" "$run"
+  cat >"$dir/containerd.toml" <<TOML
+version = 2
+root = "$var/containerd"
+state = "$run/containerd"
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs", "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+
+[grpc]
+  address = "$run/containerd.sock"
+
+[ttrpc]
+  address = "$run/containerd.sock.ttrpc"
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "$var/opt"
+
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "hermit.local/pause:3.10"
+  netns_mounts_under_state_dir = true
+  disable_apparmor = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+        Root = "$run/runc"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/usr/lib/cni"
+    conf_dir = "$dir/cni"
+    max_conf_num = 1
+TOML
+  cat >"$dir/cni/10-hermit.conflist" <<JSON
+{
+  "cniVersion": "0.4.0",
+  "name": "hermit",
+  "plugins": [
+    {
+      "type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false, "hairpinMode": true,
+      "ipam": {
+        "type": "host-local", "dataDir": "$run/cni-ipam",
+        "ranges": [[{"subnet": "$POD_NET_PREFIX.$i.0/24"}]],
+        "routes": [{"dst": "0.0.0.0/0"}]
+      }
+    },
+    {"type": "portmap", "capabilities": {"portMappings": true}}
+  ]
+}
+JSON
+  cat >"$dir/kubelet.yaml" <<YAML
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+address: $ip
+port: 10250
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: 10248
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: true}
+  x509: {clientCAFile: $PKI/ca.crt}
+authorization: {mode: Webhook}
+tlsCertFile: $PKI/node-$name-serving.crt
+tlsPrivateKeyFile: $PKI/node-$name-serving.key
+containerRuntimeEndpoint: unix://$run/containerd.sock
+# cgroup v1 with several kubelets on one host: cgroupfs driver, one cgroup root per node
+cgroupDriver: cgroupfs
+cgroupsPerQOS: true
+cgroupRoot: /$CGROUP_ROOT/$name
+failCgroupV1: false
+failSwapOn: false
+enforceNodeAllocatable: [pods]
+podCIDR: $POD_NET_PREFIX.$i.0/24
+podLogsDir: $var/pod-logs
+resolvConf: /etc/resolv.conf
+maxPods: 60
+# locally built images cannot be pulled again: never garbage-collect them
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+evictionHard: {memory.available: 100Mi, nodefs.available: 1%, imagefs.available: 1%, nodefs.inodesFree: 1%}
+serializeImagePulls: false
+rotateCertificates: false
+serverTLSBootstrap: false
+protectKernelDefaults: false
+YAML
+  local labels="node.kubernetes.io/instance-type=hermit-local,topology.kubernetes.io/zone=local-$(( (i - 1) % 2 + 1 ))"
+  if [ "$(node_capacity "$name")" = spot ]; then
+    labels+=",karpenter.sh/capacity-type=spot,eks.amazonaws.com/capacityType=SPOT,cloud.google.com/gke-spot=true"
+  else
+    labels+=",karpenter.sh/capacity-type=on-demand,eks.amazonaws.com/capacityType=ON_DEMAND"
+  fi
+  echo "$labels" >"$dir/labels"
+  cat >"$dir/kube-proxy.yaml" <<YAML
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+clientConnection: {kubeconfig: $CLUSTER_DIR/kube-proxy.kubeconfig}
+mode: iptables
+clusterCIDR: $CLUSTER_CIDR
+hostnameOverride: $name
+bindAddress: $ip
+metricsBindAddress: 127.0.0.1:10249
+healthzBindAddress: 127.0.0.1:10256
+conntrack: {maxPerCore: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}
+YAML
+}
+
+# node_aemm NAME [AEMM ARGS...]: (re)starts the node's metadata mock on IP:1338.
+# Normal mode serves every path with the spot notice held back for ten years.
+node_aemm() {
+  local name=$1; shift
+  stop_daemon "$name-aemm"
+  local args=("$@")
+  [ ${#args[@]} -gt 0 ] || args=(--mock-delay-sec 315360000)
+  start_daemon "$name-aemm" "$CLUSTER_DIR/logs/$name/aemm.log" \
+    nsenter --net="/run/netns/hermit-$name" -- \
+    env HOME="$(node_dir "$name")" "$HERMIT_BIN/ec2-metadata-mock" "${args[@]}" \
+    --hostname "$(node_ip "$name")" --port "$AEMM_PORT" --mock-ip-count 1000
+  wait_for "AEMM of $name" 20 curl -sf "$(node_imds_url "$name")/latest/meta-data/instance-id"
+}
+
+node_import_images() {
+  local name=$1 img tar done_f
+  done_f="$(node_dir "$name")/images.imported"
+  touch "$done_f"
+  for img in "${IMAGES[@]}"; do
+    tar=$(readlink -f "$HERMIT_CACHE/images/$img.tar")
+    grep -qxF "$tar" "$done_f" && continue
+    ctr --address "$(node_sock "$name")" -n k8s.io images import --no-unpack=false "$tar" >/dev/null \
+      || die "importing $tar into $name failed"
+    echo "$tar" >>"$done_f"
+  done
+}
+
+node_up() {  # node_up NAME CAPACITY: brings the node up to Ready (idempotent)
+  local name=$1 cap=$2 dir logs
+  node_alloc "$name" "$cap"
+  dir=$(node_dir "$name"); logs=$CLUSTER_DIR/logs/$name
+  mkdir -p "$logs"
+  node_net_up "$name"
+  node_cgroups_up "$name"
+  pki_node "$name" "$(node_ip "$name")"
+  node_write_configs "$name"
+  local innode=("$HERMIT_ROOT/hack/cluster.d/in-node" "$name")
+  start_daemon "$name-containerd" "$logs/containerd.log" "${innode[@]}" \
+    containerd --config "$dir/containerd.toml"
+  wait_for "containerd of $name" 30 ctr --address "$(node_sock "$name")" version
+  node_import_images "$name"
+  pid_alive "$CLUSTER_DIR/pids/$name-aemm.pid" || node_aemm "$name"
+  start_daemon "$name-kubelet" "$logs/kubelet.log" "${innode[@]}" \
+    "$HERMIT_BIN/kubelet" --config "$dir/kubelet.yaml" --kubeconfig "$dir/kubelet.kubeconfig" \
+    --root-dir "$CLUSTER_VAR/$name/kubelet" --hostname-override "$name" \
+    --node-ip "$(node_ip "$name")" --node-labels "$(cat "$dir/labels")" --v=1
+  start_daemon "$name-kube-proxy" "$logs/kube-proxy.log" "${innode[@]}" \
+    "$HERMIT_BIN/kube-proxy" --config "$dir/kube-proxy.yaml" --v=1
+  wait_for "node $name registered" 90 kctl get node "$name"
+  kctl annotate --overwrite node "$name" "$IMDS_ANNOTATION=$(node_imds_url "$name")" >/dev/null
+}
+
+# node_kill NAME: the node vanishes as a cloud VM does: every process of it
+# (kubelet, containerd, shims, containers, AEMM) killed, mounts, netns and
+# cgroups removed. The Node object is left to the caller.
+node_kill() {
+  local name=$1 pids tries=0
+  stop_daemon "$name-aemm"
+  for c in kubelet kube-proxy containerd; do
+    local pf="$CLUSTER_DIR/pids/$name-$c.pid"
+    [ -f "$pf" ] && kill -KILL "$(cat "$pf")" 2>/dev/null; rm -f "$pf"
+  done
+  while pids=$(node_cgroup_pids "$name") && [ -n "$pids" ]; do
+    # shellcheck disable=SC2086
+    kill -KILL $pids 2>/dev/null || true
+    tries=$((tries + 1)); [ $tries -lt 100 ] || { log "warning: processes of $name survive: $pids"; break; }
+    sleep 0.1
+  done
+  local m
+  for m in $(findmnt -rn -o TARGET | grep -E "^($CLUSTER_VAR|$CLUSTER_RUN)/$name(/|$)" | sort -r); do
+    umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || log "warning: cannot unmount $m"
+  done
+  if node_exists "$name"; then
+    ip route del "$POD_NET_PREFIX.$(node_index "$name").0/24" 2>/dev/null || true
+  fi
+  ip netns del "hermit-$name" 2>/dev/null || true
+  node_cgroups_down "$name"
+  rm -rf "${CLUSTER_VAR:?}/$name" "${CLUSTER_RUN:?}/$name" "$(node_dir "$name")"
+  pki_node_forget "$name"
+}

@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""Writes an OCI image layout tarball (`ctr images import` reads it) from layers.
+
+Usage: oci.py --ref NAME:TAG --out IMAGE.tar [--layer-dir DIR | --layer-tar TAR]...
+              [--entrypoint JSON] [--cmd JSON] [--env K=V]... [--workdir DIR]
+
+Layers are uncompressed and written deterministically (sorted names, mtime 0),
+so the same inputs give the same digests. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any
+
+MT_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+MT_CONFIG = "application/vnd.oci.image.config.v1+json"
+MT_LAYER = "application/vnd.oci.image.layer.v1.tar"
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _clean(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    info.mtime = 0
+    info.uname = ""
+    info.gname = ""
+    return info
+
+
+def layer_from_dir(src: Path, out: Path) -> None:
+    """Tars the contents of src (not src itself) into out, sorted, mtime 0."""
+    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
+        for root, dirs, files in os.walk(src):
+            dirs.sort()
+            for name in [*sorted(dirs), *sorted(files)]:
+                full = Path(root) / name
+                rel = full.relative_to(src).as_posix()
+                tar.add(full, arcname=rel, recursive=False, filter=_clean)
+
+
+class Blobs:
+    def __init__(self, layout: Path) -> None:
+        self.dir = layout / "blobs" / "sha256"
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def add_file(self, path: Path) -> tuple[str, int]:
+        digest = _sha256_file(path)
+        dest = self.dir / digest
+        if not dest.exists():
+            shutil.copyfile(path, dest)
+        return digest, dest.stat().st_size
+
+    def add_bytes(self, data: bytes) -> tuple[str, int]:
+        digest = hashlib.sha256(data).hexdigest()
+        (self.dir / digest).write_bytes(data)
+        return digest, len(data)
+
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def build(args: argparse.Namespace) -> str:
+    with tempfile.TemporaryDirectory(prefix="hermit-oci-", dir=args.tmpdir) as tmp:
+        layout = Path(tmp) / "layout"
+        blobs = Blobs(layout)
+        layers: list[dict[str, Any]] = []
+        diff_ids: list[str] = []
+        for i, (kind, value) in enumerate(args.layers):
+            if kind == "dir":
+                tar_path = Path(tmp) / f"layer{i}.tar"
+                layer_from_dir(Path(value), tar_path)
+            else:
+                tar_path = Path(value)
+            digest, size = blobs.add_file(tar_path)
+            layers.append({"mediaType": MT_LAYER, "digest": f"sha256:{digest}", "size": size})
+            diff_ids.append(f"sha256:{digest}")
+        cfg: dict[str, Any] = {"Env": args.env or ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]}
+        if args.entrypoint:
+            cfg["Entrypoint"] = json.loads(args.entrypoint)
+        if args.cmd:
+            cfg["Cmd"] = json.loads(args.cmd)
+        if args.workdir:
+            cfg["WorkingDir"] = args.workdir
+        config = {
+            "architecture": "amd64",
+            "os": "linux",
+            "created": "1970-01-01T00:00:00Z",
+            "config": cfg,
+            "rootfs": {"type": "layers", "diff_ids": diff_ids},
+        }
+        cdigest, csize = blobs.add_bytes(_json(config))
+        manifest = {
+            "schemaVersion": 2,
+            "mediaType": MT_MANIFEST,
+            "config": {"mediaType": MT_CONFIG, "digest": f"sha256:{cdigest}", "size": csize},
+            "layers": layers,
+        }
+        mdigest, msize = blobs.add_bytes(_json(manifest))
+        tag = args.ref.rsplit(":", 1)[1] if ":" in args.ref.rsplit("/", 1)[-1] else "latest"
+        index = {
+            "schemaVersion": 2,
+            "manifests": [
+                {
+                    "mediaType": MT_MANIFEST,
+                    "digest": f"sha256:{mdigest}",
+                    "size": msize,
+                    "annotations": {
+                        "io.containerd.image.name": args.ref,
+                        "org.opencontainers.image.ref.name": tag,
+                    },
+                }
+            ],
+        }
+        (layout / "index.json").write_bytes(_json(index))
+        (layout / "oci-layout").write_bytes(_json({"imageLayoutVersion": "1.0.0"}))
+        out = Path(args.out)
+        partial = out.with_suffix(".partial")
+        with tarfile.open(partial, "w", format=tarfile.PAX_FORMAT) as tar:
+            for p in sorted(layout.rglob("*")):
+                tar.add(p, arcname=p.relative_to(layout).as_posix(), recursive=False, filter=_clean)
+        partial.replace(out)
+        return f"sha256:{mdigest}"
+
+
+class _LayerAction(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        kind = "dir" if option_string == "--layer-dir" else "tar"
+        ns.layers = [*(ns.layers or []), (kind, values)]
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ref", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--layer-dir", action=_LayerAction, dest="layers")
+    p.add_argument("--layer-tar", action=_LayerAction, dest="layers")
+    p.add_argument("--entrypoint")
+    p.add_argument("--cmd")
+    p.add_argument("--env", action="append")
+    p.add_argument("--workdir")
+    p.add_argument("--tmpdir")
+    args = p.parse_args(argv)
+    if not args.layers:
+        p.error("at least one --layer-dir or --layer-tar is needed")
+    try:
+        print(build(args))
+    except (OSError, ValueError, tarfile.TarError) as exc:
+        print(f"oci.py: building {args.ref} failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,194 @@
+"""Checkpoint a running container into the store: freeze, dump, capture files, upload.
+
+The tree is frozen (cgroup freezer) while CRIU dumps memory and the writable layer
+and workspace are copied, so memory and files describe one instant. A routine
+checkpoint thaws right after that and uploads in the background of the workload.
+A migrating checkpoint (``stop=True``) keeps the tree frozen until the manifest is
+durable and only then kills it, so a failed upload leaves the sandbox running.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hermit_common.errors import CheckpointFailed, HermitError
+from hermit_common.manifest import Binding
+from hermit_common.store import CheckpointStore
+
+from hermit_node import container, freezer, sysinfo
+from hermit_node.criu import Criu, DumpRequest
+
+log = logging.getLogger(__name__)
+
+NETNS_KEY = "extnet"
+SECTION_IMAGES = "criu"
+SECTION_ROOTFS = "rootfs"
+SECTION_WORKSPACE = "workspace"
+
+
+@dataclass(frozen=True)
+class CheckpointTarget:
+    namespace: str
+    sandbox: str
+    sandbox_uid: str
+    checkpoint: str
+    init_pid: int  # host pid of the container's PID 1 (the sandbox init)
+    bundle: Path | None = None  # OCI bundle; found from the runtime shim when None
+    workspace_path: str | None = "/workspace"  # mount point inside the container
+    image_digest: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointResult:
+    frozen_ms: int
+    dump_ms: int
+    capture_ms: int
+    upload_ms: int
+    image_bytes: int
+    uploaded_bytes: int
+    stored_bytes: int
+    manifest_uri: str
+    manifest_digest: str
+    criu_version: str
+    kernel: str
+    cpu_flags: tuple[str, ...]
+
+
+def restore_info(view: container.ContainerView, workspace_path: str | None,
+                 mount_keys: dict[str, str]) -> dict[str, Any]:
+    """What a restore needs to rebuild the container's wiring; stored in the manifest."""
+    stdio: dict[str, int] = {}
+    for fd in (1, 2):
+        link = view.stdio[fd]
+        if link.startswith("pipe:") and link not in stdio:
+            stdio[link] = fd
+    return {
+        "engine": 1,
+        "netnsKey": NETNS_KEY,
+        "mounts": mount_keys,  # external mount key -> mount point in the container
+        "workspace": workspace_path if workspace_path and view.bind_source(workspace_path)
+        else None,
+        "stdio": stdio,  # pipe id -> fd of the container init that carries it
+        "hadUpperdir": view.upperdir is not None,
+    }
+
+
+def external_mounts(view: container.ContainerView) -> dict[str, str]:
+    """Every bind mount from the host is external: key -> mount point in the container."""
+    return {f"m{i}": m.destination for i, m in enumerate(view.bind_mounts)}
+
+
+def _copy_tree(source: Path, dest: Path) -> None:
+    """Copy with owners, modes, xattrs (overlay opaque markers) and whiteout devices."""
+    dest.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        ["cp", "-a", "--reflink=auto", f"{source}/.", str(dest)],
+        capture_output=True, text=True, check=False,
+    )
+    if proc.returncode != 0:
+        raise CheckpointFailed(f"cannot copy {source}: {proc.stderr.strip()}")
+
+
+def _ms(start: float) -> int:
+    return int((time.monotonic() - start) * 1000)
+
+
+class CheckpointEngine:
+    def __init__(self, criu: Criu, store: CheckpointStore, work_dir: Path) -> None:
+        self._criu = criu
+        self._store = store
+        self._work_dir = work_dir
+
+    def local_dir(self, t: CheckpointTarget) -> Path:
+        return self._work_dir / "checkpoints" / t.namespace / t.sandbox / t.checkpoint
+
+    def checkpoint(self, target: CheckpointTarget, *, stop: bool = False) -> CheckpointResult:
+        """Take one checkpoint. ``stop=True``: the sandbox ends once it is durable (migration).
+
+        On failure the sandbox is thawed and keeps running; CheckpointFailed says why.
+        """
+        view = container.inspect(target.init_pid, target.bundle)
+        cgroup = view.freezer_cgroup()
+        if cgroup is None:
+            raise CheckpointFailed(f"pid {target.init_pid} has no freezer cgroup")
+        local = self.local_dir(target)
+        shutil.rmtree(local, ignore_errors=True)
+        images, rootfs, workspace = (local / SECTION_IMAGES, local / SECTION_ROOTFS,
+                                     local / SECTION_WORKSPACE)
+        images.mkdir(parents=True)
+        mount_keys = external_mounts(view)
+        externals = (f"net[{view.netns_inode}]:{NETNS_KEY}",
+                     *(f"mnt[{dest}]:{key}" for key, dest in mount_keys.items()))
+        workspace_source = (view.bind_source(target.workspace_path)
+                            if target.workspace_path else None)
+        criu_version = self._criu.version()
+        binding = Binding(
+            namespace=target.namespace, sandbox=target.sandbox,
+            sandbox_uid=target.sandbox_uid, checkpoint=target.checkpoint,
+            criu_version=criu_version, kernel=sysinfo.kernel_release(),
+            cpu_flags=sysinfo.cpu_flags(), image_digest=target.image_digest,
+        )
+        frozen_at = time.monotonic()
+        freezer.freeze(cgroup)
+        thawed = False
+        try:
+            started = time.monotonic()
+            self._criu.dump(DumpRequest(
+                pid=target.init_pid, images_dir=images, externals=externals,
+                leave_running=True, freeze_cgroup=cgroup,
+            ))
+            dump_ms = _ms(started)
+            if not freezer.is_frozen(cgroup):
+                raise CheckpointFailed("CRIU thawed the container before its files were captured")
+            started = time.monotonic()
+            sections = {SECTION_IMAGES: images}
+            if view.upperdir is not None:
+                _copy_tree(view.upperdir, rootfs)
+                sections[SECTION_ROOTFS] = rootfs
+            if workspace_source is not None:
+                _copy_tree(Path(workspace_source), workspace)
+                sections[SECTION_WORKSPACE] = workspace
+            capture_ms = _ms(started)
+            if not stop:
+                freezer.thaw(cgroup)
+                thawed = True
+                frozen_ms = _ms(frozen_at)
+            started = time.monotonic()
+            uploaded = self._store.upload(
+                binding, sections, restore_info(view, target.workspace_path, mount_keys))
+            upload_ms = _ms(started)
+            if stop:
+                # Durable: end the old incarnation. SIGKILL to a pid namespace's init
+                # kills the whole namespace; it takes effect as the tree thaws.
+                os.kill(target.init_pid, signal.SIGKILL)
+                freezer.thaw(cgroup)
+                thawed = True
+                frozen_ms = _ms(frozen_at)
+        except HermitError as exc:
+            if not thawed:
+                freezer.thaw(cgroup)
+            raise CheckpointFailed(
+                f"checkpoint {target.namespace}/{target.checkpoint} failed, "
+                f"sandbox left running: {exc}") from exc
+        except BaseException:
+            if not thawed:
+                freezer.thaw(cgroup)
+            raise
+        log.info("checkpoint %s/%s: frozen %d ms, dump %d ms, upload %d ms, %d bytes stored",
+                 target.namespace, target.checkpoint, frozen_ms, dump_ms, upload_ms,
+                 uploaded.stored_bytes)
+        return CheckpointResult(
+            frozen_ms=frozen_ms, dump_ms=dump_ms, capture_ms=capture_ms, upload_ms=upload_ms,
+            image_bytes=uploaded.image_bytes, uploaded_bytes=uploaded.uploaded_bytes,
+            stored_bytes=uploaded.stored_bytes, manifest_uri=uploaded.manifest_uri,
+            manifest_digest=uploaded.manifest_digest, criu_version=criu_version,
+            kernel=binding.kernel, cpu_flags=binding.cpu_flags,
+        )

@@ -1,0 +1,166 @@
+"""What the engine needs to know about a running container, read from /proc and its OCI bundle.
+
+Works for any OCI runtime shim whose working directory is the bundle (containerd's
+runc shim is); a caller may also name the bundle explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hermit_common.errors import HermitError
+
+_BIND_TYPES = {"bind", "rbind"}
+
+
+@dataclass(frozen=True)
+class BindMount:
+    destination: str  # path inside the container
+    source: str  # host path
+
+
+@dataclass(frozen=True)
+class Cgroup:
+    hierarchy: str  # "" for the v2 unified hierarchy, else the controller list e.g. "cpu,cpuacct"
+    path: str  # path relative to the hierarchy's root
+
+    def host_path(self, cgroup_root: str = "/sys/fs/cgroup") -> Path:
+        if self.hierarchy == "":
+            base = Path(cgroup_root) / "unified" if _is_hybrid(cgroup_root) else Path(cgroup_root)
+        else:
+            name = self.hierarchy.removeprefix("name=")
+            base = Path(cgroup_root) / name
+            if not base.exists():
+                # Co-mounted controllers are mounted under one of their names.
+                for part in self.hierarchy.split(","):
+                    candidate = Path(cgroup_root) / part.removeprefix("name=")
+                    if candidate.exists():
+                        base = candidate
+                        break
+        return base / self.path.lstrip("/")
+
+
+def _is_hybrid(cgroup_root: str) -> bool:
+    return (Path(cgroup_root) / "unified").is_dir() and not (
+        Path(cgroup_root) / "cgroup.controllers").exists()
+
+
+@dataclass(frozen=True)
+class ContainerView:
+    """A snapshot of the facts about one container that checkpoint and restore use."""
+
+    init_pid: int
+    bundle: Path
+    rootfs: Path
+    upperdir: Path | None
+    netns_inode: int
+    stdio: tuple[str, str, str]  # readlink of fd 0, 1, 2 of the init
+    bind_mounts: tuple[BindMount, ...]
+    cgroups: tuple[Cgroup, ...] = field(default=())
+
+    def bind_source(self, destination: str) -> str | None:
+        for m in self.bind_mounts:
+            if m.destination.rstrip("/") == destination.rstrip("/"):
+                return m.source
+        return None
+
+    def freezer_cgroup(self) -> Path | None:
+        """The cgroup directory whose freezer controls the whole container."""
+        for cg in self.cgroups:
+            if "freezer" in cg.hierarchy.split(","):
+                return cg.host_path()
+        for cg in self.cgroups:
+            if cg.hierarchy == "":
+                return cg.host_path()
+        return None
+
+
+def parse_cgroups(text: str) -> tuple[Cgroup, ...]:
+    """Parse /proc/<pid>/cgroup."""
+    groups = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        _, controllers, path = line.split(":", 2)
+        groups.append(Cgroup(controllers, path))
+    return tuple(groups)
+
+
+def parse_root_upperdir(mountinfo: str) -> Path | None:
+    """The overlay upperdir of the mount at "/" in a /proc/<pid>/mountinfo text, if any."""
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if len(fields) < 10 or fields[4] != "/":
+            continue
+        sep = fields.index("-")
+        fstype, super_options = fields[sep + 1], fields[sep + 3]
+        if fstype != "overlay":
+            return None
+        for option in super_options.split(","):
+            if option.startswith("upperdir="):
+                return Path(option.removeprefix("upperdir="))
+    return None
+
+
+def parse_bind_mounts(oci_config: dict[str, object]) -> tuple[BindMount, ...]:
+    mounts = oci_config.get("mounts", [])
+    if not isinstance(mounts, list):
+        return ()
+    binds = []
+    for m in mounts:
+        if not isinstance(m, dict):
+            continue
+        options = m.get("options") or []
+        if m.get("type") in _BIND_TYPES or any(o in _BIND_TYPES for o in options):
+            binds.append(BindMount(str(m["destination"]), str(m["source"])))
+    return tuple(binds)
+
+
+def find_bundle(init_pid: int) -> Path:
+    """The OCI bundle of the container whose init is ``init_pid``: the runtime shim's cwd."""
+    ppid = _parent_pid(init_pid)
+    cwd = Path(os.readlink(f"/proc/{ppid}/cwd"))
+    if not (cwd / "config.json").is_file():
+        raise HermitError(
+            f"cannot find the OCI bundle of pid {init_pid}: its parent {ppid} is not a runtime "
+            "shim (no config.json in its working directory); pass the bundle explicitly"
+        )
+    return cwd
+
+
+def _parent_pid(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    # The command name may contain spaces and parentheses; fields follow the last ')'.
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def inspect(init_pid: int, bundle: Path | None = None) -> ContainerView:
+    """Read everything the engine needs about the container whose init is ``init_pid``."""
+    if not Path(f"/proc/{init_pid}").exists():
+        raise HermitError(f"no process with pid {init_pid}")
+    bundle = bundle or find_bundle(init_pid)
+    config = json.loads((bundle / "config.json").read_text())
+    rootfs = Path(config.get("root", {}).get("path", "rootfs"))
+    if not rootfs.is_absolute():
+        rootfs = bundle / rootfs
+    stdio = tuple(_readlink_or_empty(f"/proc/{init_pid}/fd/{n}") for n in range(3))
+    return ContainerView(
+        init_pid=init_pid,
+        bundle=bundle,
+        rootfs=rootfs,
+        upperdir=parse_root_upperdir(Path(f"/proc/{init_pid}/mountinfo").read_text()),
+        netns_inode=os.stat(f"/proc/{init_pid}/ns/net").st_ino,
+        stdio=(stdio[0], stdio[1], stdio[2]),
+        bind_mounts=parse_bind_mounts(config),
+        cgroups=parse_cgroups(Path(f"/proc/{init_pid}/cgroup").read_text()),
+    )
+
+
+def _readlink_or_empty(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""

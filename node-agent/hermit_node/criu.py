@@ -1,0 +1,168 @@
+"""The only module that talks to CRIU: typed requests in, pycriu RPC out.
+
+pycriu forks ``criu swrk`` from the calling process, so namespace and cgroup
+placement of the caller decide where a restored tree lands (see restore_worker).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hermit_common.errors import HermitError
+
+
+class CriuError(HermitError):
+    """CRIU refused or failed; the message carries the first error lines of its log."""
+
+
+@dataclass(frozen=True)
+class DumpRequest:
+    pid: int
+    images_dir: Path
+    externals: tuple[str, ...] = ()  # e.g. "net[4026532008]:extnet", "mnt[/workspace]:m0"
+    leave_running: bool = True
+    freeze_cgroup: Path | None = None
+    log_file: str = "dump.log"
+    log_level: int = 4
+    tcp_established: bool = True
+    file_locks: bool = True
+    timeout_seconds: int = 0  # 0: CRIU's default
+
+
+@dataclass(frozen=True)
+class RestoreRequest:
+    images_dir: Path
+    root: Path
+    externals: tuple[str, ...] = ()  # e.g. "mnt[m0]:/host/path/of/new/volume"
+    inherit_fds: tuple[tuple[str, int], ...] = ()  # (key, fd open in this process)
+    join_ns: tuple[tuple[str, str], ...] = ()  # (ns, path)
+    log_file: str = "restore.log"
+    log_level: int = 4
+    tcp_close: bool = True
+    file_locks: bool = True
+    rst_sibling: bool = True
+
+
+@dataclass
+class Criu:
+    """A CRIU binary; every call forks a fresh ``criu swrk`` through pycriu."""
+
+    binary: str = "criu"
+    _version: str | None = field(default=None, init=False, repr=False)
+
+    def version(self) -> str:
+        if self._version is None:
+            try:
+                out = subprocess.run(
+                    [self.binary, "--version"], capture_output=True, text=True, check=True,
+                    timeout=10,
+                ).stdout
+            except (OSError, subprocess.SubprocessError) as exc:
+                raise CriuError(f"cannot run {self.binary} --version: {exc}") from exc
+            match = re.search(r"Version:\s*(\S+)", out)
+            if not match:
+                raise CriuError(f"cannot parse the CRIU version from {out!r}")
+            self._version = match.group(1)
+        return self._version
+
+    def _client(self) -> Any:
+        import pycriu  # the one import of pycriu in the project
+
+        client = pycriu.criu()
+        client.use_binary(self.binary)
+        return client
+
+    def dump(self, req: DumpRequest) -> None:
+        import pycriu
+
+        rpc = pycriu.rpc
+        client = self._client()
+        images_fd = os.open(req.images_dir, os.O_DIRECTORY)
+        try:
+            opts = client.opts
+            opts.images_dir_fd = images_fd
+            opts.pid = req.pid
+            opts.leave_running = req.leave_running
+            opts.log_file = req.log_file
+            opts.log_level = req.log_level
+            opts.tcp_established = req.tcp_established
+            opts.file_locks = req.file_locks
+            opts.shell_job = False
+            opts.manage_cgroups = True
+            opts.manage_cgroups_mode = rpc.IGNORE
+            _skip_network_lock(opts, rpc)
+            if req.freeze_cgroup is not None:
+                opts.freeze_cgroup = str(req.freeze_cgroup)
+            if req.timeout_seconds:
+                opts.timeout = req.timeout_seconds
+            opts.external.extend(req.externals)
+            os.set_inheritable(images_fd, True)
+            try:
+                client.dump()
+            except pycriu.CRIUException as exc:
+                raise CriuError(f"criu dump of pid {req.pid} failed: "
+                                f"{log_errors(req.images_dir / req.log_file) or exc}") from exc
+        finally:
+            os.close(images_fd)
+
+    def restore(self, req: RestoreRequest) -> int:
+        """Restore the tree; returns the pid of its root as seen by the caller."""
+        import pycriu
+
+        rpc = pycriu.rpc
+        client = self._client()
+        images_fd = os.open(req.images_dir, os.O_DIRECTORY)
+        try:
+            os.set_inheritable(images_fd, True)
+            opts = client.opts
+            opts.images_dir_fd = images_fd
+            opts.root = str(req.root)
+            opts.log_file = req.log_file
+            opts.log_level = req.log_level
+            opts.tcp_close = req.tcp_close
+            opts.file_locks = req.file_locks
+            opts.shell_job = False
+            opts.rst_sibling = req.rst_sibling
+            opts.manage_cgroups = True
+            opts.manage_cgroups_mode = rpc.IGNORE
+            _skip_network_lock(opts, rpc)
+            opts.external.extend(req.externals)
+            for key, fd in req.inherit_fds:
+                os.set_inheritable(fd, True)
+                item = opts.inherit_fd.add()
+                item.key = key
+                item.fd = fd
+            for ns, path in req.join_ns:
+                item = opts.join_ns.add()
+                item.ns = ns
+                item.ns_file = path
+            try:
+                resp = client.restore()
+            except pycriu.CRIUException as exc:
+                raise CriuError("criu restore failed: "
+                                f"{log_errors(req.images_dir / req.log_file) or exc}") from exc
+            return int(resp.pid)
+        finally:
+            os.close(images_fd)
+
+
+def _skip_network_lock(opts: Any, rpc: Any) -> None:
+    # Locking needs iptables/nftables inside the netns; the sandbox's netns is external
+    # and its pod is about to go away, so there is nothing to protect.
+    if hasattr(rpc, "SKIP") and "network_lock" in opts.DESCRIPTOR.fields_by_name:
+        opts.network_lock = rpc.SKIP
+
+
+def log_errors(log_path: Path, limit: int = 3) -> str:
+    """The first few error lines of a CRIU log, joined into one line."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errors = [ln.split(": ", 1)[-1].strip() for ln in lines if "Error" in ln or "error" in ln]
+    return "; ".join(errors[:limit])

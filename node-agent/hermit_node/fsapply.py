@@ -1,0 +1,143 @@
+"""Apply a captured tree (an overlay upperdir or a volume) onto a container's filesystem.
+
+The target is untrusted: it belongs to a container and may hold symlinks that point
+anywhere. So the work runs in a child process that chroots into the target first;
+every path then resolves inside it. Run as ``python -m hermit_node.fsapply`` with a
+JSON request on stdin; ``apply_tree`` does that for callers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hermit_common.errors import RestoreFailed
+from hermit_common.tree import (
+    KIND_DIR,
+    KIND_FIFO,
+    KIND_FILE,
+    KIND_SYMLINK,
+    KIND_WHITEOUT,
+    Entry,
+)
+
+
+def apply_tree(entries: Sequence[Entry], staging: Path, target: Path, *,
+               replace: bool = False, timeout: float = 600.0) -> None:
+    """Make ``target`` carry ``entries`` (contents read from ``staging``).
+
+    Overlay semantics: a whiteout deletes the path; an opaque dir loses what it had.
+    ``replace=True`` empties ``target`` first (a volume restored as it was).
+    """
+    request = {
+        "staging": str(staging),
+        "target": str(target),
+        "replace": replace,
+        "entries": [e.to_dict() for e in entries],
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "hermit_node.fsapply"],
+        input=json.dumps(request), capture_output=True, text=True, timeout=timeout,
+        check=False,
+    )
+    if proc.returncode != 0:
+        detail = proc.stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+        raise RestoreFailed(f"cannot apply the filesystem capture to {target}: {detail[0]}")
+
+
+def _remove(path: str) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def _clear_dir(path: str) -> None:
+    for name in os.listdir(path):
+        _remove(os.path.join(path, name))
+
+
+def _set_owner_mode(path: str, entry: Entry, *, symlink: bool = False) -> None:
+    os.chown(path, entry.uid, entry.gid, follow_symlinks=not symlink)
+    if not symlink:
+        os.chmod(path, entry.mode)
+
+
+def _apply_one(entry: Entry, staging_fd: int) -> None:
+    path = "/" + entry.path
+    if entry.kind == KIND_WHITEOUT:
+        _remove(path)
+        return
+    if entry.kind == KIND_DIR:
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode):
+                _remove(path)
+                os.mkdir(path)
+            elif entry.opaque:
+                _clear_dir(path)
+        except FileNotFoundError:
+            os.mkdir(path)
+        _set_owner_mode(path, entry)
+        return
+    _remove(path)
+    if entry.kind == KIND_SYMLINK:
+        assert entry.target is not None
+        os.symlink(entry.target, path)
+        _set_owner_mode(path, entry, symlink=True)
+        os.utime(path, ns=(entry.mtime_ns, entry.mtime_ns), follow_symlinks=False)
+        return
+    if entry.kind == KIND_FIFO:
+        os.mkfifo(path)
+    elif entry.kind == KIND_FILE:
+        src = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=staging_fd)
+        try:
+            dst = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                remaining = entry.size
+                while remaining > 0:
+                    # sendfile works across filesystems (copy_file_range may not).
+                    copied = os.sendfile(dst, src, None, min(remaining, 1 << 30))
+                    if copied == 0:
+                        raise RestoreFailed(f"{entry.path} is shorter than its manifest says")
+                    remaining -= copied
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+    _set_owner_mode(path, entry)
+    os.utime(path, ns=(entry.mtime_ns, entry.mtime_ns))
+
+
+def _main(request: dict[str, Any]) -> None:
+    entries = [Entry.from_dict(e) for e in request["entries"]]
+    staging_fd = os.open(request["staging"], os.O_RDONLY | os.O_DIRECTORY)
+    os.chroot(request["target"])
+    os.chdir("/")
+    if request.get("replace"):
+        _clear_dir("/")
+    for entry in entries:
+        _apply_one(entry, staging_fd)
+    # Directory mtimes last, deepest first: writing children changed them.
+    for entry in sorted((e for e in entries if e.kind == KIND_DIR),
+                        key=lambda e: e.path.count("/"), reverse=True):
+        os.utime("/" + entry.path, ns=(entry.mtime_ns, entry.mtime_ns))
+
+
+if __name__ == "__main__":
+    try:
+        _main(json.load(sys.stdin))
+    except Exception as exc:  # one line for the parent's error message
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(1)

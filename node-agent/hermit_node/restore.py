@@ -1,0 +1,181 @@
+"""Restore a checkpoint into a new container whose PID 1 is ``hermit-init --restore``.
+
+Order matters: download and verify everything, check the node can run it, apply the
+writable layer and the workspace, and only then let CRIU read the images.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hermit_common.errors import CheckpointRefused, RestoreFailed
+from hermit_common.manifest import Manifest
+from hermit_common.store import CheckpointStore
+
+from hermit_node import container, sysinfo
+from hermit_node.checkpoint import SECTION_IMAGES, SECTION_ROOTFS, SECTION_WORKSPACE
+from hermit_node.criu import Criu
+from hermit_node.fsapply import apply_tree
+from hermit_node.restore_worker import WorkerRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RestoreTarget:
+    namespace: str
+    sandbox: str
+    sandbox_uid: str
+    checkpoint: str
+    init_pid: int  # host pid of the new container's PID 1 (hermit-init --restore)
+    bundle: Path | None = None
+    image_digest: str | None = None  # of the new container; must match the checkpoint's
+    expect_manifest_digest: str | None = None  # from Checkpoint.status, when known
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    download_ms: int
+    apply_ms: int
+    restore_ms: int
+    total_ms: int
+    restored_pid: int  # root of the restored tree, as seen in the container
+    downloaded_bytes: int
+
+
+def check_compatible(manifest: Manifest, *, criu_version: str, cpu_flags: tuple[str, ...],
+                     image_digest: str | None) -> None:
+    """Refuse, before CRIU sees a byte, a checkpoint this node cannot run."""
+    b = manifest.binding
+    missing = sysinfo.missing_cpu_flags(b.cpu_flags, cpu_flags)
+    if missing:
+        raise CheckpointRefused(
+            f"checkpoint {b.namespace}/{b.checkpoint} needs CPU features this node lacks: "
+            f"{', '.join(missing)}")
+    if _major_minor(criu_version) < _major_minor(b.criu_version):
+        raise CheckpointRefused(
+            f"checkpoint {b.namespace}/{b.checkpoint} was made by CRIU {b.criu_version}; "
+            f"this node has the older {criu_version}")
+    if b.image_digest and image_digest and b.image_digest != image_digest:
+        raise CheckpointRefused(
+            f"checkpoint {b.namespace}/{b.checkpoint} was taken from image {b.image_digest}, "
+            f"the new container runs {image_digest}")
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    parts = ([*version.split("."), "0", "0"])[:2]
+    try:
+        return int(parts[0]), int(parts[1])
+    except ValueError:
+        return (0, 0)
+
+
+def _dir_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _ms(start: float) -> int:
+    return int((time.monotonic() - start) * 1000)
+
+
+class RestoreEngine:
+    def __init__(self, criu: Criu, store: CheckpointStore, work_dir: Path) -> None:
+        self._criu = criu
+        self._store = store
+        self._work_dir = work_dir
+
+    def restore(self, target: RestoreTarget, *, timeout: float = 120.0) -> RestoreResult:
+        began = time.monotonic()
+        view = container.inspect(target.init_pid, target.bundle)
+        local = self._work_dir / "restores" / target.namespace / target.sandbox / target.checkpoint
+        shutil.rmtree(local, ignore_errors=True)
+        local.mkdir(parents=True)
+        started = time.monotonic()
+        manifest = self._store.download(
+            target.namespace, target.sandbox, target.checkpoint, local,
+            expect_uid=target.sandbox_uid, expect_digest=target.expect_manifest_digest)
+        download_ms = _ms(started)
+        check_compatible(manifest, criu_version=self._criu.version(),
+                         cpu_flags=sysinfo.cpu_flags(), image_digest=target.image_digest)
+        info = manifest.restore
+        externals = []
+        for key, destination in dict(info.get("mounts", {})).items():
+            source = view.bind_source(str(destination))
+            if source is None:
+                raise RestoreFailed(
+                    f"the new container has no mount at {destination}, which the checkpoint "
+                    "had; give the new pod the same volumes")
+            externals.append(f"mnt[{key}]:{source}")
+        stdio_keys = {str(k): int(v) for k, v in dict(info.get("stdio", {})).items()}
+        for key, fd in stdio_keys.items():
+            if not view.stdio[fd].startswith("pipe:"):
+                raise RestoreFailed(
+                    f"fd {fd} of the new container's init is {view.stdio[fd]!r}, not a pipe; "
+                    f"cannot reconnect the checkpoint's {key}")
+
+        started = time.monotonic()
+        if SECTION_ROOTFS in manifest.sections:
+            apply_tree(manifest.sections[SECTION_ROOTFS], local / SECTION_ROOTFS, view.rootfs)
+        workspace = info.get("workspace")
+        if SECTION_WORKSPACE in manifest.sections and workspace:
+            source = view.bind_source(str(workspace))
+            if source is None:
+                raise RestoreFailed(f"the new container has no workspace mount at {workspace}")
+            apply_tree(manifest.sections[SECTION_WORKSPACE], local / SECTION_WORKSPACE,
+                       Path(source), replace=True)
+        apply_ms = _ms(started)
+
+        started = time.monotonic()
+        request = WorkerRequest(
+            criu_binary=self._criu.binary,
+            images_dir=str(local / SECTION_IMAGES),
+            root=str(view.rootfs),
+            target_pid=target.init_pid,
+            externals=externals,
+            netns_key=str(info.get("netnsKey", "extnet")),
+            stdio_keys=stdio_keys,
+            cgroup_dirs=[str(p) for cg in view.cgroups if (p := cg.host_path()).is_dir()],
+        )
+        pid = _run_worker(request, timeout)
+        _wait_for_child(target.init_pid, timeout)
+        restore_ms = _ms(started)
+        result = RestoreResult(
+            download_ms=download_ms, apply_ms=apply_ms, restore_ms=restore_ms,
+            total_ms=_ms(began), restored_pid=pid,
+            downloaded_bytes=_dir_bytes(local),
+        )
+        log.info("restored %s/%s into pid %d: %s", target.namespace, target.checkpoint,
+                 target.init_pid, result)
+        return result
+
+
+def _run_worker(request: WorkerRequest, timeout: float) -> int:
+    proc = subprocess.run(
+        [sys.executable, "-m", "hermit_node.restore_worker"],
+        input=json.dumps(asdict(request)), capture_output=True, text=True, timeout=timeout,
+        check=False,
+    )
+    try:
+        answer = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        answer = {"error": proc.stderr.strip()[-500:] or f"exit code {proc.returncode}"}
+    if "error" in answer:
+        raise RestoreFailed(f"restore into pid {request.target_pid} failed: {answer['error']}")
+    return int(answer["pid"])
+
+
+def _wait_for_child(init_pid: int, timeout: float) -> None:
+    """The restored tree must end up under the container's init."""
+    children = Path(f"/proc/{init_pid}/task/{init_pid}/children")
+    deadline = time.monotonic() + timeout
+    while not children.read_text().split():
+        if time.monotonic() > deadline:
+            raise RestoreFailed(f"the restored tree never became a child of pid {init_pid}")
+        time.sleep(0.01)

@@ -1,0 +1,13 @@
+"""Errors raised by the interruption watchers (both are ``HermitError``s)."""
+
+from __future__ import annotations
+
+from hermit_common.errors import HermitError
+
+
+class NoticeParseError(HermitError):
+    """A metadata document announcing an interruption could not be understood."""
+
+
+class MetadataUnavailable(HermitError):
+    """The cloud's metadata service could not be reached or refused the request."""

@@ -1,0 +1,439 @@
+"""hermit-init and hermit-stateful as real processes on the host.
+
+The binaries are built by hack/build-init and hack/build-workloads (cached, so a
+second run takes well under a second). Restore mode runs hermit-init as PID 1 of
+a real pid namespace (unshare) and makes a process tree appear under it from the
+outside (nsenter + a parent that exits), as `criu restore --restore-detached` does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+ROOT = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+
+
+def _build(script: str) -> Path:
+    result = subprocess.run(
+        [str(ROOT / "hack" / script)], capture_output=True, text=True, timeout=900, check=False
+    )
+    if result.returncode != 0:
+        pytest.fail(f"hack/{script} failed (exit {result.returncode}): {result.stderr[-2000:]}")
+    path = Path(result.stdout.strip().splitlines()[-1])
+    if not os.access(path, os.X_OK):
+        pytest.fail(f"hack/{script} printed {path}, which is not an executable")
+    return path
+
+
+@pytest.fixture(scope="module")
+def init_bin() -> Path:
+    return _build("build-init")
+
+
+@pytest.fixture(scope="module")
+def stateful_bin() -> Path:
+    return _build("build-workloads")
+
+
+def wait_for(cond: Callable[[], T | None], what: str, timeout: float = 10.0) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def read_text(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, ppid) of a process, or None when it no longer exists."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = raw[raw.rindex(")") + 2 :].split()
+    return fields[0], int(fields[1])
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def spawn(argv: Sequence[str | Path], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [str(a) for a in argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=env,
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 15.0) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{proc.args!r} did not exit within {timeout}s; stderr: {err}")
+    return proc.returncode, out, err
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list[subprocess.Popen[str]]]:
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def script(path: Path, body: str) -> Path:
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return path
+
+
+# --- fresh start --------------------------------------------------------------------------
+
+
+def test_binaries_are_static(init_bin: Path, stateful_bin: Path) -> None:
+    for binary in (init_bin, stateful_bin):
+        headers = subprocess.run(
+            ["readelf", "-l", str(binary)], capture_output=True, text=True, check=True
+        ).stdout
+        assert "INTERP" not in headers, f"{binary} is dynamically linked"
+
+
+def test_cli(init_bin: Path) -> None:
+    version = subprocess.run([init_bin, "--version"], capture_output=True, text=True, check=False)
+    assert version.returncode == 0 and version.stdout.startswith("hermit-init ")
+    usage = subprocess.run([init_bin, "--help"], capture_output=True, text=True, check=False)
+    assert usage.returncode == 0 and "--restore-timeout" in usage.stdout
+    for bad in ([], ["--bogus"], ["--grace", "x", "--", "true"], ["--restore-timeout"]):
+        r = subprocess.run([init_bin, *bad], capture_output=True, text=True, check=False)
+        assert r.returncode == 2, (bad, r.stderr)
+        assert r.stderr.startswith("hermit-init: ")
+
+
+@pytest.mark.parametrize(
+    ("command", "code"),
+    [
+        (["sh", "-c", "exit 7"], 7),
+        (["sh", "-c", "kill -KILL $$"], 137),
+        (["true"], 0),
+        (["/nonexistent/command"], 127),
+    ],
+)
+def test_exit_code_propagates(init_bin: Path, command: list[str], code: int) -> None:
+    rc, _, _ = finish(spawn([init_bin, "--", *command]))
+    assert rc == code
+
+
+def test_signals_are_forwarded(
+    init_bin: Path, tmp_path: Path, cleanup: list[subprocess.Popen[str]]
+) -> None:
+    child = script(
+        tmp_path / "child.sh",
+        "trap 'echo USR1 >> \"$1/signals\"' USR1\n"
+        "trap 'echo TERM >> \"$1/signals\"; exit 0' TERM\n"
+        'echo ready > "$1/ready"\n'
+        "while :; do sleep 0.02; done\n",
+    )
+    proc = spawn([init_bin, "--", child, tmp_path])
+    cleanup.append(proc)
+    wait_for(lambda: (tmp_path / "ready").exists(), "the child to start")
+    proc.send_signal(signal.SIGUSR1)
+    wait_for(lambda: "USR1" in (read_text(tmp_path / "signals") or ""), "USR1 to be forwarded")
+    proc.send_signal(signal.SIGTERM)
+    rc, _, _ = finish(proc)
+    assert rc == 0
+    assert (tmp_path / "signals").read_text().split() == ["USR1", "TERM"]
+
+
+def test_orphans_are_reparented_and_reaped(
+    init_bin: Path, tmp_path: Path, cleanup: list[subprocess.Popen[str]]
+) -> None:
+    script(tmp_path / "orphan.sh", 'echo $$ > "$1/orphan.pid"\nexec sleep 1\n')
+    main = script(
+        tmp_path / "main.sh",
+        '( sh "$1/orphan.sh" "$1" & )\nwhile [ ! -e "$1/stop" ]; do sleep 0.02; done\n',
+    )
+    proc = spawn([init_bin, "--", main, tmp_path])
+    cleanup.append(proc)
+    orphan = int(wait_for(lambda: read_text(tmp_path / "orphan.pid"), "the orphan to start"))
+    stat = wait_for(lambda: proc_stat(orphan), "the orphan's /proc entry")
+    assert stat[1] == proc.pid, "the orphan was not reparented to hermit-init (subreaper)"
+    wait_for(lambda: proc_stat(orphan) is None, "the orphan to exit and be reaped", timeout=10)
+    (tmp_path / "stop").touch()
+    rc, _, _ = finish(proc)
+    assert rc == 0
+
+
+def test_leftovers_get_sigterm_then_sigkill(init_bin: Path, tmp_path: Path) -> None:
+    script(tmp_path / "stubborn.sh", 'trap "" TERM\necho $$ > "$1/stubborn.pid"\nexec sleep 100\n')
+    script(tmp_path / "polite.sh", 'echo $$ > "$1/polite.pid"\nexec sleep 100\n')
+    main = script(
+        tmp_path / "main.sh",
+        '( sh "$1/stubborn.sh" "$1" & )\n( sh "$1/polite.sh" "$1" & )\n'
+        'while [ ! -s "$1/stubborn.pid" ] || [ ! -s "$1/polite.pid" ]; do sleep 0.02; done\n'
+        "exit 3\n",
+    )
+    start = time.monotonic()
+    rc, _, err = finish(spawn([init_bin, "--grace", "1", "--", main, tmp_path]))
+    elapsed = time.monotonic() - start
+    assert rc == 3
+    assert 0.9 < elapsed < 5, f"exit took {elapsed:.2f}s with --grace 1"
+    assert "sending SIGKILL" in err
+    for name in ("stubborn.pid", "polite.pid"):
+        pid = int((tmp_path / name).read_text())
+        assert proc_stat(pid) is None, f"{name} process {pid} survived hermit-init"
+
+
+def test_leftovers_that_obey_sigterm_end_quickly(init_bin: Path, tmp_path: Path) -> None:
+    script(tmp_path / "polite.sh", 'echo $$ > "$1/polite.pid"\nexec sleep 100\n')
+    main = script(
+        tmp_path / "main.sh",
+        '( sh "$1/polite.sh" "$1" & )\nwhile [ ! -s "$1/polite.pid" ]; do sleep 0.02; done\n',
+    )
+    start = time.monotonic()
+    rc, _, err = finish(spawn([init_bin, "--grace", "30", "--", main, tmp_path]))
+    assert rc == 0
+    assert time.monotonic() - start < 5
+    assert "SIGKILL" not in err
+
+
+# --- restore mode -------------------------------------------------------------------------
+
+
+def _require(tool: str) -> None:
+    if shutil.which(tool) is None:
+        pytest.fail(f"{tool} is missing: apt-get install util-linux")
+
+
+def start_restore_ns(
+    init_bin: Path, extra: list[str], cleanup: list[subprocess.Popen[str]]
+) -> tuple[subprocess.Popen[str], int]:
+    """hermit-init --restore as PID 1 of a new pid namespace; returns (unshare, init host pid)."""
+    _require("unshare")
+    _require("nsenter")
+    proc = spawn(["unshare", "--pid", "--fork", "--mount-proc", init_bin, "--restore", *extra])
+    cleanup.append(proc)
+
+    def init_pid() -> int | None:
+        for pid in children(proc.pid):
+            try:
+                if Path(f"/proc/{pid}/exe").resolve() == init_bin.resolve():
+                    return pid
+            except OSError:
+                pass
+        return None
+
+    return proc, wait_for(init_pid, "hermit-init to start in its pid namespace")
+
+
+def detach_into(init_pid: int, argv: list[str | Path]) -> None:
+    """Starts argv in init's pid namespace with a parent that exits at once."""
+    cmd = ["nsenter", "-t", str(init_pid), "--pid", "--mount", "--", "sh", "-c", '("$@" &)', "sh"]
+    subprocess.run([*cmd, *map(str, argv)], check=True, timeout=10)
+
+
+def test_restore_adopts_a_reparented_tree(
+    init_bin: Path, tmp_path: Path, cleanup: list[subprocess.Popen[str]]
+) -> None:
+    adopted = script(
+        tmp_path / "adopted.sh",
+        "trap 'echo TERM >> \"$1/signals\"; exit 0' TERM\n"
+        'echo ready > "$1/ready"\nwhile :; do sleep 0.02; done\n',
+    )
+    proc, init_pid = start_restore_ns(init_bin, ["--restore-timeout", "30"], cleanup)
+    detach_into(init_pid, ["sh", adopted, tmp_path])
+    wait_for(lambda: (tmp_path / "ready").exists(), "the adopted process to start")
+    wait_for(lambda: children(init_pid), "the process to be reparented to hermit-init")
+    os.kill(init_pid, signal.SIGTERM)
+    rc, _, err = finish(proc)
+    assert rc == 0, err
+    assert "adopted restored process" in err
+    assert (tmp_path / "signals").read_text().split() == ["TERM"]
+
+
+def test_restore_propagates_exit_code_of_a_nested_init(
+    init_bin: Path, tmp_path: Path, cleanup: list[subprocess.Popen[str]]
+) -> None:
+    # The shape of a real restore: the adopted root is (a copy of) hermit-init running as
+    # PID 1 of a nested pid namespace, with the user's command under it.
+    user = script(tmp_path / "user.sh", 'while [ ! -e "$1/stop" ]; do sleep 0.02; done\nexit 5\n')
+    proc, init_pid = start_restore_ns(init_bin, [], cleanup)
+    detach_into(init_pid, ["unshare", "--pid", "--fork", init_bin, "--", "sh", user, tmp_path])
+    wait_for(lambda: children(init_pid), "the nested tree to be reparented to hermit-init")
+    (tmp_path / "stop").touch()
+    rc, _, err = finish(proc)
+    assert rc == 5, err
+
+
+def test_restore_timeout_exits_75(init_bin: Path) -> None:
+    start = time.monotonic()
+    rc, _, err = finish(spawn([init_bin, "--restore", "--restore-timeout", "1"]))
+    assert rc == 75
+    assert 0.9 < time.monotonic() - start < 5
+    assert err.startswith("hermit-init: no restored process appeared within 1 s")
+
+
+def test_restore_fallback_starts_the_command(init_bin: Path) -> None:
+    argv: list[str | Path] = [
+        init_bin,
+        "--restore",
+        "--restore-timeout",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "exit 4",
+    ]
+    rc, _, _ = finish(spawn(argv, env={**os.environ, "HERMIT_RESTORE_FALLBACK": "start"}))
+    assert rc == 4
+    rc, _, _ = finish(spawn(argv))
+    assert rc == 75, "without HERMIT_RESTORE_FALLBACK=start the command must not run"
+
+
+def test_sigterm_while_waiting_for_restore(
+    init_bin: Path, cleanup: list[subprocess.Popen[str]]
+) -> None:
+    proc, init_pid = start_restore_ns(init_bin, [], cleanup)
+    os.kill(init_pid, signal.SIGTERM)
+    rc, _, err = finish(proc)
+    assert rc == 128 + signal.SIGTERM, err
+
+
+# --- the stateful workload ----------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def workload_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    (tmp_path / "workspace").mkdir(exist_ok=True)
+    (tmp_path / "delete-me").write_text("from the image\n")
+    return {
+        **os.environ,
+        "HERMIT_STATE_DIR": str(tmp_path / "state"),
+        "HERMIT_TICK_LOG": str(tmp_path / "workspace" / "ticks.log"),
+        "HERMIT_DELETE_PATH": str(tmp_path / "delete-me"),
+        "HERMIT_LISTEN_ADDR": "127.0.0.1",
+        "PORT": str(free_port()),
+        "HERMIT_TICK_MS": "20",
+        "HERMIT_CHILD_MS": "30",
+        **extra,
+    }
+
+
+def counter(tmp_path: Path) -> int:
+    text = read_text(tmp_path / "state" / "counter.txt")
+    return int(text) if text and text.strip().isdigit() else 0
+
+
+def ask(port: int) -> tuple[int, int]:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        data = b""
+        while chunk := s.recv(256):
+            data += chunk
+    m = re.fullmatch(rb"counter=(\d+) child=(\d+)\n", data)
+    assert m, data
+    return int(m.group(1)), int(m.group(2))
+
+
+def ticks(text: str) -> list[int]:
+    return [int(line.split()[1]) for line in text.splitlines() if line.startswith("tick ")]
+
+
+def test_stateful_workload(
+    init_bin: Path, stateful_bin: Path, tmp_path: Path, cleanup: list[subprocess.Popen[str]]
+) -> None:
+    env = workload_env(tmp_path)
+    proc = spawn([init_bin, "--", stateful_bin], env=env)
+    cleanup.append(proc)
+    wait_for(lambda: counter(tmp_path) >= 10, "the counter to reach 10")
+    workload = children(proc.pid)[0]
+
+    (tmp_path / "state" / "counter.txt").write_text("100000\n")
+    wait_for(lambda: 0 < counter(tmp_path) < 100000, "the next tick")
+    value, child = ask(int(env["PORT"]))
+    assert 10 <= value < 100000, "the counter must live in memory, not on disk"
+    assert (tmp_path / "state" / "child.pid").read_text().strip() == str(child)
+    stat = proc_stat(child)
+    assert stat is not None and stat[1] == workload, "the TCP answer must name the live child"
+    beats = (tmp_path / "state" / "child.txt").read_text()
+    wait_for(lambda: read_text(tmp_path / "state" / "child.txt") != beats, "a child heartbeat")
+    assert not (tmp_path / "delete-me").exists()
+    assert (tmp_path / "state" / "created.txt").exists()
+
+    proc.send_signal(signal.SIGTERM)
+    rc, out, err = finish(proc)
+    assert rc == 0, err
+    logged = ticks((tmp_path / "workspace" / "ticks.log").read_text())
+    assert logged == list(range(1, len(logged) + 1))
+    assert ticks(out) == logged
+    assert proc_stat(child) is None, "the background child outlived the workload"
+
+
+def test_stateful_max_ticks(stateful_bin: Path, tmp_path: Path) -> None:
+    rc, out, err = finish(spawn([stateful_bin], env=workload_env(tmp_path, HERMIT_MAX_TICKS="5")))
+    assert rc == 0, err
+    assert ticks(out) == [1, 2, 3, 4, 5]
+
+
+def test_stateful_fails_when_its_child_is_lost(stateful_bin: Path, tmp_path: Path) -> None:
+    proc = spawn([stateful_bin], env=workload_env(tmp_path, HERMIT_TICK_MS="10"))
+    child = int(wait_for(lambda: read_text(tmp_path / "state" / "child.pid"), "child.pid"))
+    os.kill(child, signal.SIGKILL)
+    rc, _, err = finish(proc)
+    assert rc == 4, "losing the background child must fail the workload"
+    assert "background child" in err
+
+
+def test_stateful_memory_is_verified(stateful_bin: Path, tmp_path: Path) -> None:
+    env = workload_env(tmp_path, HERMIT_WORKLOAD_MEM_MB="8")
+    proc = spawn([stateful_bin], env=env)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    m = re.fullmatch(r"mem addr=0x([0-9a-f]+) mb=8\n", first)
+    assert m, first
+    wait_for(lambda: counter(tmp_path) >= 3, "ticks with memory verification")
+    rss_kib = int(re.findall(r"VmRSS:\s+(\d+)", Path(f"/proc/{proc.pid}/status").read_text())[0])
+    assert rss_kib >= 8 * 1024
+    with open(f"/proc/{proc.pid}/mem", "r+b", buffering=0) as mem:
+        mem.seek(int(m.group(1), 16) + 5 * 4096 + 8)
+        mem.write(b"\xde\xad\xbe\xef")
+    rc, _, err = finish(proc)
+    assert rc == 3
+    assert "memory corrupted" in err

@@ -1,0 +1,184 @@
+"""The Helm chart, without helm: values against their schema, CRD copies, env names.
+
+Rendering with ``helm template`` is checked too when a helm binary is on PATH or
+in ~/.cache/hermit/bin (hack/verify does the same); without one that test skips.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "hermit"
+SETTINGS_PY = ROOT / "common" / "hermit_common" / "settings.py"
+
+Values = dict[str, Any]
+
+VALUES: Values = yaml.safe_load((CHART / "values.yaml").read_text())
+SCHEMA: dict[str, Any] = yaml.safe_load((CHART / "values.schema.json").read_text())
+WITH_BUCKET: Values = {**copy.deepcopy(VALUES), "s3": {**VALUES["s3"], "bucket": "checkpoints"}}
+
+
+def merged(base: Values, override: Values) -> Values:
+    """Helm's merge of user values over the chart's: maps merge, everything else replaces."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def errors(values: Values) -> list[str]:
+    validator = jsonschema.Draft7Validator(SCHEMA)
+    return [
+        f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}"
+        for e in validator.iter_errors(values)
+    ]
+
+
+def test_schema_is_a_valid_draft7_schema() -> None:
+    jsonschema.Draft7Validator.check_schema(SCHEMA)
+
+
+def test_chart_metadata() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2"
+    assert chart["name"] == "hermit"
+    assert chart["version"] == "0.1.0"
+    assert chart["appVersion"] == "0.1.0"
+
+
+def test_values_with_a_bucket_are_valid() -> None:
+    assert errors(WITH_BUCKET) == []
+
+
+def test_default_values_ask_only_for_the_bucket() -> None:
+    problems = errors(VALUES)
+    assert problems and all(p.startswith("s3.bucket:") for p in problems), problems
+
+
+def test_crds_only_install_needs_no_bucket() -> None:
+    crds_only = merged(VALUES, {"operator": {"enabled": False}, "nodeAgent": {"enabled": False}})
+    assert errors(crds_only) == []
+
+
+@pytest.mark.parametrize(("override", "where"), [
+    ({"cloudProvider": "ibm"}, "cloudProvider"),
+    ({"operator": {"image": {"pullPolicy": "Sometimes"}}}, "operator.image.pullPolicy"),
+    ({"operator": {"replicas": 2, "leaderElection": {"enabled": False}}},
+     "operator.leaderElection.enabled"),
+    ({"operator": {"replicas": -1}}, "operator.replicas"),
+    ({"nodeAgent": {"awsImdsUrl": "169.254.169.254"}}, "nodeAgent.awsImdsUrl"),
+    ({"nodeAgent": {"pollIntervalSeconds": 5}}, "nodeAgent.pollIntervalSeconds"),
+    ({"nodeAgent": {"logLevel": "verbose"}}, "nodeAgent.logLevel"),
+    ({"nodeAgent": {"hostPaths": {"workDir": "var/lib/hermit"}}}, "nodeAgent.hostPaths.workDir"),
+    ({"metrics": {"port": 70000}}, "metrics.port"),
+    ({"metrics": {"serviceMonitor": {"enabled": "yes"}}}, "metrics.serviceMonitor.enabled"),
+    ({"s3": {"bucket": "Not_A_Bucket"}}, "s3.bucket"),
+    ({"s3": {"prefix": "/hermit"}}, "s3.prefix"),
+    ({"s3": {"endpoint": "minio:9000"}}, "s3.endpoint"),
+    ({"operatr": {}}, ""),
+])
+def test_invalid_values_are_rejected(override: Values, where: str) -> None:
+    problems = errors(merged(WITH_BUCKET, override))
+    assert any(p.startswith(f"{where}:") for p in problems), problems
+
+
+def _key_lines() -> dict[str, bool]:
+    """Dotted path of every mapping key in values.yaml -> whether a comment precedes it."""
+    commented: dict[str, bool] = {}
+    stack: list[tuple[int, str]] = []
+    previous = ""
+    for line in (CHART / "values.yaml").read_text().splitlines():
+        stripped = line.strip()
+        match = re.match(r"^(\s*)([A-Za-z0-9_]+):", line)
+        if match:
+            indent = len(match.group(1))
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            stack.append((indent, match.group(2)))
+            commented[".".join(k for _, k in stack)] = previous.startswith("#")
+        if stripped:
+            previous = stripped
+    return commented
+
+
+def _leaf_paths(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
+    """Paths in values whose schema node is a leaf (no declared properties)."""
+    if "$ref" in schema:
+        schema = SCHEMA["definitions"][schema["$ref"].rsplit("/", 1)[1]]
+    props = schema.get("properties")
+    if not props or not isinstance(value, dict):
+        return [path]
+    leaves: list[str] = []
+    for key, sub in value.items():
+        leaves += _leaf_paths(props[key], sub, f"{path}.{key}" if path else key)
+    return leaves
+
+
+def test_every_value_is_commented() -> None:
+    commented = _key_lines()
+    leaves = _leaf_paths(SCHEMA, VALUES)
+    assert leaves, "no values found"
+    uncommented = [p for p in leaves if not commented.get(p, False)]
+    assert uncommented == []
+
+
+def test_chart_crds_are_byte_identical_copies() -> None:
+    source = {p.name: p.read_bytes() for p in (ROOT / "crds").glob("*.yaml")}
+    copies = {p.name: p.read_bytes() for p in (CHART / "crds").glob("*.yaml")}
+    assert sorted(copies) == sorted(source), "run hack/verify --fix"
+    stale = [name for name in source if copies[name] != source[name]]
+    assert stale == [], "run hack/verify --fix"
+
+
+# Variables the chart sets that no settings class reads: identity from the downward API
+# and the operator's leader election (its settings are not in hermit_common yet).
+CHART_ONLY_ENV = {"HERMIT_NAMESPACE", "HERMIT_POD_NAME",
+                  "HERMIT_LEADER_ELECTION", "HERMIT_LEADER_ELECTION_LEASE"}
+
+
+def test_chart_env_names_are_read_by_the_settings() -> None:
+    templates = "\n".join(p.read_text() for p in (CHART / "templates").iterdir())
+    in_chart = set(re.findall(r"name: (HERMIT_[A-Z0-9_]+)", templates))
+    in_settings = set(re.findall(r'"(HERMIT_[A-Z0-9_]+)"', SETTINGS_PY.read_text()))
+    assert in_chart - CHART_ONLY_ENV <= in_settings, sorted(in_chart - CHART_ONLY_ENV - in_settings)
+    # What the node-agent cannot start without.
+    assert {"HERMIT_NODE_NAME", "HERMIT_S3_BUCKET"} <= in_chart
+
+
+def _helm() -> str | None:
+    cached = Path(os.environ.get("HERMIT_CACHE", Path.home() / ".cache" / "hermit")) / "bin"
+    return shutil.which("helm") or shutil.which("helm", path=str(cached))
+
+
+def test_helm_template_renders() -> None:
+    helm = _helm()
+    if helm is None:
+        pytest.skip("no helm binary (built into ~/.cache/hermit/bin by the k8s install script)")
+    out = subprocess.run(
+        [helm, "template", "hermit", str(CHART), "--namespace", "hermit-system",
+         "--set", "s3.bucket=checkpoints", "--set", "metrics.serviceMonitor.enabled=true"],
+        check=True, capture_output=True, text=True, timeout=60,
+    ).stdout
+    kinds = sorted(d["kind"] for d in yaml.safe_load_all(out) if d)
+    assert kinds == sorted([
+        "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding",
+        "DaemonSet", "Deployment", "Role", "RoleBinding", "Service", "Service",
+        "ServiceAccount", "ServiceAccount", "ServiceMonitor", "ServiceMonitor",
+    ])
+    missing = subprocess.run(
+        [helm, "template", "hermit", str(CHART)], capture_output=True, text=True, timeout=60)
+    assert missing.returncode != 0 and "s3.bucket" in missing.stderr
