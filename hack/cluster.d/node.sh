@@ -16,7 +16,7 @@ node_alloc() {  # node_alloc NAME CAPACITY: reserves an index (1..200) for NAME
   local name=$1 cap=$2 dir i used
   dir=$(node_dir "$name")
   node_exists "$name" && return 0
-  used=" $(cat "$CLUSTER_DIR"/nodes/*/index 2>/dev/null | tr '\n' ' ') "
+  used=" $(cat "$CLUSTER_DIR"/nodes/*/index 2>/dev/null | tr "\n" " " || true) "
   for i in $(seq 1 200); do
     case $used in *" $i "*) continue ;; esac
     mkdir -p "$dir"; echo "$cap" >"$dir/capacity"; echo "$i" >"$dir/index"; return 0
@@ -206,7 +206,7 @@ node_import_images() {
   local name=$1 img tar done_f
   done_f="$(node_dir "$name")/images.imported"
   touch "$done_f"
-  for img in "${IMAGES[@]}"; do
+  for img in ${NODE_IMAGES:-${IMAGES[*]}}; do
     tar=$(readlink -f "$HERMIT_CACHE/images/$img.tar")
     grep -qxF "$tar" "$done_f" && continue
     ctr --address "$(node_sock "$name")" -n k8s.io images import --no-unpack=false "$tar" >/dev/null \

@@ -89,7 +89,9 @@ def build(args: argparse.Namespace) -> str:
             digest, size = blobs.add_file(tar_path)
             layers.append({"mediaType": MT_LAYER, "digest": f"sha256:{digest}", "size": size})
             diff_ids.append(f"sha256:{digest}")
-        cfg: dict[str, Any] = {"Env": args.env or ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]}
+        cfg: dict[str, Any] = {
+            "Env": args.env or ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
+        }
         if args.entrypoint:
             cfg["Entrypoint"] = json.loads(args.entrypoint)
         if args.cmd:
@@ -138,8 +140,13 @@ def build(args: argparse.Namespace) -> str:
 
 
 class _LayerAction(argparse.Action):
-    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        ns: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         kind = "dir" if option_string == "--layer-dir" else "tar"
         ns.layers = [*(ns.layers or []), (kind, values)]
 

@@ -11,9 +11,10 @@ import signal
 import threading
 from collections.abc import Mapping
 
+from prometheus_client import Counter, start_http_server
+
 from hermit_common import metrics
 from hermit_common.settings import NodeSettings, redacted
-from prometheus_client import Counter, start_http_server
 
 log = logging.getLogger("hermit_node")
 

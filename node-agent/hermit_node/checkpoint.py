@@ -22,7 +22,6 @@ from typing import Any
 from hermit_common.errors import CheckpointFailed, HermitError
 from hermit_common.manifest import Binding
 from hermit_common.store import CheckpointStore
-
 from hermit_node import container, freezer, sysinfo
 from hermit_node.criu import Criu, DumpRequest
 

@@ -27,7 +27,6 @@ from hermit_common.settings import Env, StoreSettings, WatcherSettings
 
 def _engine_parts() -> tuple[object, object, Path]:
     from hermit_common.store import CheckpointStore
-
     from hermit_node.criu import Criu
 
     env = Env(os.environ)

@@ -18,7 +18,6 @@ from pathlib import Path
 from hermit_common.errors import CheckpointRefused, RestoreFailed
 from hermit_common.manifest import Manifest
 from hermit_common.store import CheckpointStore
-
 from hermit_node import container, sysinfo
 from hermit_node.checkpoint import SECTION_IMAGES, SECTION_ROOTFS, SECTION_WORKSPACE
 from hermit_node.criu import Criu

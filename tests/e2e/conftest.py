@@ -8,6 +8,7 @@ environment variables; defaults drive hack/cluster. See docs/cluster.md.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -20,7 +21,7 @@ from typing import Any, TypeVar
 
 import pytest
 from kubernetes import client, config
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -71,46 +72,104 @@ def e2e_config() -> E2EConfig:
     return _e2e_config()
 
 
+Obj = dict[str, Any]
+
+
+class Kube:
+    """The few core API calls the e2e tests need, returning plain JSON dicts."""
+
+    def __init__(self, api: client.CoreV1Api) -> None:
+        self.api = api
+
+    @staticmethod
+    def _json(resp: Any) -> Obj:
+        data: Obj = json.loads(resp.data)
+        return data
+
+    def nodes(self) -> list[Obj]:
+        items: list[Obj] = self._json(self.api.list_node(_preload_content=False))["items"]
+        return items
+
+    def node(self, name: str) -> Obj | None:
+        try:
+            return self._json(self.api.read_node(name, _preload_content=False))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def pod(self, ns: str, name: str) -> Obj | None:
+        try:
+            return self._json(self.api.read_namespaced_pod(name, ns, _preload_content=False))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def create_pod(self, ns: str, manifest: Obj) -> None:
+        body: Any = manifest  # the client accepts plain dicts
+        self.api.create_namespaced_pod(ns, body)
+
+    def pod_log(self, ns: str, name: str) -> str:
+        log: str = self.api.read_namespaced_pod_log(name, ns)
+        return log
+
+
+def name_of(obj: Obj) -> str:
+    name: str = obj["metadata"]["name"]
+    return name
+
+
+def labels_of(obj: Obj) -> dict[str, str]:
+    labels: dict[str, str] = obj["metadata"].get("labels") or {}
+    return labels
+
+
+def is_ready(node: Obj) -> bool:
+    conds = node.get("status", {}).get("conditions") or []
+    ready = any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+    return ready and not node.get("spec", {}).get("unschedulable", False)
+
+
 @pytest.fixture(scope="session")
-def core(e2e_config: E2EConfig) -> client.CoreV1Api:
-    """CoreV1Api of the cluster in KUBECONFIG; fails (never skips) when there is none."""
+def kube(e2e_config: E2EConfig) -> Kube:
+    """The cluster in KUBECONFIG; fails (never skips) when there is none."""
     hint = "no cluster: run hack/cluster up and export KUBECONFIG=$(hack/cluster kubeconfig)"
     if not e2e_config.kubeconfig:
         pytest.fail(f"{hint} (KUBECONFIG is not set)")
+    load: Any = config.load_kube_config
     try:
-        config.load_kube_config(config_file=e2e_config.kubeconfig)
+        load(config_file=e2e_config.kubeconfig)
         api = client.CoreV1Api()
         api.list_namespace(limit=1, _request_timeout=10)
     except Exception as exc:
         pytest.fail(f"{hint} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
-    return api
+    return Kube(api)
 
 
 @pytest.fixture
-def namespace(core: client.CoreV1Api, request: pytest.FixtureRequest) -> Iterator[str]:
+def namespace(kube: Kube, request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh namespace for one test, deleted afterwards."""
     base = request.node.name.lower().replace("_", "-")[:40].strip("-")
     name = f"e2e-{base}-{uuid.uuid4().hex[:6]}"
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    body: Any = {"metadata": {"name": name}}
+    kube.api.create_namespace(body)
     wait_until(
         f"default service account in {name}",
         60,
-        lambda: core.read_namespaced_service_account("default", name),
+        lambda: kube.api.read_namespaced_service_account("default", name),
     )
     yield name
-    core.delete_namespace(name, grace_period_seconds=0)
+    kube.api.delete_namespace(name, grace_period_seconds=0)
 
 
-def ready_nodes(core: client.CoreV1Api) -> list[client.V1Node]:
-    out = []
-    for node in core.list_node().items:
-        for cond in node.status.conditions or []:
-            if cond.type == "Ready" and cond.status == "True" and not node.spec.unschedulable:
-                out.append(node)
-    return out
+def ready_nodes(kube: Kube) -> list[Obj]:
+    return [n for n in kube.nodes() if is_ready(n)]
 
 
-def pod_manifest(name: str, node: str, image: str, command: list[str], **spec: Any) -> dict[str, Any]:
+def pod_manifest(
+    name: str, node: str, image: str, command: list[str], **spec: Any
+) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -120,22 +179,26 @@ def pod_manifest(name: str, node: str, image: str, command: list[str], **spec: A
             "restartPolicy": spec.pop("restartPolicy", "Never"),
             "terminationGracePeriodSeconds": 1,
             "containers": [
-                {"name": "main", "image": image, "imagePullPolicy": "IfNotPresent", "command": command}
+                {
+                    "name": "main",
+                    "image": image,
+                    "imagePullPolicy": "IfNotPresent",
+                    "command": command,
+                }
             ],
             **spec,
         },
     }
 
 
-def wait_pod_phase(
-    core: client.CoreV1Api, ns: str, name: str, phases: set[str], timeout: float = 120
-) -> client.V1Pod:
-    def probe() -> client.V1Pod | None:
-        pod = core.read_namespaced_pod(name, ns)
-        if pod.status.phase in phases:
+def wait_pod_phase(kube: Kube, ns: str, name: str, phases: set[str], timeout: float = 120) -> Obj:
+    def probe() -> Obj | None:
+        pod = kube.pod(ns, name) or {}
+        status = pod.get("status", {})
+        if status.get("phase") in phases:
             return pod
-        if pod.status.phase == "Failed" and "Failed" not in phases:
-            pytest.fail(f"pod {ns}/{name} failed: {pod.status.message or pod.status.reason}")
+        if status.get("phase") == "Failed" and "Failed" not in phases:
+            pytest.fail(f"pod {ns}/{name} failed: {status.get('message') or status.get('reason')}")
         return None
 
     return wait_until(f"pod {ns}/{name} in {sorted(phases)}", timeout, probe)

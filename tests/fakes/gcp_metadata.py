@@ -34,7 +34,7 @@ class Request:
     path: str
     query: dict[str, str]
     headers: dict[str, str]
-    status: int = 0
+    status: int = 0  # 0 while a long-poll is still waiting
 
 
 @dataclass
@@ -150,10 +150,10 @@ class GcpMetadataServer:
                 req = Request("GET", parts.path,
                               {k: v[-1] for k, v in parse_qs(parts.query).items()},
                               {k.lower(): v for k, v in self.headers.items()})
+                with server._cond:
+                    server.requests.append(req)  # recorded on arrival; status when answered
                 status, body, etag = server._answer(req)
                 req.status = status
-                with server._cond:
-                    server.requests.append(req)
                 data = body.encode()
                 try:
                     self.send_response(status)

@@ -6,8 +6,8 @@ import logging
 from typing import Any
 
 import requests
-from hermit_common.settings import WatcherSettings
 
+from hermit_common.settings import WatcherSettings
 from hermit_node.watchers.base import Clock, Watcher, utc_now
 from hermit_node.watchers.errors import MetadataUnavailable, NoticeParseError
 from hermit_node.watchers.notice import Notice

@@ -12,8 +12,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 import requests
-from hermit_common.settings import WatcherSettings
 
+from hermit_common.settings import WatcherSettings
 from hermit_node.watchers.errors import MetadataUnavailable
 from hermit_node.watchers.notice import Notice
 

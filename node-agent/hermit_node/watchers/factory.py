@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import requests
+
 from hermit_common.errors import SettingsError
 from hermit_common.settings import WatcherSettings
-
 from hermit_node.watchers.aws import AwsImdsWatcher
 from hermit_node.watchers.azure import AzureScheduledEventsWatcher
 from hermit_node.watchers.base import NullWatcher, Watcher

@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterator
 from datetime import datetime
 
 import requests
-from hermit_common.settings import WatcherSettings
 
+from hermit_common.settings import WatcherSettings
 from hermit_node.watchers.base import Clock, Watcher, utc_now
 from hermit_node.watchers.errors import MetadataUnavailable, NoticeParseError
 from hermit_node.watchers.notice import SCHEDULED_MAINTENANCE, Notice

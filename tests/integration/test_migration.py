@@ -1,0 +1,168 @@
+"""The migration test: a stateful container checkpointed to MinIO and resumed in another one.
+
+Real CRIU, containerd, runc, CNI and MinIO. Node A and node B are two private
+containerd daemons; nothing of A (container, netns, workspace, local images)
+survives before B restores, so everything B gets comes from S3.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hermit_common.errors import CheckpointFailed
+from hermit_common.settings import StoreSettings
+from hermit_common.store import CheckpointStore
+from hermit_node.checkpoint import CheckpointEngine, CheckpointTarget
+from hermit_node.criu import Criu
+from hermit_node.restore import RestoreEngine, RestoreTarget
+from hermit_testbed.cni import CniNetwork
+from hermit_testbed.containerd import Containerd
+from hermit_testbed.errors import TestbedError
+from hermit_testbed.scenario import (
+    DELETED_FROM_IMAGE,
+    Node,
+    Sandbox,
+    build_sandbox_image,
+    destroy_sandbox,
+    ns_pid,
+    process_tree,
+    start_sandbox,
+)
+from tests.support.containerd import require_containerd
+from tests.support.minio import MinioServer
+
+pytestmark = pytest.mark.integration
+
+NAMESPACE = "agents"
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node]]:
+    require_containerd()
+    base = tmp_path_factory.mktemp("nodes")
+    try:
+        image_tar = build_sandbox_image(base)
+    except TestbedError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    with Containerd(base / "node-a") as cd_a, Containerd(base / "node-b") as cd_b:
+        pair = (Node("node-a", cd_a, base / "work-a"), Node("node-b", cd_b, base / "work-b"))
+        for node in pair:
+            node.work_dir.mkdir()
+            node.image_ref = node.containerd.import_image(image_tar)
+        yield pair
+
+
+@pytest.fixture
+def store_settings(minio_server: MinioServer) -> StoreSettings:
+    settings = minio_server.settings(f"migration-{uuid.uuid4().hex[:8]}")
+    CheckpointStore(settings).ensure_bucket()
+    return settings
+
+
+def engines(node: Node, criu_bin: Path,
+            settings: StoreSettings) -> tuple[CheckpointEngine, RestoreEngine]:
+    store = CheckpointStore(settings)
+    criu = Criu(str(criu_bin))
+    return (CheckpointEngine(criu, store, node.work_dir),
+            RestoreEngine(criu, store, node.work_dir))
+
+
+def checkpoint_target(sandbox: Sandbox, uid: str, name: str) -> CheckpointTarget:
+    return CheckpointTarget(namespace=NAMESPACE, sandbox="sbx", sandbox_uid=uid,
+                            checkpoint=name, init_pid=sandbox.init_pid,
+                            image_digest=sandbox.node.image_digest())
+
+
+def restore_target(sandbox: Sandbox, uid: str, name: str) -> RestoreTarget:
+    return RestoreTarget(namespace=NAMESPACE, sandbox="sbx", sandbox_uid=uid, checkpoint=name,
+                         init_pid=sandbox.init_pid, image_digest=sandbox.node.image_digest())
+
+
+def test_migration_keeps_memory_children_files_log_socket_and_output(
+    nodes: tuple[Node, Node], cni_network: CniNetwork, criu_bin: Path,
+    store_settings: StoreSettings,
+) -> None:
+    node_a, node_b = nodes
+    uid = str(uuid.uuid4())
+    ckpt_a, restore_b = engines(node_a, criu_bin, store_settings)[0], engines(
+        node_b, criu_bin, store_settings)[1]
+
+    source = start_sandbox(node_a, cni_network, "sbx")
+    source.wait_ticks(15)
+    before = source.ask()
+    result = ckpt_a.checkpoint(checkpoint_target(source, uid, "ckpt-1"), stop=True)
+    assert result.manifest_digest.startswith("sha256:")
+    assert result.image_bytes > 0 and result.stored_bytes > 0
+    source.container.wait_exit(30)
+    ticks_at_checkpoint = source.ticks()
+    last = ticks_at_checkpoint[-1]
+    assert ticks_at_checkpoint == list(range(1, last + 1))
+    child_before = int(before["child"])
+
+    # Node A's copy is gone entirely: container, netns, workspace, local images.
+    destroy_sandbox(source, cni_network)
+    shutil.rmtree(ckpt_a.local_dir(checkpoint_target(source, uid, "ckpt-1")))
+
+    target = start_sandbox(node_b, cni_network, "sbx", restore=True)
+    try:
+        restored = restore_b.restore(restore_target(target, uid, "ckpt-1"))
+        assert restored.restored_pid > 0
+
+        # The in-memory counter continues where it was: no gap, no duplicate, not from zero.
+        ticks = target.wait_ticks(last + 10)
+        assert ticks == list(range(1, len(ticks) + 1)), "ticks.log has a gap or a duplicate"
+        assert ticks[last] == last + 1
+
+        # The listening socket answers on B's address, with the same child.
+        answer = target.ask()
+        assert int(answer["counter"]) > last
+        assert int(answer["child"]) == child_before
+
+        # The background child is alive with its pid in the namespace unchanged.
+        tree = process_tree(target.init_pid)
+        assert child_before in {ns_pid(p) for p in tree[1:]}, "background child not restored"
+
+        # Writable layer: the created file is there and the deleted one still gone.
+        workload_root = Path(f"/proc/{tree[-1]}/root")
+        assert (workload_root / "state/created.txt").read_text().startswith("created by pid")
+        assert not (workload_root / DELETED_FROM_IMAGE.lstrip("/")).exists()
+        assert int((workload_root / "state/counter.txt").read_text()) > last
+
+        # stdout of B carries the workload's output after the restore.
+        target.container.wait_log(f"tick {last + 5}\n", 30)
+
+        # Every restored process lives in B's cgroups.
+        expected = Path(f"/proc/{target.init_pid}/cgroup").read_text()
+        for pid in tree[1:]:
+            assert Path(f"/proc/{pid}/cgroup").read_text() == expected, f"pid {pid} cgroup"
+    finally:
+        destroy_sandbox(target, cni_network)
+
+
+def test_failed_checkpoint_leaves_sandbox_running(
+    nodes: tuple[Node, Node], cni_network: CniNetwork, criu_bin: Path,
+    minio_server: MinioServer,
+) -> None:
+    node_a, _ = nodes
+    unreachable = StoreSettings(
+        bucket="nowhere", endpoint_url="http://127.0.0.1:9", access_key_id="x",
+        secret_access_key="y", max_attempts=1, connect_timeout_seconds=0.5,
+        read_timeout_seconds=1.0)
+    engine = CheckpointEngine(Criu(str(criu_bin)), CheckpointStore(unreachable), node_a.work_dir)
+    sandbox = start_sandbox(node_a, cni_network, "sbx-fail")
+    try:
+        sandbox.wait_ticks(5)
+        with pytest.raises(CheckpointFailed) as failure:
+            engine.checkpoint(checkpoint_target(sandbox, str(uuid.uuid4()), "ckpt-x"), stop=True)
+        message = str(failure.value)
+        assert "\n" not in message and "127.0.0.1:9" in message and "left running" in message
+        after = sandbox.ticks()[-1]
+        sandbox.wait_ticks(after + 5)
+        assert sandbox.container.alive()
+    finally:
+        destroy_sandbox(sandbox, cni_network)
