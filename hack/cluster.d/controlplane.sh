@@ -2,6 +2,8 @@
 # kube-scheduler. Sourced by hack/cluster.
 # shellcheck shell=bash
 
+HOST_SYSCTLS="net.ipv4.ip_forward vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_on_oops kernel.keys.root_maxkeys kernel.keys.root_maxbytes"
+
 net_up() {
   if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
     ip link add "$BRIDGE" type bridge
@@ -9,7 +11,9 @@ net_up() {
   fi
   ip link set "$BRIDGE" up
   mkdir -p "$CLUSTER_DIR"
-  [ -f "$CLUSTER_DIR/ip_forward.orig" ] || cat /proc/sys/net/ipv4/ip_forward >"$CLUSTER_DIR/ip_forward.orig"
+  # host-wide knobs we (ip_forward) or the kubelets (kernel tunables) change;
+  # saved once, restored by `down`
+  [ -f "$CLUSTER_DIR/sysctl.orig" ] || sysctl $HOST_SYSCTLS >"$CLUSTER_DIR/sysctl.orig"
   sysctl -qw net.ipv4.ip_forward=1
   sysctl -qw "net.ipv4.conf.$BRIDGE.send_redirects=0"
   modprobe br_netfilter 2>/dev/null || true
@@ -17,9 +21,9 @@ net_up() {
 
 net_down() {
   ip link del "$BRIDGE" 2>/dev/null || true
-  if [ -f "$CLUSTER_DIR/ip_forward.orig" ]; then
-    sysctl -qw "net.ipv4.ip_forward=$(cat "$CLUSTER_DIR/ip_forward.orig")"
-    rm -f "$CLUSTER_DIR/ip_forward.orig"
+  if [ -f "$CLUSTER_DIR/sysctl.orig" ]; then
+    sysctl -q -p "$CLUSTER_DIR/sysctl.orig" >/dev/null
+    rm -f "$CLUSTER_DIR/sysctl.orig"
   fi
 }
 

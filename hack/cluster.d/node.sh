@@ -39,6 +39,14 @@ node_net_up() {
   ip route replace "$POD_NET_PREFIX.$i.0/24" via "$ip"
   ip netns exec "$ns" sysctl -qw net.ipv4.ip_forward=1
   ip netns exec "$ns" sysctl -qw net.bridge.bridge-nf-call-iptables=1 2>/dev/null || true
+  # the well-known IMDS address reaches this node's AEMM, as on EC2, for
+  # hostNetwork processes (OUTPUT) and pods (PREROUTING) alike
+  local chain rule
+  for chain in PREROUTING OUTPUT; do
+    rule=(-d 169.254.169.254/32 -p tcp --dport 80 -j DNAT --to-destination "$ip:$AEMM_PORT")
+    ip netns exec "$ns" iptables -t nat -C "$chain" "${rule[@]}" 2>/dev/null \
+      || ip netns exec "$ns" iptables -t nat -A "$chain" "${rule[@]}"
+  done
 }
 
 node_cgroups_up() {

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Writes an OCI image layout tarball (`ctr images import` reads it) from layers.
 
-Usage: oci.py --ref NAME:TAG --out IMAGE.tar [--layer-dir DIR | --layer-tar TAR]...
-              [--entrypoint JSON] [--cmd JSON] [--env K=V]... [--workdir DIR]
+Usage: oci.py --ref NAME:TAG [--ref NAME:TAG]... --out IMAGE.tar
+              [--layer-dir DIR | --layer-tar TAR]... [--entrypoint JSON] [--cmd JSON]
+              [--env K=V]... [--workdir DIR]
 
 Layers are uncompressed and written deterministically (sorted names, mtime 0),
 so the same inputs give the same digests. Standard library only.
@@ -113,21 +114,22 @@ def build(args: argparse.Namespace) -> str:
             "layers": layers,
         }
         mdigest, msize = blobs.add_bytes(_json(manifest))
-        tag = args.ref.rsplit(":", 1)[1] if ":" in args.ref.rsplit("/", 1)[-1] else "latest"
-        index = {
-            "schemaVersion": 2,
-            "manifests": [
+        entries = []
+        for ref in args.ref:
+            last = ref.rsplit("/", 1)[-1]
+            tag = last.rsplit(":", 1)[1] if ":" in last else "latest"
+            entries.append(
                 {
                     "mediaType": MT_MANIFEST,
                     "digest": f"sha256:{mdigest}",
                     "size": msize,
                     "annotations": {
-                        "io.containerd.image.name": args.ref,
+                        "io.containerd.image.name": ref,
                         "org.opencontainers.image.ref.name": tag,
                     },
                 }
-            ],
-        }
+            )
+        index = {"schemaVersion": 2, "manifests": entries}
         (layout / "index.json").write_bytes(_json(index))
         (layout / "oci-layout").write_bytes(_json({"imageLayoutVersion": "1.0.0"}))
         out = Path(args.out)
@@ -153,7 +155,7 @@ class _LayerAction(argparse.Action):
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ref", required=True)
+    p.add_argument("--ref", required=True, action="append")
     p.add_argument("--out", required=True)
     p.add_argument("--layer-dir", action=_LayerAction, dest="layers")
     p.add_argument("--layer-tar", action=_LayerAction, dest="layers")

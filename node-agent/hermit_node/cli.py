@@ -82,8 +82,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     stop = threading.Event()
     try:
         for notice in watcher.watch(stop):
-            print(json.dumps(notice.to_dict() if hasattr(notice, "to_dict") else str(notice),
-                             default=str), flush=True)
+            print(json.dumps(dataclasses.asdict(notice), default=str), flush=True)
             if args.once:
                 break
     except KeyboardInterrupt:

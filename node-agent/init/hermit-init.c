@@ -346,6 +346,9 @@ int main(int argc, char **argv) {
 		msg("sigprocmask: %s", strerror(errno));
 		return EXIT_FAILURE_INIT;
 	}
+	/* CRIU can only dump a pid namespace whose init leads its own session. */
+	if (getpid() == 1 && getsid(0) != 1 && setsid() < 0)
+		msg("setsid: %s", strerror(errno));
 	if (getpid() != 1 && prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0)
 		msg("PR_SET_CHILD_SUBREAPER: %s (orphans will not be reaped)", strerror(errno));
 

@@ -437,3 +437,77 @@ def test_stateful_memory_is_verified(stateful_bin: Path, tmp_path: Path) -> None
     rc, _, err = finish(proc)
     assert rc == 3
     assert "memory corrupted" in err
+
+
+# --- the whole shape of a migration, with real CRIU ----------------------------------------
+
+
+def criu_binary() -> Path:
+    cache = Path(os.environ.get("HERMIT_CACHE", Path.home() / ".cache" / "hermit"))
+    for candidate in (cache / "bin" / "criu", shutil.which("criu")):
+        if candidate and os.access(candidate, os.X_OK):
+            return Path(candidate)
+    pytest.fail("criu is not installed: run hack/install-criu")
+
+
+def run_criu(argv: list[str | Path], log: Path) -> None:
+    result = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=60)
+    if result.returncode != 0:
+        tail = log.read_text()[-3000:] if log.exists() else result.stderr
+        pytest.fail(f"{Path(str(argv[0])).name} {argv[1]} failed: {tail}")
+
+
+def test_workload_migrates_with_criu_under_hermit_init(
+    init_bin: Path, stateful_bin: Path, tmp_path: Path, cleanup: list[subprocess.Popen[str]]
+) -> None:
+    """Dump hermit-init + workload (PID 1 of a pid namespace), restore the tree under a
+    new `hermit-init --restore` in another pid namespace, as the node-agent does."""
+    criu = criu_binary()
+    _require("unshare")
+    _require("nsenter")
+    images = tmp_path / "images"
+    images.mkdir()
+    env = workload_env(tmp_path, HERMIT_WORKLOAD_MEM_MB="16")
+    port = int(env["PORT"])
+    # The dumped tree writes to files (a pipe to pytest would not survive a restore).
+    redirect = 'exec "$@" </dev/null >"$0/tree.out" 2>"$0/tree.err"'
+    source = spawn(
+        [
+            "unshare",
+            "--pid",
+            "--fork",
+            "sh",
+            "-c",
+            redirect,
+            tmp_path,
+            init_bin,
+            "--",
+            stateful_bin,
+        ],
+        env=env,
+    )
+    cleanup.append(source)
+    source_init = wait_for(lambda: children(source.pid), "the source hermit-init")[0]
+    wait_for(lambda: counter(tmp_path) >= 10, "the workload to tick")
+    _, child_before = ask(port)
+
+    run_criu([criu, "dump", "-t", source_init, "-D", images, "-o", "dump.log"], images / "dump.log")
+    finish(source)
+    dumped = ticks((tmp_path / "workspace" / "ticks.log").read_text())[-1]
+
+    target, target_init = start_restore_ns(init_bin, ["--restore-timeout", "60"], cleanup)
+    restore = ["restore", "-D", images, "-o", "restore.log", "--restore-detached"]
+    nsenter = ["nsenter", "-t", str(target_init), "--pid", "--mount", "--"]
+    run_criu([*nsenter, criu, *restore], images / "restore.log")
+
+    value, child_after = wait_for(lambda: ask(port), "the restored workload to answer")
+    assert value >= dumped and child_after == child_before
+    wait_for(lambda: counter(tmp_path) >= dumped + 10, "the restored workload to keep ticking")
+    os.kill(target_init, signal.SIGTERM)
+    rc, _, err = finish(target)
+    assert rc == 0, err
+    assert "adopted restored process" in err
+    logged = ticks((tmp_path / "workspace" / "ticks.log").read_text())
+    assert logged == list(range(1, len(logged) + 1)), "ticks were lost or repeated"
+    assert ticks((tmp_path / "tree.out").read_text()) == logged
+    assert "memory corrupted" not in (tmp_path / "tree.err").read_text()

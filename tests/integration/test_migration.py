@@ -7,16 +7,20 @@ survives before B restores, so everything B gets comes from S3.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zstandard
 
-from hermit_common.errors import CheckpointFailed
+from hermit_common.errors import CheckpointFailed, CheckpointRefused
 from hermit_common.settings import StoreSettings
-from hermit_common.store import CheckpointStore
+from hermit_common.store import CheckpointStore, make_s3_client
 from hermit_node.checkpoint import CheckpointEngine, CheckpointTarget
 from hermit_node.criu import Criu
 from hermit_node.restore import RestoreEngine, RestoreTarget
@@ -164,5 +168,90 @@ def test_failed_checkpoint_leaves_sandbox_running(
         after = sandbox.ticks()[-1]
         sandbox.wait_ticks(after + 5)
         assert sandbox.container.alive()
+    finally:
+        destroy_sandbox(sandbox, cni_network)
+
+
+def test_foreign_or_tampered_checkpoint_is_refused_before_criu(
+    nodes: tuple[Node, Node], cni_network: CniNetwork, criu_bin: Path,
+    store_settings: StoreSettings,
+) -> None:
+    node_a, node_b = nodes
+    uid = str(uuid.uuid4())
+    ckpt_a = engines(node_a, criu_bin, store_settings)[0]
+    restore_b = engines(node_b, criu_bin, store_settings)[1]
+    source = start_sandbox(node_a, cni_network, "sbx-src")
+    target = start_sandbox(node_b, cni_network, "sbx-dst", restore=True)
+    try:
+        source.wait_ticks(5)
+        result = ckpt_a.checkpoint(checkpoint_target(source, uid, "ckpt-t"))
+        assert source.container.alive(), "a routine checkpoint leaves the sandbox running"
+        wanted = RestoreTarget(namespace=NAMESPACE, sandbox="sbx", sandbox_uid=uid,
+                               checkpoint="ckpt-t", init_pid=target.init_pid,
+                               image_digest=node_b.image_digest())
+
+        # A checkpoint of another sandbox (other uid) is refused.
+        foreign = RestoreTarget(**{**wanted.__dict__, "sandbox_uid": str(uuid.uuid4())})
+        with pytest.raises(CheckpointRefused, match="belongs to sandbox"):
+            restore_b.restore(foreign)
+
+        # A manifest digest other than the one recorded is refused.
+        wrong_digest = RestoreTarget(**{**wanted.__dict__,
+                                        "expect_manifest_digest": "sha256:" + "0" * 64})
+        with pytest.raises(CheckpointRefused):
+            restore_b.restore(wrong_digest)
+
+        # A tampered chunk is refused, naming the chunk.
+        store = CheckpointStore(store_settings)
+        manifest_files = store.download(NAMESPACE, "sbx", "ckpt-t",
+                                        node_b.work_dir / "peek", expect_uid=uid)
+        digest = next(iter(sorted(manifest_files.chunk_digests())))
+        client = make_s3_client(store_settings)
+        key = store.chunk_key(NAMESPACE, "sbx", digest)
+        evil = zstandard.ZstdCompressor().compress(b"not what was checkpointed")
+        client.put_object(Bucket=store_settings.bucket, Key=key, Body=evil)
+        with pytest.raises(CheckpointRefused, match=digest[:12]):
+            restore_b.restore(wanted)
+
+        # Nothing reached the new container: no restored tree, files untouched.
+        assert Path(f"/proc/{target.init_pid}/task/{target.init_pid}/children").read_text() == ""
+        assert not (target.container.rootfs() / "state/created.txt").exists()
+        assert result.manifest_digest.startswith("sha256:")
+    finally:
+        destroy_sandbox(source, cni_network)
+        destroy_sandbox(target, cni_network)
+
+
+def test_cli_prints_one_line_errors_and_the_sandbox_keeps_running(
+    nodes: tuple[Node, Node], cni_network: CniNetwork, criu_bin: Path,
+) -> None:
+    node_a, _ = nodes
+    sandbox = start_sandbox(node_a, cni_network, "sbx-cli")
+    try:
+        sandbox.wait_ticks(3)
+        env = {**os.environ, "HERMIT_S3_BUCKET": "b", "HERMIT_S3_ENDPOINT": "http://127.0.0.1:9",
+               "HERMIT_S3_ACCESS_KEY_ID": "x", "HERMIT_S3_SECRET_ACCESS_KEY": "y",
+               "HERMIT_S3_MAX_ATTEMPTS": "1", "HERMIT_S3_CONNECT_TIMEOUT_SECONDS": "0.5",
+               "HERMIT_CRIU_PATH": str(criu_bin), "HERMIT_WORK_DIR": str(node_a.work_dir)}
+        proc = subprocess.run(
+            [sys.executable, "-m", "hermit_node.cli", "checkpoint", "--pid",
+             str(sandbox.init_pid), "--namespace", NAMESPACE, "--sandbox", "sbx-cli",
+             "--uid", "u-1", "--name", "c-1"],
+            env=env, capture_output=True, text=True, timeout=120, check=False)
+        assert proc.returncode == 1
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("hermit-node: error: "), proc.stderr
+        assert "127.0.0.1:9" in lines[0]
+        after = sandbox.ticks()[-1]
+        sandbox.wait_ticks(after + 3)
+
+        bad = subprocess.run(
+            [sys.executable, "-m", "hermit_node.cli", "restore", "--pid", "1", "--namespace",
+             NAMESPACE, "--sandbox", "x", "--uid", "u", "--name", "c"],
+            env={**env, "HERMIT_S3_CONCURRENCY": "many"}, capture_output=True, text=True,
+            timeout=60, check=False)
+        assert bad.returncode == 1
+        assert bad.stderr.strip() == (
+            "hermit-node: error: HERMIT_S3_CONCURRENCY='many' is not an integer")
     finally:
         destroy_sandbox(sandbox, cni_network)

@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import requests
+
 from hermit_common.settings import WatcherSettings
 from hermit_node.watchers import (
     AwsImdsWatcher,
@@ -21,7 +22,6 @@ from hermit_node.watchers import (
     Watcher,
     build_watcher,
 )
-
 from tests.fakes.azure_events import AzureEventsServer
 from tests.fakes.gcp_metadata import GcpMetadataServer, etag_of
 from tests.support.aemm import AemmFactory

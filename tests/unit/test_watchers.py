@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import requests
+
 from hermit_common.settings import WatcherSettings
 from hermit_node.watchers import (
     AwsImdsWatcher,
@@ -236,7 +237,7 @@ def test_build_watcher_picks_by_provider(provider: str, cls: type) -> None:
 class _ScriptedSession(requests.Session):
     """Answers from a script instead of the network (unit tests only)."""
 
-    def __init__(self, answers: list[tuple[int, str]]) -> None:
+    def __init__(self, answers: list[tuple[int, str] | Exception]) -> None:
         super().__init__()
         self.answers = answers
         self.calls: list[tuple[str, str, dict[str, str]]] = []
@@ -244,7 +245,10 @@ class _ScriptedSession(requests.Session):
     def request(self, method: str | bytes, url: str | bytes, *args: Any,
                 **kwargs: Any) -> requests.Response:
         self.calls.append((str(method), str(url), dict(kwargs.get("headers") or {})))
-        status, body = self.answers.pop(0)
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        status, body = answer
         response = requests.Response()
         response.status_code = status
         response._content = body.encode()
@@ -275,3 +279,23 @@ def test_aws_token_is_refreshed_on_401() -> None:
     assert watcher.fetch("/p") == AWS_REBALANCE
     assert [h.get("X-aws-ec2-metadata-token") for _, _, h in session.calls] == [
         None, "old", None, "new"]
+
+
+def test_aws_lost_token_put_backs_off_and_a_401_forces_a_retry() -> None:
+    now = [NOW]
+    refused = requests.ConnectionError("[Errno 111] Connection refused")
+    session = _ScriptedSession([
+        requests.Timeout("read timed out"), (404, ""), (404, ""), (404, ""),  # IMDSv1 works
+        (404, ""), (404, ""), (404, ""),  # next poll: no PUT within the back-off
+        (401, ""), (200, "tok"), (404, ""), (404, ""), (404, ""),  # 401 forces a PUT
+        refused,  # unreachable: the poll stops at the first path
+    ])
+    watcher = AwsImdsWatcher(WatcherSettings(aws_imds_url="http://imds"), session,
+                             clock=lambda: now[0])
+    assert watcher.poll_once() == []
+    now[0] += timedelta(seconds=5)
+    assert watcher.poll_once() == []
+    assert watcher.poll_once() == []
+    assert watcher.poll_once() == []
+    assert session.answers == []
+    assert [m for m, _, _ in session.calls].count("PUT") == 2

@@ -24,6 +24,7 @@ REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
 SCHEDULED_EVENTS_PATH = "/latest/meta-data/events/maintenance/scheduled"
 TOKEN_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
+TOKEN_RETRY_AFTER = timedelta(seconds=30)
 
 _ENDPOINTS: tuple[tuple[str, Callable[[str, datetime], Notice | list[Notice]]], ...] = (
     (INSTANCE_ACTION_PATH, parse_aws_instance_action),
@@ -51,6 +52,7 @@ class AwsImdsWatcher(Watcher):
         self.token_ttl_seconds = token_ttl_seconds
         self._token: str | None = None
         self._token_expires: datetime | None = None
+        self._token_retry_at: datetime | None = None
 
     # -- IMDSv2 session token -------------------------------------------------
 
@@ -65,13 +67,18 @@ class AwsImdsWatcher(Watcher):
         now = self.clock()
         if not force and self._token_fresh(now):
             return self._token
-        self._token, self._token_expires = None, None
+        if not force and self._token_retry_at is not None and now < self._token_retry_at:
+            return None  # the PUT got no answer lately; a 401 forces a new try
+        self._token, self._token_expires, self._token_retry_at = None, None, None
         try:
             response = self.request(
                 "PUT", self.base_url + TOKEN_PATH,
                 headers={TOKEN_TTL_HEADER: str(self.token_ttl_seconds)},
             )
         except MetadataUnavailable as exc:
+            # Lost PUTs (a hop limit of 1 seen from a container) must not cost a
+            # timeout on every poll: go without a token for a while.
+            self._token_retry_at = now + TOKEN_RETRY_AFTER
             self.warnings.failed("IMDSv2 token", f"IMDSv2 token: {exc}")
             return None
         if response.status_code != 200 or not response.text.strip():
@@ -100,10 +107,17 @@ class AwsImdsWatcher(Watcher):
     def fetch(self, path: str) -> str | None:
         """The document at ``path``; None when there is none (404) or it failed (logged)."""
         try:
+            return self._fetch(path)
+        except MetadataUnavailable:
+            return None
+
+    def _fetch(self, path: str) -> str | None:
+        """Like ``fetch`` but raises MetadataUnavailable when IMDS cannot be reached."""
+        try:
             response = self._get(path)
         except MetadataUnavailable as exc:
             self.warnings.failed(path, f"AWS IMDS: {exc}")
-            return None
+            raise
         if response.status_code == 404:
             self.warnings.recovered(path)
             return None
@@ -116,7 +130,10 @@ class AwsImdsWatcher(Watcher):
     def poll_once(self) -> list[Notice]:
         notices: list[Notice] = []
         for path, parse in _ENDPOINTS:
-            text = self.fetch(path)
+            try:
+                text = self._fetch(path)
+            except MetadataUnavailable:
+                break  # unreachable: the other paths would only wait for timeouts too
             if text is None:
                 continue
             try:

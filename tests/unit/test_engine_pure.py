@@ -1,0 +1,99 @@
+"""Pure parts of the node-agent engine: /proc parsing, bindings, compatibility checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hermit_common.errors import CheckpointRefused
+from hermit_common.manifest import Binding, Manifest, Totals
+from hermit_node import container, sysinfo
+from hermit_node.checkpoint import external_mounts, restore_info
+from hermit_node.restore import check_compatible
+
+MOUNTINFO = (
+    "1500 1400 0:91 / / rw,relatime - overlay overlay rw,lowerdir=/l/1/fs,"
+    "upperdir=/var/lib/containerd/snapshots/7/fs,workdir=/var/lib/containerd/snapshots/7/work\n"
+) + """\
+1501 1500 0:92 / /proc rw,nosuid,nodev,noexec,relatime - proc proc rw
+1502 1500 253:1 /tmp/ws /workspace rw,relatime - ext4 /dev/vda rw
+"""
+
+
+def test_upperdir_from_mountinfo() -> None:
+    assert container.parse_root_upperdir(MOUNTINFO) == Path(
+        "/var/lib/containerd/snapshots/7/fs")
+    assert container.parse_root_upperdir("1 0 0:1 / / rw - ext4 /dev/vda rw\n") is None
+
+
+def test_bind_mounts_from_oci_config() -> None:
+    config = {"mounts": [
+        {"destination": "/proc", "type": "proc", "source": "proc"},
+        {"destination": "/workspace", "type": "bind", "source": "/data/ws",
+         "options": ["rbind", "rw"]},
+        {"destination": "/etc/hosts", "source": "/pods/x/etc-hosts", "options": ["bind"]},
+    ]}
+    assert container.parse_bind_mounts(config) == (
+        container.BindMount("/workspace", "/data/ws"),
+        container.BindMount("/etc/hosts", "/pods/x/etc-hosts"),
+    )
+
+
+def test_cgroups_parse_v1_and_v2() -> None:
+    groups = container.parse_cgroups("12:freezer:/k/pod1/c1\n1:name=systemd:/k/pod1/c1\n0::/k\n")
+    assert groups[0] == container.Cgroup("freezer", "/k/pod1/c1")
+    assert groups[0].host_path("/sys/fs/cgroup") == Path("/sys/fs/cgroup/freezer/k/pod1/c1")
+    assert groups[2].hierarchy == ""
+
+
+def test_cpu_flags_keep_user_visible_features_only() -> None:
+    cpuinfo = "processor: 0\nflags : fpu sse sse2 avx2 hypervisor constant_tsc aes bmi2\n"
+    assert sysinfo.cpu_flags(cpuinfo) == ("aes", "avx2", "bmi2", "sse", "sse2")
+    assert sysinfo.missing_cpu_flags(("avx512f", "sse2"), ("sse2",)) == ("avx512f",)
+
+
+def _view(stdio: tuple[str, str, str]) -> container.ContainerView:
+    return container.ContainerView(
+        init_pid=10, bundle=Path("/b"), rootfs=Path("/b/rootfs"), upperdir=Path("/u"),
+        netns_inode=4026532000, stdio=stdio,
+        bind_mounts=(container.BindMount("/workspace", "/data/ws"),
+                     container.BindMount("/etc/hosts", "/h")))
+
+
+def test_restore_info_records_pipes_mounts_and_workspace() -> None:
+    view = _view(("/dev/null", "pipe:[11]", "pipe:[11]"))
+    keys = external_mounts(view)
+    assert keys == {"m0": "/workspace", "m1": "/etc/hosts"}
+    info = restore_info(view, "/workspace", keys)
+    assert info["stdio"] == {"pipe:[11]": 1}
+    assert info["workspace"] == "/workspace"
+    assert restore_info(view, "/nope", keys)["workspace"] is None
+
+
+def _manifest(**binding: object) -> Manifest:
+    b = {"namespace": "ns", "sandbox": "s", "sandbox_uid": "u", "checkpoint": "c",
+         "criu_version": "4.2.1", "kernel": "6.18", "cpu_flags": ("avx2", "sse2"),
+         "image_digest": "sha256:aa"}
+    b.update(binding)
+    return Manifest(binding=Binding(**b),  # type: ignore[arg-type]
+                    created_at="2026-01-01T00:00:00Z", chunk_size=1 << 20, sections={},
+                    restore={}, totals=Totals())
+
+
+def test_compatible_checkpoint_passes() -> None:
+    check_compatible(_manifest(), criu_version="4.2.1", cpu_flags=("avx2", "sse2", "aes"),
+                     image_digest="sha256:aa")
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"cpu_flags": ("sse2",)}, "needs CPU features this node lacks: avx2"),
+    ({"criu_version": "4.1"}, "older 4.1"),
+    ({"image_digest": "sha256:bb"}, "was taken from image sha256:aa"),
+])
+def test_incompatible_checkpoint_is_refused(kwargs: dict[str, object], message: str) -> None:
+    args: dict[str, object] = {"criu_version": "4.2.1", "cpu_flags": ("avx2", "sse2"),
+                               "image_digest": "sha256:aa"}
+    args.update(kwargs)
+    with pytest.raises(CheckpointRefused, match=message):
+        check_compatible(_manifest(), **args)  # type: ignore[arg-type]

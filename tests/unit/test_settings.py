@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import pytest
+
+from hermit_common.errors import SettingsError
+from hermit_common.settings import NodeSettings, StoreSettings, WatcherSettings, redacted
+
+BASE = {"HERMIT_S3_BUCKET": "ckpts", "HERMIT_NODE_NAME": "node-1"}
+
+
+def test_defaults() -> None:
+    s = NodeSettings.from_env(BASE)
+    assert s.store.bucket == "ckpts" and s.store.prefix == "hermit"
+    assert s.store.endpoint_url is None and s.watcher.provider == "aws"
+    assert s.watcher.poll_interval_seconds == 1.0
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"HERMIT_NODE_NAME": "n"}, "HERMIT_S3_BUCKET is required"),
+        ({**BASE, "HERMIT_S3_CONCURRENCY": "lots"}, "HERMIT_S3_CONCURRENCY='lots' is not an"),
+        ({**BASE, "HERMIT_S3_CONCURRENCY": "0"}, "HERMIT_S3_CONCURRENCY=0 is below the minimum 1"),
+        ({**BASE, "HERMIT_S3_ENDPOINT": "minio:9000"}, "HERMIT_S3_ENDPOINT='minio:9000' is not an"),
+        ({**BASE, "HERMIT_CLOUD_PROVIDER": "ibm"}, "HERMIT_CLOUD_PROVIDER='ibm' is not one of"),
+        ({**BASE, "HERMIT_POLL_INTERVAL_SECONDS": "5"}, "above the maximum 2.0"),
+        ({**BASE, "HERMIT_S3_ACCESS_KEY_ID": "a"}, "must be set together"),
+    ],
+)
+def test_errors_name_the_variable(env: dict[str, str], message: str) -> None:
+    with pytest.raises(SettingsError, match=message.replace("(", r"\(")):
+        NodeSettings.from_env(env)
+
+
+def test_redacted_masks_credentials() -> None:
+    s = StoreSettings.from_env({**BASE, "HERMIT_S3_ACCESS_KEY_ID": "AKIA",
+                                "HERMIT_S3_SECRET_ACCESS_KEY": "very-secret"})
+    out = redacted(s)
+    assert out["secret_access_key"] == "***" and out["access_key_id"] == "***"
+    assert "very-secret" not in repr(out)
+
+
+def test_watcher_urls_are_trimmed() -> None:
+    w = WatcherSettings.from_env({"HERMIT_AWS_IMDS_URL": "http://127.0.0.1:1338/"})
+    assert w.aws_imds_url == "http://127.0.0.1:1338"
