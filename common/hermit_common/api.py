@@ -27,3 +27,32 @@ SANDBOX_PHASES: Final = (
 LABEL_SANDBOX: Final = f"{GROUP}/sandbox"
 ANNOTATION_RESTORE_FROM: Final = f"{GROUP}/restore-from"
 TAINT_INTERRUPTION: Final = f"{GROUP}/interruption"
+LABEL_INCARNATION: Final = f"{GROUP}/incarnation"
+
+# AgentSandbox.status.conditions[].type, written by the operator only.
+COND_ACCEPTED: Final = "Accepted"  # the spec is valid and can be run
+COND_READY: Final = "Ready"  # the sandbox pod runs and its containers are ready
+COND_CHECKPOINTING: Final = "Checkpointing"
+COND_RESTORING: Final = "Restoring"
+COND_MIGRATING: Final = "Migrating"
+COND_SUSPENDED: Final = "Suspended"
+COND_SUCCEEDED: Final = "Succeeded"  # the sandbox's command exited 0
+COND_FAILED: Final = "Failed"  # the sandbox's command failed; Hermit does not restart it
+
+# Condition reasons (CamelCase, one meaning each).
+REASON_SPEC_VALID: Final = "SpecValid"
+REASON_INVALID_SPEC: Final = "InvalidSpec"
+REASON_POD_CREATING: Final = "PodCreating"
+REASON_POD_PENDING: Final = "PodPending"
+REASON_POD_RUNNING: Final = "PodRunning"
+REASON_POD_NOT_READY: Final = "ContainersNotReady"
+REASON_POD_SUCCEEDED: Final = "PodSucceeded"
+REASON_POD_FAILED: Final = "PodFailed"
+REASON_POD_LOST: Final = "PodLost"  # deleted, evicted or disrupted under a live sandbox
+REASON_POD_TERMINATING: Final = "PodTerminating"
+REASON_SUSPEND_REQUESTED: Final = "SuspendRequested"
+REASON_RESUMED: Final = "Resumed"
+REASON_NOT_SUSPENDED: Final = "NotSuspended"
+REASON_RESTORE_STARTED: Final = "RestoreStarted"
+REASON_RESTORE_COMPLETED: Final = "RestoreCompleted"
+REASON_RUNNING: Final = "Running"  # Succeeded/Failed=False while the sandbox is alive

@@ -20,6 +20,7 @@ from hermit_common.tree import KIND_FILE, Entry, ManifestError, check_entries
 
 FORMAT_VERSION: Final = 1
 MAX_MANIFEST_BYTES: Final = 256 * 1024 * 1024
+MAX_CHUNK_SIZE: Final = 256 * 1024 * 1024
 _SECTION_RE: Final = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,62}$")
 
 __all__ = ["FORMAT_VERSION", "Binding", "Manifest", "ManifestError", "Totals",
@@ -145,8 +146,9 @@ class Manifest:
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        if self.chunk_size <= 0:
-            raise ManifestError(f"manifest chunk_size {self.chunk_size} is not positive")
+        if not 0 < self.chunk_size <= MAX_CHUNK_SIZE:
+            raise ManifestError(
+                f"manifest chunk_size {self.chunk_size} is not in 1..{MAX_CHUNK_SIZE}")
         for name, entries in self.sections.items():
             check_section_name(name)
             check_entries(entries, self.chunk_size, name)

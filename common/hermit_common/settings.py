@@ -202,6 +202,47 @@ class NodeSettings:
         )
 
 
+DEFAULT_HERMIT_IMAGE = "hermit.local/hermit:dev"
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    """Everything the operator needs, built once at start-up."""
+
+    watch_namespaces: tuple[str, ...] = ()  # empty: every namespace (cluster-wide)
+    peering_name: str | None = None  # None: standalone (no kopf peering)
+    metrics_port: int = 9102
+    log_level: str = "INFO"
+    init_image: str = DEFAULT_HERMIT_IMAGE  # the image holding the static hermit-init
+    init_path: str = "/hermit/bin/hermit-init"  # hermit-init's path inside init_image
+    store: StoreSettings | None = None  # None: no default checkpoint store configured
+
+    @property
+    def clusterwide(self) -> bool:
+        return not self.watch_namespaces
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> OperatorSettings:
+        env = Env(environ)
+        raw_ns = env.optional_str("HERMIT_WATCH_NAMESPACE") or ""
+        namespaces = tuple(dict.fromkeys(n.strip() for n in raw_ns.split(",") if n.strip()))
+        init_path = env.text("HERMIT_INIT_PATH", "/hermit/bin/hermit-init")
+        if not init_path.startswith("/"):
+            raise SettingsError(f"HERMIT_INIT_PATH={init_path!r} is not an absolute path")
+        store = (StoreSettings.from_env(environ)
+                 if env.optional_str("HERMIT_S3_BUCKET") is not None else None)
+        return cls(
+            watch_namespaces=namespaces,
+            peering_name=env.optional_str("HERMIT_PEERING_NAME"),
+            metrics_port=env.integer("HERMIT_METRICS_PORT", 9102, minimum=1, maximum=65535),
+            log_level=env.choice(
+                "HERMIT_LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR")),
+            init_image=env.text("HERMIT_INIT_IMAGE", DEFAULT_HERMIT_IMAGE),
+            init_path=init_path,
+            store=store,
+        )
+
+
 _SECRET_FIELDS = {"secret_access_key", "access_key_id"}
 
 

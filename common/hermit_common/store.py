@@ -29,7 +29,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -68,6 +68,7 @@ __all__ = ["CheckpointNotFound", "CheckpointStore", "UploadProgress", "UploadRes
 log = logging.getLogger(__name__)
 
 _NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+_DIGEST_RE: Final = re.compile(r"^[0-9a-f]{64}$")
 _ZSTD_LEVEL: Final = 3
 _PUT_ATTEMPTS: Final = 4  # on top of botocore's own retries
 _BACKOFF_BASE_SECONDS: Final = 0.25
@@ -338,8 +339,12 @@ class CheckpointStore:
     def list_chunks(self, namespace: str, sandbox: str) -> dict[str, int]:
         """The sandbox's stored chunks: digest -> compressed size."""
         prefix = f"{self._sandbox_prefix(namespace, sandbox)}chunks/"
-        return {obj["Key"][len(prefix):]: int(obj.get("Size", 0))
-                for obj in self._list(prefix, "list chunks")}
+        out: dict[str, int] = {}
+        for obj in self._list(prefix, "list chunks"):
+            digest = obj["Key"][len(prefix):]
+            if _DIGEST_RE.match(digest):
+                out[digest] = int(obj.get("Size", 0))
+        return out
 
     def list_checkpoints(self, namespace: str, sandbox: str) -> list[str]:
         """Names of the sandbox's complete checkpoints (those with a manifest), sorted."""
@@ -509,7 +514,7 @@ class CheckpointStore:
                 pool.submit(self._upload_chunk, t, state, ns, sandbox, deadline) for t in tasks}
             try:
                 while pending:
-                    done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
                     for future in done:
                         on_done(future.result())
             except BaseException:
@@ -644,7 +649,7 @@ class CheckpointStore:
                        for digest, locs in locations.items()}
             try:
                 while pending:
-                    done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
                     for future in done:
                         future.result()
             except BaseException:

@@ -206,7 +206,11 @@ static void signal_others(int sig) {
 }
 
 static void forward(int sig) {
-	if (main_pid <= 0 || main_done)
+	if (main_pid < 0) { /* adopted, but /proc could not say which: everyone */
+		signal_others(sig);
+		return;
+	}
+	if (main_pid == 0 || main_done)
 		return;
 	if (forward_group && getpgid(main_pid) == main_pid && kill(-main_pid, sig) == 0)
 		return;

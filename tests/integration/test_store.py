@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import zstandard
+
 from hermit_common.errors import CheckpointFailed, CheckpointRefused, StoreUnavailable
 from hermit_common.manifest import Binding
 from hermit_common.settings import StoreSettings
 from hermit_common.store import CheckpointNotFound, CheckpointStore, UploadProgress
-
 from tests.support.minio import MinioServer, start_minio, stop_minio
 
 pytestmark = pytest.mark.integration
@@ -96,8 +96,8 @@ def test_round_trip(store: CheckpointStore, tmp_path: Path) -> None:
     assert result.manifest_uri == (
         f"s3://{store.settings.bucket}/hermit/{NS}/{BOX}/checkpoints/c1/manifest.json")
     assert result.image_bytes == 5 * CHUNK + 123 + 900 + 3 * CHUNK + 10 + 10 + 12 + 10
-    assert result.chunks_total == 6 + 1 + 3 + 1 + 1 + 1 + 1 + 1
-    assert result.chunks_uploaded == result.chunks_total - 2  # zeros dedup, conf == hardlink
+    assert result.chunks_total == 6 + 1 + 3 + 1 + 1 + 1 + 1
+    assert result.chunks_uploaded == result.chunks_total - 3  # 2 zero chunks, 1 hardlink
     assert len(store.list_chunks(NS, BOX)) == result.chunks_uploaded
     assert result.stored_bytes == sum(store.list_chunks(NS, BOX).values())
     assert result.uploaded_bytes > result.stored_bytes
@@ -228,7 +228,10 @@ def test_s3_dying_mid_upload_leaves_no_manifest(tmp_path: Path) -> None:
             store.upload(_binding("c1"), {"criu": src}, {},
                          on_progress=lambda _p: stop_minio(server))
         message = str(info.value)
-        assert message.startswith(f"cannot reach S3 endpoint {server.endpoint}: "), message
+        # Depending on when the server goes, the request is refused or answered with an
+        # error status while it shuts down; either way the message says what failed.
+        assert message.startswith((f"cannot reach S3 endpoint {server.endpoint}: ",
+                                   "cannot upload chunk s3://dying/")), message
         assert "\n" not in message
         server = start_minio(tmp_path / "minio", port=port)
         assert len(store.list_chunks(NS, BOX)) >= 1  # some chunks did land

@@ -9,13 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from hermit_testbed.cni import CniNetwork, Netns
 from hermit_testbed.container import Mount
 from hermit_testbed.containerd import Containerd
 from hermit_testbed.image import build_image, image_digest
 from hermit_testbed.proc import pid_alive
 from hermit_testbed.procfs import parse_mountinfo
-
 from tests.support.containerd import BUSYBOX_REF, require_containerd
 
 pytestmark = pytest.mark.integration

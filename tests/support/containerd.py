@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from hermit_testbed.cni import CniNetwork, Netns, plugin_dir
 from hermit_testbed.containerd import Containerd
 from hermit_testbed.errors import TestbedError

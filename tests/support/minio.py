@@ -4,132 +4,29 @@
 a free port and a temporary data dir, waits for /minio/health/live, and stops
 it at the end. ``MinioServer.settings(bucket)`` gives StoreSettings for it.
 Missing binary: the test fails (never skips) and names the script to run.
+The process handling itself lives in hermit_testbed.minio (the demo uses it too).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
-from hermit_common.settings import StoreSettings
 
-_START_TIMEOUT_SECONDS = 60.0
-_STOP_TIMEOUT_SECONDS = 15.0
+from hermit_testbed import minio as _minio
+from hermit_testbed.errors import TestbedError
+from hermit_testbed.minio import MinioServer, stop_minio
 
-
-def minio_binary() -> Path:
-    """The MinIO binary built by hack/install-minio; fails the test when it is missing."""
-    cache = Path(os.environ.get("HERMIT_CACHE", Path.home() / ".cache" / "hermit"))
-    candidates = [cache / "bin" / "minio"]
-    found = shutil.which("minio")
-    if found:
-        candidates.append(Path(found))
-    for path in candidates:
-        if path.is_file() and os.access(path, os.X_OK):
-            return path
-    pytest.fail("MinIO not found: run hack/install-minio", pytrace=False)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _live(endpoint: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{endpoint}/minio/health/live", timeout=1.0) as resp:
-            return bool(resp.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-@dataclass
-class MinioServer:
-    """A running MinIO: where it listens and how to log in."""
-
-    endpoint: str
-    access_key: str
-    secret_key: str
-    data_dir: Path
-    process: subprocess.Popen[bytes]
-    log_path: Path
-
-    def settings(self, bucket: str, **overrides: object) -> StoreSettings:
-        """StoreSettings pointing at this server; keyword arguments override fields."""
-        base = StoreSettings(
-            bucket=bucket, prefix="hermit", endpoint_url=self.endpoint, region="us-east-1",
-            access_key_id=self.access_key, secret_access_key=self.secret_key,
-            upload_concurrency=4, max_attempts=3, connect_timeout_seconds=2.0,
-            read_timeout_seconds=30.0,
-        )
-        return replace(base, **overrides)  # type: ignore[arg-type]
-
-    def is_live(self) -> bool:
-        return self.process.poll() is None and _live(self.endpoint)
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+__all__ = ["MinioServer", "minio_server", "start_minio", "stop_minio"]
 
 
 def start_minio(workdir: Path, port: int | None = None) -> MinioServer:
-    """Starts MinIO in ``workdir`` and waits (with a deadline) until it is live.
-
-    Reusing a ``workdir`` (and ``port``) restarts a stopped server with its data.
-    """
-    binary = minio_binary()
-    data = workdir / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    port, console_port = port or free_port(), free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    access, secret = "hermit-test", "hermit-test-secret-key"
-    env = dict(os.environ)
-    env.update(MINIO_ROOT_USER=access, MINIO_ROOT_PASSWORD=secret,
-               MINIO_BROWSER="off", MINIO_UPDATE="off", MINIO_CI_CD="1")
-    log_path = workdir / "minio.log"
-    with log_path.open("ab") as log:
-        process = subprocess.Popen(
-            [os.fspath(binary), "server", "--quiet", "--address", f"127.0.0.1:{port}",
-             "--console-address", f"127.0.0.1:{console_port}", os.fspath(data)],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )
-    server = MinioServer(endpoint, access, secret, data, process, log_path)
-    deadline = time.monotonic() + _START_TIMEOUT_SECONDS
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"MinIO exited with {process.returncode} at start:\n{server.log_tail()}",
-                        pytrace=False)
-        if _live(endpoint):
-            return server
-        time.sleep(0.1)
-    stop_minio(server)
-    pytest.fail(f"MinIO at {endpoint} not live after {_START_TIMEOUT_SECONDS:.0f}s:\n"
-                f"{server.log_tail()}", pytrace=False)
-
-
-def stop_minio(server: MinioServer) -> None:
-    if server.process.poll() is not None:
-        return
-    server.process.send_signal(signal.SIGTERM)
+    """Starts MinIO (see hermit_testbed.minio.start_minio); fails the test when it cannot."""
     try:
-        server.process.wait(timeout=_STOP_TIMEOUT_SECONDS)
-    except subprocess.TimeoutExpired:
-        server.process.kill()
-        server.process.wait(timeout=_STOP_TIMEOUT_SECONDS)
+        return _minio.start_minio(workdir, port)
+    except TestbedError as exc:
+        pytest.fail(str(exc), pytrace=False)
 
 
 @pytest.fixture(scope="session")

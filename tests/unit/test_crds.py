@@ -22,6 +22,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+
 from hermit_common import api
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import pytest
+
 from hermit_common.errors import CheckpointRefused
 from hermit_common.manifest import FORMAT_VERSION, Binding, Manifest, ManifestError, Totals
 from hermit_common.tree import Entry

@@ -7,6 +7,7 @@ import stat
 from pathlib import Path
 
 import pytest
+
 from hermit_common.errors import CheckpointFailed
 from hermit_common.tree import (
     Entry,

@@ -1,0 +1,116 @@
+"""Applies a reconcile plan for one AgentSandbox: read, plan (pure), write, report.
+
+One sandbox is reconciled by one thread at a time (the sandbox handlers and the pod
+event handler may fire together); the sandbox is re-read inside the lock so every
+plan starts from the newest status.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from hermit_common import api
+from hermit_common.settings import OperatorSettings
+from hermit_operator import metrics
+from hermit_operator.conditions import FALSE, derive_phase, set_condition
+from hermit_operator.kube import Kube, KubeTransient
+from hermit_operator.podspec import InvalidSpec
+from hermit_operator.reconcile import Event, Plan, plan
+
+Manifest = dict[str, Any]
+Poster = Callable[[Manifest, Event], None]
+
+_locks: dict[tuple[str, str], threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def _lock(namespace: str, name: str) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault((namespace, name), threading.Lock())
+
+
+def forget(namespace: str, name: str) -> None:
+    """Drop the lock of a deleted sandbox."""
+    with _locks_guard:
+        _locks.pop((namespace, name), None)
+
+
+def owner_sandbox(pod: Manifest) -> str | None:
+    """The name of the AgentSandbox that controls this pod, or None."""
+    for ref in (pod.get("metadata") or {}).get("ownerReferences") or []:
+        if (ref.get("controller") and ref.get("kind") == api.SANDBOX_KIND
+                and str(ref.get("apiVersion", "")).startswith(f"{api.GROUP}/")):
+            return str(ref.get("name"))
+    return None
+
+
+def reconcile_sandbox(kube: Kube, settings: OperatorSettings, namespace: str, name: str,
+                      post: Poster, now: Callable[[], datetime] | None = None) -> Plan | None:
+    """Reconcile one sandbox; None when it no longer exists.
+
+    Raises InvalidSpec after recording it in the status, KubeTransient for retries.
+    """
+    started = time.monotonic()
+    result = "transient"
+    try:
+        with _lock(namespace, name):
+            sandbox = kube.get_sandbox(namespace, name)
+            if sandbox is None:
+                result = "ok"
+                return None
+            pod_name = (sandbox.get("status") or {}).get("podName")
+            pod = kube.get_pod(namespace, pod_name) if pod_name else None
+            clock = now or (lambda: datetime.now(UTC))
+            p = plan(sandbox, pod, clock(), settings=settings)
+            _apply(kube, sandbox, p, post)
+            if p.invalid_spec is not None:
+                result = "invalid"
+                raise InvalidSpec(p.invalid_spec)
+            result = "ok"
+            return p
+    except InvalidSpec:
+        result = "invalid"
+        raise
+    except KubeTransient:
+        result = "transient"
+        raise
+    finally:
+        metrics.RECONCILES.labels(result=result).inc()
+        metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+
+
+def _apply(kube: Kube, sandbox: Manifest, p: Plan, post: Poster) -> None:
+    meta = sandbox["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    if p.delete_pod is not None:
+        kube.delete_pod(namespace, p.delete_pod)
+    if p.create_pod is not None:
+        try:
+            kube.create_pod(p.create_pod)
+        except InvalidSpec as exc:
+            # The API rejected the pod: record it like any other invalid spec.
+            status = dict(p.status_patch)
+            status.update(_invalid_status(sandbox, p, str(exc)))
+            kube.patch_sandbox_status(namespace, name, status)
+            post(sandbox, Event("Warning", api.REASON_INVALID_SPEC, str(exc)))
+            raise
+        restore = api.ANNOTATION_RESTORE_FROM in (p.create_pod["metadata"].get("annotations")
+                                                  or {})
+        metrics.PODS_CREATED.labels(mode="restore" if restore else "fresh").inc()
+    kube.patch_sandbox_status(namespace, name, p.status_patch)
+    for event in p.events:
+        post(sandbox, event)
+
+
+def _invalid_status(sandbox: Manifest, p: Plan, message: str) -> Manifest:
+    conds = set_condition(p.status_patch.get("conditions") or [], api.COND_ACCEPTED, FALSE,
+                          api.REASON_INVALID_SPEC, message,
+                          (sandbox.get("metadata") or {}).get("generation"), datetime.now(UTC))
+    status = sandbox.get("status") or {}
+    return {"conditions": conds, "phase": derive_phase(conds),
+            "incarnation": status.get("incarnation") or 0, "podName": status.get("podName"),
+            "nodeName": status.get("nodeName")}

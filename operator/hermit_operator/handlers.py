@@ -1,0 +1,67 @@
+"""kopf handlers: thin wrappers that hand each event to driver.reconcile_sandbox.
+
+Importing this module registers the handlers with kopf's default registry.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import kopf
+
+from hermit_common import api
+from hermit_common.settings import OperatorSettings
+from hermit_operator import driver, kopfconfig
+from hermit_operator.kube import Kube, KubeTransient
+from hermit_operator.podspec import InvalidSpec
+from hermit_operator.reconcile import Event
+
+
+def _post(sandbox: dict[str, Any], event: Event) -> None:
+    kopf.event(sandbox, type=event.type, reason=event.reason, message=event.message)
+
+
+def _reconcile(memo: Any, namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        plan = driver.reconcile_sandbox(memo.kube, memo.settings, namespace, name, _post)
+    except InvalidSpec as exc:
+        raise kopf.PermanentError(str(exc)) from None
+    except KubeTransient as exc:
+        raise kopf.TemporaryError(str(exc), delay=kopfconfig.RETRY_DELAY_SECONDS) from None
+    return None if plan is None else {"phase": plan.status_patch.get("phase")}
+
+
+@kopf.on.startup()
+def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    if "settings" not in memo:  # started by `kopf run`, not hermit-operator
+        memo.settings = OperatorSettings.from_env(os.environ)
+    if "kube" not in memo:
+        memo.kube = Kube.connect()
+    kopfconfig.configure(settings, memo.settings)
+
+
+@kopf.on.resume(api.GROUP, api.VERSION, api.SANDBOX_PLURAL)
+@kopf.on.create(api.GROUP, api.VERSION, api.SANDBOX_PLURAL)
+@kopf.on.update(api.GROUP, api.VERSION, api.SANDBOX_PLURAL, field="spec")
+def sandbox_changed(namespace: str, name: str, memo: kopf.Memo,
+                    **_: Any) -> dict[str, Any] | None:
+    return _reconcile(memo, namespace, name)
+
+
+@kopf.on.delete(api.GROUP, api.VERSION, api.SANDBOX_PLURAL, optional=True)
+def sandbox_deleted(namespace: str, name: str, **_: Any) -> None:
+    driver.forget(namespace, name)  # its pods go with it (owner references)
+
+
+@kopf.on.event("", "v1", "pods", labels={api.LABEL_SANDBOX: kopf.PRESENT})
+def pod_event(body: kopf.Body, namespace: str, memo: kopf.Memo, logger: Any,
+              **_: Any) -> None:
+    sandbox = driver.owner_sandbox(dict(body))
+    if sandbox is None:
+        return
+    try:
+        driver.reconcile_sandbox(memo.kube, memo.settings, namespace, sandbox, _post)
+    except (InvalidSpec, KubeTransient) as exc:
+        # Event handlers are not retried; the sandbox's own handlers retry.
+        logger.warning("reconciling AgentSandbox %s after a pod event: %s", sandbox, exc)

@@ -1,0 +1,175 @@
+"""The sandbox pod built from an AgentSandbox: a pure function from the object to a V1Pod dict.
+
+The first container runs under hermit-init (the PID 1 that CRIU dumps and restores
+under): an init container copies the static binary from the Hermit image into a
+shared emptyDir mounted at ``/.hermit``, and the container's command becomes
+``/.hermit/hermit-init [--restore ...] -- <command>`` (``args`` stay as they are, so
+the resulting argv is ``<init> -- <command> <args>``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from hermit_common import api
+from hermit_common.errors import HermitError
+from hermit_common.settings import OperatorSettings
+
+INIT_DIR = "/.hermit"
+INIT_BINARY = f"{INIT_DIR}/hermit-init"
+INIT_VOLUME = "hermit-init"
+INIT_CONTAINER = "hermit-init"
+WORKSPACE_VOLUME = "hermit-workspace"
+DEFAULT_WORKSPACE_SIZE = "1Gi"
+DEFAULT_WORKSPACE_PATH = "/workspace"
+RESTORE_TIMEOUT_SECONDS = 300
+TERMINATION_GRACE_SECONDS = 10
+
+SPOT_SELECTOR_KEY = "karpenter.sh/capacity-type"
+# Taints that cloud spot pools commonly carry (AKS adds the first one itself).
+SPOT_TOLERATIONS: tuple[dict[str, str], ...] = (
+    {"key": "kubernetes.azure.com/scalesetpriority", "operator": "Equal", "value": "spot",
+     "effect": "NoSchedule"},
+    {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true",
+     "effect": "NoSchedule"},
+    {"key": "karpenter.sh/capacity-type", "operator": "Equal", "value": "spot",
+     "effect": "NoSchedule"},
+)
+
+Manifest = dict[str, Any]
+
+
+class InvalidSpec(HermitError):
+    """The AgentSandbox spec cannot be turned into a pod; fixing the spec is the only cure."""
+
+
+def pod_name(sandbox_name: str, incarnation: int) -> str:
+    return f"{sandbox_name}-{incarnation}"
+
+
+def init_command(command: list[str], restore_from: str | None) -> list[str]:
+    """The first container's new command: hermit-init, its flags, then the original command."""
+    if restore_from is None:
+        return [INIT_BINARY, "--", *command]
+    return [INIT_BINARY, "--restore", "--restore-timeout", str(RESTORE_TIMEOUT_SECONDS),
+            "--", *command]
+
+
+def validate(sandbox: Manifest) -> None:
+    """Raise InvalidSpec when the sandbox's spec cannot be run; the pod builder calls it too."""
+    spec = sandbox.get("spec") or {}
+    pod_spec = (spec.get("podTemplate") or {}).get("spec") or {}
+    containers = pod_spec.get("containers") or []
+    if not containers:
+        raise InvalidSpec("spec.podTemplate.spec.containers needs at least one container")
+    command = containers[0].get("command")
+    if not command or not isinstance(command, list):
+        raise InvalidSpec(
+            "spec.podTemplate.spec.containers[0].command is required: "
+            "Hermit runs it under its init")
+    volumes = {v.get("name") for v in pod_spec.get("volumes") or []}
+    for reserved in (INIT_VOLUME, WORKSPACE_VOLUME):
+        if reserved in volumes:
+            raise InvalidSpec(f"spec.podTemplate.spec.volumes: the name {reserved!r} is "
+                              "reserved for Hermit")
+    init_names = {c.get("name") for c in pod_spec.get("initContainers") or []}
+    if INIT_CONTAINER in init_names:
+        raise InvalidSpec(f"spec.podTemplate.spec.initContainers: the name {INIT_CONTAINER!r} "
+                          "is reserved for Hermit")
+    mount_path = _workspace(spec)[1]
+    for mount in containers[0].get("volumeMounts") or []:
+        if mount.get("mountPath") in (INIT_DIR, mount_path):
+            raise InvalidSpec(
+                f"spec.podTemplate.spec.containers[0].volumeMounts: {mount.get('mountPath')} "
+                "is reserved for Hermit's init and workspace")
+
+
+def build_sandbox_pod(sandbox: Manifest, settings: OperatorSettings, incarnation: int,
+                      restore_from: str | None) -> Manifest:
+    """The V1Pod manifest for this incarnation of the sandbox (restoring ``restore_from``)."""
+    validate(sandbox)
+    meta = sandbox["metadata"]
+    spec = sandbox.get("spec") or {}
+    template = spec["podTemplate"]
+    tmeta = template.get("metadata") or {}
+    pod_spec: Manifest = copy.deepcopy(template["spec"])
+
+    labels = {**(tmeta.get("labels") or {}), api.LABEL_SANDBOX: meta["name"],
+              api.LABEL_INCARNATION: str(incarnation)}
+    annotations = dict(tmeta.get("annotations") or {})
+    if restore_from is not None:
+        annotations[api.ANNOTATION_RESTORE_FROM] = restore_from
+
+    size, mount_path = _workspace(spec)
+    main = pod_spec["containers"][0]
+    main["command"] = init_command(list(main["command"]), restore_from)
+    main["volumeMounts"] = [
+        *(main.get("volumeMounts") or []),
+        {"name": INIT_VOLUME, "mountPath": INIT_DIR, "readOnly": True},
+        {"name": WORKSPACE_VOLUME, "mountPath": mount_path},
+    ]
+    pod_spec["initContainers"] = [_init_container(settings),
+                                  *(pod_spec.get("initContainers") or [])]
+    pod_spec["volumes"] = [
+        *(pod_spec.get("volumes") or []),
+        {"name": INIT_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}},
+        {"name": WORKSPACE_VOLUME, "emptyDir": {"sizeLimit": size}},
+    ]
+    pod_spec["restartPolicy"] = "Never"
+    pod_spec.setdefault("terminationGracePeriodSeconds", TERMINATION_GRACE_SECONDS)
+    pod_spec.setdefault("hostname", meta["name"])
+    _apply_placement(pod_spec, spec.get("placement") or {})
+
+    pod_meta: Manifest = {
+        "name": pod_name(meta["name"], incarnation),
+        "namespace": meta.get("namespace"),
+        "labels": labels,
+        "ownerReferences": [{
+            "apiVersion": sandbox.get("apiVersion", api.API_VERSION),
+            "kind": sandbox.get("kind", api.SANDBOX_KIND),
+            "name": meta["name"],
+            "uid": meta.get("uid"),
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }],
+    }
+    if annotations:
+        pod_meta["annotations"] = annotations
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": pod_meta, "spec": pod_spec}
+
+
+def _workspace(spec: Manifest) -> tuple[str, str]:
+    ws = spec.get("workspace") or {}
+    return str(ws.get("size", DEFAULT_WORKSPACE_SIZE)), ws.get("mountPath", DEFAULT_WORKSPACE_PATH)
+
+
+def _init_container(settings: OperatorSettings) -> Manifest:
+    return {
+        "name": INIT_CONTAINER,
+        "image": settings.init_image,
+        "command": ["cp", settings.init_path, INIT_BINARY],
+        "volumeMounts": [{"name": INIT_VOLUME, "mountPath": INIT_DIR}],
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"},
+                      "limits": {"memory": "64Mi"}},
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+
+
+def _apply_placement(pod_spec: Manifest, placement: Manifest) -> None:
+    """Spot selector and tolerations, merged with what the user asked for."""
+    user_selector = pod_spec.get("nodeSelector") or {}
+    selector = {**user_selector, **(placement.get("nodeSelector") or {})}
+    spot = bool(placement.get("spot", True))
+    if spot and not user_selector:
+        selector.setdefault(SPOT_SELECTOR_KEY, "spot")
+    if selector:
+        pod_spec["nodeSelector"] = selector
+    tolerations: list[Manifest] = []
+    extra = list(SPOT_TOLERATIONS) if spot else []
+    for tol in [*(pod_spec.get("tolerations") or []), *(placement.get("tolerations") or []),
+                *extra]:
+        if tol not in tolerations:
+            tolerations.append(dict(tol))
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
