@@ -6,7 +6,7 @@ Importing this module registers the handlers with kopf's default registry.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -19,7 +19,8 @@ from hermit_operator.reconcile import Event
 
 
 def _post(sandbox: dict[str, Any], event: Event) -> None:
-    kopf.event(sandbox, type=event.type, reason=event.reason, message=event.message)
+    kopf.event(cast(kopf.Body, sandbox), type=event.type, reason=event.reason,
+               message=event.message)
 
 
 def _reconcile(memo: Any, namespace: str, name: str) -> dict[str, Any] | None:
@@ -44,21 +45,21 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.resume(api.GROUP, api.VERSION, api.SANDBOX_PLURAL)
 @kopf.on.create(api.GROUP, api.VERSION, api.SANDBOX_PLURAL)
 @kopf.on.update(api.GROUP, api.VERSION, api.SANDBOX_PLURAL, field="spec")
-def sandbox_changed(namespace: str, name: str, memo: kopf.Memo,
+def sandbox_changed(namespace: str | None, name: str, memo: kopf.Memo,
                     **_: Any) -> dict[str, Any] | None:
-    return _reconcile(memo, namespace, name)
+    return _reconcile(memo, namespace or "default", name)
 
 
 @kopf.on.delete(api.GROUP, api.VERSION, api.SANDBOX_PLURAL, optional=True)
-def sandbox_deleted(namespace: str, name: str, **_: Any) -> None:
-    driver.forget(namespace, name)  # its pods go with it (owner references)
+def sandbox_deleted(namespace: str | None, name: str, **_: Any) -> None:
+    driver.forget(namespace or "default", name)  # its pods go with it (owner references)
 
 
 @kopf.on.event("", "v1", "pods", labels={api.LABEL_SANDBOX: kopf.PRESENT})
-def pod_event(body: kopf.Body, namespace: str, memo: kopf.Memo, logger: Any,
-              **_: Any) -> None:
+def pod_event(body: kopf.Body, namespace: str | None, memo: kopf.Memo,
+              logger: kopf.Logger, **_: Any) -> None:
     sandbox = driver.owner_sandbox(dict(body))
-    if sandbox is None:
+    if sandbox is None or namespace is None:
         return
     try:
         driver.reconcile_sandbox(memo.kube, memo.settings, namespace, sandbox, _post)

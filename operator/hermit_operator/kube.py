@@ -91,8 +91,9 @@ class Kube:
             raise KubeUnavailable(
                 f"the Kubernetes API at {self.host} refused us: {api_message(exc)}") from None
         except Exception as exc:  # urllib3 / socket errors: many types, one meaning
+            cause = getattr(exc, "reason", None) or exc  # urllib3's MaxRetryError wraps it
             raise KubeUnavailable(
-                f"cannot reach the Kubernetes API at {self.host}: {_one_line(exc)}") from None
+                f"cannot reach the Kubernetes API at {self.host}: {_one_line(cause)}") from None
         return str(info.git_version)
 
     def _dict(self, obj: object) -> Manifest:

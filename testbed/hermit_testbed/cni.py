@@ -18,7 +18,6 @@ from types import TracebackType
 from typing import Any
 
 from hermit_testbed.errors import TestbedError
-from hermit_testbed.image import HERMIT_CACHE
 from hermit_testbed.proc import run
 from hermit_testbed.procfs import ns_inode
 
@@ -122,8 +121,8 @@ class CniNetwork:
         """Reserve and create the bridge. Idempotent."""
         if self._created_bridge or (self.bridge and _link_exists(self.bridge)):
             return self
-        (HERMIT_CACHE / "locks").mkdir(parents=True, exist_ok=True)
-        with open(HERMIT_CACHE / "locks" / "testbed-net.lock", "w") as lock:
+        # Bridges are a machine-wide resource, so the lock is too (not per cache).
+        with open("/run/lock/hermit-testbed-net.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not self.bridge:
                 for n in range(_MAX_NETWORKS):

@@ -213,6 +213,22 @@ def test_foreign_or_tampered_checkpoint_is_refused_before_criu(
         with pytest.raises(CheckpointRefused, match=digest[:12]):
             restore_b.restore(wanted)
 
+        # The CLI says the same in one line.
+        env = {**os.environ, "HERMIT_S3_BUCKET": store_settings.bucket,
+               "HERMIT_S3_ENDPOINT": str(store_settings.endpoint_url),
+               "HERMIT_S3_ACCESS_KEY_ID": str(store_settings.access_key_id),
+               "HERMIT_S3_SECRET_ACCESS_KEY": str(store_settings.secret_access_key),
+               "HERMIT_CRIU_PATH": str(criu_bin), "HERMIT_WORK_DIR": str(node_b.work_dir)}
+        for uid_arg, expected in ((uid, digest[:12]), ("someone-else", "belongs to sandbox")):
+            proc = subprocess.run(
+                [sys.executable, "-m", "hermit_node.cli", "restore", "--pid",
+                 str(target.init_pid), "--namespace", NAMESPACE, "--sandbox", "sbx",
+                 "--uid", uid_arg, "--name", "ckpt-t"],
+                env=env, capture_output=True, text=True, timeout=120, check=False)
+            lines = proc.stderr.strip().splitlines()
+            assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+            assert lines[0].startswith("hermit-node: error: ") and expected in lines[0]
+
         # Nothing reached the new container: no restored tree, files untouched.
         assert Path(f"/proc/{target.init_pid}/task/{target.init_pid}/children").read_text() == ""
         assert not (target.container.rootfs() / "state/created.txt").exists()

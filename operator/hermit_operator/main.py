@@ -1,0 +1,70 @@
+"""``hermit-operator``: settings from the environment, a Kubernetes pre-flight, then kopf.
+
+Exit codes: 2 for a bad setting, 1 when the Kubernetes API cannot be used; each with a
+one-line message on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+from hermit_common.errors import HermitError, SettingsError
+from hermit_common.settings import OperatorSettings, redacted
+
+LIVENESS_ENDPOINT = "http://0.0.0.0:8080/healthz"
+log = logging.getLogger("hermit.operator")
+
+
+def _fail(message: str, code: int) -> None:
+    print(f"hermit-operator: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def main() -> None:
+    try:
+        settings = OperatorSettings.from_env(os.environ)
+    except SettingsError as exc:
+        _fail(str(exc), 2)
+        return
+    logging.basicConfig(
+        level=settings.log_level,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)  # retries: one line
+    log.info("settings: %s", json.dumps(redacted(settings), default=str))
+
+    import kopf
+    from prometheus_client import start_http_server
+
+    from hermit_operator import handlers  # noqa: F401  (registers the handlers)
+    from hermit_operator.kube import Kube
+
+    try:
+        kube = Kube.connect()
+        version = kube.check()
+    except HermitError as exc:
+        _fail(str(exc), 1)
+        return
+    log.info("Kubernetes API %s at %s", version, kube.host)
+
+    try:
+        start_http_server(settings.metrics_port)
+    except OSError as exc:
+        _fail(f"cannot serve metrics on port {settings.metrics_port}: {exc.strerror}", 1)
+    kopf.configure(verbose=settings.log_level == "DEBUG")
+    logging.getLogger().setLevel(settings.log_level)
+    kopf.run(
+        clusterwide=settings.clusterwide,
+        namespaces=list(settings.watch_namespaces),
+        standalone=settings.peering_name is None,
+        peering_name=settings.peering_name,
+        liveness_endpoint=LIVENESS_ENDPOINT,
+        memo=kopf.Memo(settings=settings, kube=kube),
+    )
+
+
+if __name__ == "__main__":
+    main()
