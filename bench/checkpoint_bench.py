@@ -79,7 +79,6 @@ def measure(base: Path, mem_mb: int, criu: Criu, store: CheckpointStore,
     ticks = restored_box.wait_ticks(at_checkpoint + 3, timeout=120)
     continued = ticks == list(range(1, len(ticks) + 1)) and restored_box.container.alive()
     destroy_sandbox(restored_box, network)
-    shutil.rmtree(node_b.work_dir / "restores", ignore_errors=True)
     return Row(mem_mb, first, second, migrate, restored, continued)
 
 

@@ -109,10 +109,13 @@ class CheckpointEngine:
     def local_dir(self, t: CheckpointTarget) -> Path:
         return self._work_dir / "checkpoints" / t.namespace / t.sandbox / t.checkpoint
 
-    def checkpoint(self, target: CheckpointTarget, *, stop: bool = False) -> CheckpointResult:
+    def checkpoint(self, target: CheckpointTarget, *, stop: bool = False,
+                   keep_local: bool = False) -> CheckpointResult:
         """Take one checkpoint. ``stop=True``: the sandbox ends once it is durable (migration).
 
         On failure the sandbox is thawed and keeps running; CheckpointFailed says why.
+        The local copy of the images is removed once the store has them, unless
+        ``keep_local`` (for debugging).
         """
         view = container.inspect(target.init_pid, target.bundle)
         cgroup = view.freezer_cgroup()
@@ -172,6 +175,7 @@ class CheckpointEngine:
                 thawed = True
                 frozen_ms = _ms(frozen_at)
         except HermitError as exc:
+            shutil.rmtree(local, ignore_errors=True)
             if not thawed:
                 freezer.thaw(cgroup)
             raise CheckpointFailed(
@@ -181,6 +185,8 @@ class CheckpointEngine:
             if not thawed:
                 freezer.thaw(cgroup)
             raise
+        if not keep_local:
+            shutil.rmtree(local, ignore_errors=True)
         log.info("checkpoint %s/%s: frozen %d ms, dump %d ms, upload %d ms, %d bytes stored",
                  target.namespace, target.checkpoint, frozen_ms, dump_ms, upload_ms,
                  uploaded.stored_bytes)

@@ -150,6 +150,9 @@ class RestoreEngine:
             total_ms=_ms(began), restored_pid=pid,
             downloaded_bytes=_dir_bytes(local),
         )
+        # The restored tree holds nothing open in the staging dir; CRIU's log stays
+        # only when the restore failed.
+        shutil.rmtree(local, ignore_errors=True)
         log.info("restored %s/%s into pid %d: %s", target.namespace, target.checkpoint,
                  target.init_pid, result)
         return result

@@ -78,7 +78,7 @@ def run_demo(base: Path, mem_mb: int, warmup_ticks: int) -> None:
                 f"{result.frozen_ms} ms until durable")
             source.container.wait_exit(30)
             destroy_sandbox(source, network)
-            shutil.rmtree(node_a.work_dir / "checkpoints")
+            shutil.rmtree(node_a.work_dir / "checkpoints", ignore_errors=True)
             say("node-a: container, network namespace, workspace and local images deleted")
             target = start_sandbox(node_b, network, "sandbox", restore=True, env=env)
             restored = RestoreEngine(criu, store, node_b.work_dir).restore(RestoreTarget(

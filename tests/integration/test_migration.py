@@ -8,7 +8,6 @@ survives before B restores, so everything B gets comes from S3.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import uuid
@@ -110,7 +109,7 @@ def test_migration_keeps_memory_children_files_log_socket_and_output(
 
     # Node A's copy is gone entirely: container, netns, workspace, local images.
     destroy_sandbox(source, cni_network)
-    shutil.rmtree(ckpt_a.local_dir(checkpoint_target(source, uid, "ckpt-1")))
+    assert not ckpt_a.local_dir(checkpoint_target(source, uid, "ckpt-1")).exists()
 
     target = start_sandbox(node_b, cni_network, "sbx", restore=True)
     try:

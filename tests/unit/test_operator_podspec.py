@@ -1,0 +1,144 @@
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from hermit_common import api
+from hermit_common.settings import OperatorSettings
+from hermit_operator import podspec
+from hermit_operator.podspec import InvalidSpec, build_sandbox_pod
+
+SAMPLES = Path(__file__).resolve().parents[2] / "crds" / "samples"
+SETTINGS = OperatorSettings(init_image="registry.example/hermit:1.0",
+                            init_path="/hermit/bin/hermit-init")
+
+
+def sample(name: str) -> dict[str, Any]:
+    obj: dict[str, Any] = yaml.safe_load((SAMPLES / name).read_text())
+    obj["metadata"].update(namespace="team-a", uid="uid-1234", generation=1)
+    return obj
+
+
+def test_minimal_sample_runs_under_hermit_init() -> None:
+    pod = build_sandbox_pod(sample("agentsandbox-minimal.yaml"), SETTINGS, 1, None)
+    meta, spec = pod["metadata"], pod["spec"]
+    assert pod["apiVersion"] == "v1" and pod["kind"] == "Pod"
+    assert meta["name"] == "minimal-1" and meta["namespace"] == "team-a"
+    assert meta["labels"] == {api.LABEL_SANDBOX: "minimal", api.LABEL_INCARNATION: "1"}
+    assert "annotations" not in meta
+    assert meta["ownerReferences"] == [{
+        "apiVersion": "hermit.dev/v1alpha1", "kind": "AgentSandbox", "name": "minimal",
+        "uid": "uid-1234", "controller": True, "blockOwnerDeletion": True}]
+    main = spec["containers"][0]
+    assert main["command"] == ["/.hermit/hermit-init", "--", "python", "-m", "http.server",
+                               "8000"]
+    init = spec["initContainers"][0]
+    assert init["image"] == "registry.example/hermit:1.0"
+    assert init["command"] == ["cp", "/hermit/bin/hermit-init", "/.hermit/hermit-init"]
+    assert {"name": "hermit-init", "mountPath": "/.hermit"} in init["volumeMounts"]
+    assert {"name": "hermit-init", "mountPath": "/.hermit", "readOnly": True} in main[
+        "volumeMounts"]
+    assert {"name": "hermit-workspace", "mountPath": "/workspace"} in main["volumeMounts"]
+    vols = {v["name"]: v for v in spec["volumes"]}
+    assert vols["hermit-workspace"] == {"name": "hermit-workspace",
+                                        "emptyDir": {"sizeLimit": "1Gi"}}
+    assert "emptyDir" in vols["hermit-init"]
+    assert spec["restartPolicy"] == "Never"
+    assert spec["terminationGracePeriodSeconds"] == 10
+    assert spec["nodeSelector"] == {"karpenter.sh/capacity-type": "spot"}
+    assert {t["key"] for t in spec["tolerations"]} >= {"kubernetes.azure.com/scalesetpriority",
+                                                       "cloud.google.com/gke-spot"}
+
+
+def test_args_stay_after_the_command() -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    sb["spec"]["podTemplate"]["spec"]["containers"][0].update(command=["sh"],
+                                                              args=["-c", "echo hi"])
+    main = build_sandbox_pod(sb, SETTINGS, 2, None)["spec"]["containers"][0]
+    assert main["command"] == ["/.hermit/hermit-init", "--", "sh"]
+    assert main["args"] == ["-c", "echo hi"]
+
+
+def test_restore_mode_waits_for_the_restored_tree_and_annotates() -> None:
+    pod = build_sandbox_pod(sample("agentsandbox-minimal.yaml"), SETTINGS, 3, "minimal-ckpt-7")
+    assert pod["metadata"]["name"] == "minimal-3"
+    assert pod["metadata"]["annotations"] == {api.ANNOTATION_RESTORE_FROM: "minimal-ckpt-7"}
+    assert pod["spec"]["containers"][0]["command"] == [
+        "/.hermit/hermit-init", "--restore", "--restore-timeout", "300", "--",
+        "python", "-m", "http.server", "8000"]
+
+
+def test_full_sample_keeps_user_metadata_workspace_and_placement() -> None:
+    sb = sample("agentsandbox-full.yaml")
+    before = copy.deepcopy(sb)
+    pod = build_sandbox_pod(sb, SETTINGS, 1, None)
+    assert sb == before  # the input is not changed
+    meta, spec = pod["metadata"], pod["spec"]
+    assert meta["labels"]["team"] == "research"
+    assert meta["annotations"] == {"example.com/owner": "alice"}
+    assert spec["terminationGracePeriodSeconds"] == 30  # the user's choice wins
+    assert spec["containers"][0]["env"] == [{"name": "MODEL", "value": "small"}]
+    vols = {v["name"]: v for v in spec["volumes"]}
+    assert vols["hermit-workspace"]["emptyDir"] == {"sizeLimit": "20Gi"}
+    assert spec["nodeSelector"] == {"node.kubernetes.io/instance-type": "m7i.xlarge",
+                                    "karpenter.sh/capacity-type": "spot"}
+    assert spec["tolerations"][0] == {"key": "spot", "operator": "Exists",
+                                      "effect": "NoSchedule"}
+    assert len(spec["tolerations"]) == 1 + len(podspec.SPOT_TOLERATIONS)
+
+
+def test_user_node_selector_replaces_the_spot_selector() -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    sb["spec"]["podTemplate"]["spec"]["nodeSelector"] = {"pool": "gpu"}
+    sb["spec"]["placement"] = {"spot": True, "nodeSelector": {"zone": "a"}}
+    spec = build_sandbox_pod(sb, SETTINGS, 1, None)["spec"]
+    assert spec["nodeSelector"] == {"pool": "gpu", "zone": "a"}
+
+
+def test_on_demand_placement_adds_no_spot_terms_and_dedups_tolerations() -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    tol = {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}
+    sb["spec"]["podTemplate"]["spec"]["tolerations"] = [tol]
+    sb["spec"]["placement"] = {"spot": False, "tolerations": [tol]}
+    spec = build_sandbox_pod(sb, SETTINGS, 1, None)["spec"]
+    assert "nodeSelector" not in spec
+    assert spec["tolerations"] == [tol]
+
+
+def test_workspace_mount_path_and_integer_size() -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    sb["spec"]["workspace"] = {"size": 1073741824, "mountPath": "/home/agent"}
+    spec = build_sandbox_pod(sb, SETTINGS, 1, None)["spec"]
+    assert {"name": "hermit-workspace", "mountPath": "/home/agent"} in spec["containers"][0][
+        "volumeMounts"]
+    assert {"name": "hermit-workspace", "emptyDir": {"sizeLimit": "1073741824"}} in spec[
+        "volumes"]
+
+
+def test_missing_command_is_a_permanent_error() -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    del sb["spec"]["podTemplate"]["spec"]["containers"][0]["command"]
+    with pytest.raises(InvalidSpec, match=r"^spec\.podTemplate\.spec\.containers\[0\]\.command "
+                       "is required: Hermit runs it under its init$"):
+        build_sandbox_pod(sb, SETTINGS, 1, None)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda s: s.update(volumes=[{"name": "hermit-init", "emptyDir": {}}]), "reserved"),
+        (lambda s: s.update(initContainers=[{"name": "hermit-init", "image": "x"}]), "reserved"),
+        (lambda s: s["containers"][0].update(
+            volumeMounts=[{"name": "v", "mountPath": "/workspace"}]), "/workspace is reserved"),
+        (lambda s: s.update(containers=[]), "at least one container"),
+    ],
+)
+def test_reserved_names_and_paths_are_refused(edit: Any, message: str) -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    edit(sb["spec"]["podTemplate"]["spec"])
+    with pytest.raises(InvalidSpec, match=message):
+        build_sandbox_pod(sb, SETTINGS, 1, None)

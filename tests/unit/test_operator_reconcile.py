@@ -1,0 +1,198 @@
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from hermit_common import api
+from hermit_common.settings import OperatorSettings
+from hermit_operator.conditions import get_condition
+from hermit_operator.reconcile import Plan, container_message, plan, pod_is_lost, pod_is_ready
+
+SAMPLES = Path(__file__).resolve().parents[2] / "crds" / "samples"
+SETTINGS = OperatorSettings()
+NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+
+
+def sandbox(status: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+    obj: dict[str, Any] = yaml.safe_load((SAMPLES / "agentsandbox-minimal.yaml").read_text())
+    obj["metadata"].update(namespace="ns", uid="u-1", generation=4)
+    obj["spec"].update(spec)
+    if status is not None:
+        obj["status"] = status
+    return obj
+
+
+def pod(phase: str, *, ready: bool = False, name: str = "minimal-1", node: str = "spot-1",
+        **status: Any) -> dict[str, Any]:
+    st: dict[str, Any] = {"phase": phase, **status}
+    if phase == "Running":
+        st["conditions"] = [{"type": "Ready", "status": "True" if ready else "False"}]
+    return {"metadata": {"name": name, "namespace": "ns"}, "spec": {"nodeName": node},
+            "status": st}
+
+
+def cond(p: Plan, type_: str) -> dict[str, Any]:
+    c = get_condition(p.status_patch["conditions"], type_)
+    assert c is not None, type_
+    return c
+
+
+def after(p: Plan, sb: dict[str, Any]) -> dict[str, Any]:
+    """The sandbox as it looks once the plan's status patch is applied (a merge patch)."""
+    status = {**(sb.get("status") or {}), **p.status_patch}
+    return {**sb, "status": {k: v for k, v in status.items() if v is not None}}
+
+
+def test_no_pod_creates_the_first_incarnation() -> None:
+    p = plan(sandbox(), None, NOW, settings=SETTINGS)
+    assert p.create_pod is not None and p.delete_pod is None and p.invalid_spec is None
+    assert p.create_pod["metadata"]["name"] == "minimal-1"
+    s = p.status_patch
+    assert (s["phase"], s["incarnation"], s["podName"], s["observedGeneration"]) == (
+        "Pending", 1, "minimal-1", 4)
+    assert (cond(p, "Ready")["status"], cond(p, "Ready")["reason"]) == ("False", "PodCreating")
+    assert cond(p, "Accepted")["status"] == "True"
+    assert cond(p, "Ready")["observedGeneration"] == 4
+    assert [e.reason for e in p.events] == ["PodCreating"]
+
+
+def test_create_is_idempotent_until_the_status_lands() -> None:
+    sb = sandbox()
+    assert plan(sb, None, NOW, settings=SETTINGS).create_pod == plan(
+        sb, None, NOW, settings=SETTINGS).create_pod
+
+
+def test_running_and_ready_pod_is_running() -> None:
+    sb = after(plan(sandbox(), None, NOW, settings=SETTINGS), sandbox())
+    p = plan(sb, pod("Running", ready=True), NOW, settings=SETTINGS)
+    assert p.create_pod is None and p.delete_pod is None
+    assert p.status_patch["phase"] == "Running"
+    assert (p.status_patch["podName"], p.status_patch["nodeName"]) == ("minimal-1", "spot-1")
+    assert (cond(p, "Ready")["status"], cond(p, "Ready")["reason"]) == ("True", "PodRunning")
+    assert [e.reason for e in p.events] == ["PodRunning"]
+    # Seen again: same conditions, no new Event.
+    again = plan(after(p, sb), pod("Running", ready=True), NOW, settings=SETTINGS)
+    assert again.events == () and again.status_patch["conditions"] == p.status_patch[
+        "conditions"]
+
+
+@pytest.mark.parametrize(
+    ("the_pod", "reason", "message_part"),
+    [
+        (pod("Pending", containerStatuses=[{"name": "agent", "state": {"waiting": {
+            "reason": "ErrImagePull", "message": "not found"}}}]), "PodPending",
+         "container agent is waiting (ErrImagePull): not found"),
+        (pod("Running", ready=False), "ContainersNotReady", "pod is Running"),
+    ],
+)
+def test_not_ready_pods_say_why(the_pod: dict[str, Any], reason: str, message_part: str) -> None:
+    p = plan(sandbox({"incarnation": 1, "podName": "minimal-1"}), the_pod, NOW,
+             settings=SETTINGS)
+    assert p.status_patch["phase"] == "Pending"
+    assert cond(p, "Ready")["reason"] == reason and message_part in cond(p, "Ready")["message"]
+
+
+def test_succeeded_pod_succeeds_and_is_not_replaced() -> None:
+    sb = sandbox({"incarnation": 1, "podName": "minimal-1"})
+    p = plan(sb, pod("Succeeded"), NOW, settings=SETTINGS)
+    assert p.status_patch["phase"] == "Succeeded" and p.create_pod is None
+    assert cond(p, "Succeeded")["status"] == "True"
+    gone = plan(after(p, sb), None, NOW, settings=SETTINGS)
+    assert gone.create_pod is None and gone.status_patch["phase"] == "Succeeded"
+
+
+def test_failed_pod_fails_with_the_container_state() -> None:
+    failed = pod("Failed", containerStatuses=[{"name": "agent", "state": {"terminated": {
+        "exitCode": 3, "reason": "Error", "message": "boom\nat line 2"}}}])
+    p = plan(sandbox({"incarnation": 1, "podName": "minimal-1"}), failed, NOW, settings=SETTINGS)
+    assert p.status_patch["phase"] == "Failed" and p.create_pod is None and p.delete_pod is None
+    assert cond(p, "Failed")["reason"] == "PodFailed"
+    assert cond(p, "Failed")["message"] == (
+        "pod minimal-1 failed: container agent exited with code 3 (Error): boom at line 2")
+    assert [(e.type, e.reason) for e in p.events] == [("Warning", "PodFailed")]
+
+
+def test_evicted_pod_is_replaced_from_the_last_checkpoint() -> None:
+    sb = sandbox({"incarnation": 1, "podName": "minimal-1", "restores": 0,
+                  "lastCheckpoint": {"name": "minimal-int-5", "reason": "Interval"}})
+    evicted = pod("Failed", reason="Evicted", message="The node was low on resource: memory.")
+    assert pod_is_lost(evicted)
+    p = plan(sb, evicted, NOW, settings=SETTINGS)
+    assert p.delete_pod == "minimal-1"
+    assert p.create_pod is not None and p.create_pod["metadata"]["name"] == "minimal-2"
+    assert p.create_pod["metadata"]["annotations"][api.ANNOTATION_RESTORE_FROM] == "minimal-int-5"
+    assert p.status_patch["phase"] == "Restoring"
+    assert cond(p, "Restoring")["status"] == "True"
+    # The restored pod comes up: Running, restores + 1, Restoring=False.
+    up = plan(after(p, sb), pod("Running", ready=True, name="minimal-2", node="spot-2"), NOW,
+              settings=SETTINGS)
+    assert up.status_patch["phase"] == "Running" and up.status_patch["restores"] == 1
+    assert cond(up, "Restoring")["reason"] == "RestoreCompleted"
+
+
+def test_vanished_pod_without_checkpoint_restarts_from_scratch_and_warns() -> None:
+    p = plan(sandbox({"incarnation": 2, "podName": "minimal-2"}), None, NOW, settings=SETTINGS)
+    assert p.create_pod is not None and p.create_pod["metadata"]["name"] == "minimal-3"
+    assert "annotations" not in p.create_pod["metadata"]
+    assert {e.type for e in p.events} == {"Warning"}
+
+
+def test_disruption_target_marks_a_pod_lost() -> None:
+    disrupted = pod("Failed", conditions=[{"type": "DisruptionTarget", "status": "True"}])
+    assert pod_is_lost(disrupted) and not pod_is_lost(pod("Failed"))
+
+
+def test_fork_restores_spec_restore_from_on_the_first_incarnation() -> None:
+    p = plan(sandbox(restoreFrom="other-manual-1"), None, NOW, settings=SETTINGS)
+    assert p.create_pod is not None
+    assert p.create_pod["metadata"]["annotations"] == {
+        api.ANNOTATION_RESTORE_FROM: "other-manual-1"}
+    assert p.status_patch["phase"] == "Restoring"
+
+
+def test_suspend_deletes_the_pod_and_resume_creates_a_new_one() -> None:
+    sb = sandbox({"incarnation": 1, "podName": "minimal-1"}, suspend=True)
+    p = plan(sb, pod("Running", ready=True), NOW, settings=SETTINGS)
+    assert p.delete_pod == "minimal-1" and p.create_pod is None
+    assert p.status_patch["phase"] == "Suspended"
+    assert p.status_patch["podName"] is None and p.status_patch["nodeName"] is None
+    suspended = after(p, sb)
+    assert plan(suspended, None, NOW, settings=SETTINGS).delete_pod is None
+    suspended["spec"]["suspend"] = False
+    r = plan(suspended, None, NOW, settings=SETTINGS)
+    assert r.create_pod is not None and r.create_pod["metadata"]["name"] == "minimal-2"
+    assert (cond(r, "Suspended")["status"], cond(r, "Suspended")["reason"]) == (
+        "False", "Resumed")
+    assert r.status_patch["phase"] == "Pending"
+
+
+def test_terminating_pod_is_waited_for() -> None:
+    terminating = pod("Running", ready=True)
+    terminating["metadata"]["deletionTimestamp"] = "2026-01-01T11:59:00Z"
+    p = plan(sandbox({"incarnation": 1, "podName": "minimal-1"}), terminating, NOW,
+             settings=SETTINGS)
+    assert p.create_pod is None and p.delete_pod is None
+    assert cond(p, "Ready")["reason"] == "PodTerminating"
+
+
+def test_invalid_spec_is_reported_once_and_touches_no_pod() -> None:
+    sb = sandbox()
+    del sb["spec"]["podTemplate"]["spec"]["containers"][0]["command"]
+    p = plan(sb, None, NOW, settings=SETTINGS)
+    assert p.invalid_spec is not None and "command is required" in p.invalid_spec
+    assert p.create_pod is None and p.delete_pod is None
+    assert (cond(p, "Accepted")["status"], cond(p, "Accepted")["reason"]) == (
+        "False", "InvalidSpec")
+    assert p.status_patch["phase"] == "Failed"
+    assert [(e.type, e.reason) for e in p.events] == [("Warning", "InvalidSpec")]
+    assert plan(after(p, sb), None, NOW, settings=SETTINGS).events == ()
+
+
+def test_pod_readiness_falls_back_to_container_statuses() -> None:
+    p = {"status": {"phase": "Running", "containerStatuses": [{"ready": True}]}}
+    assert pod_is_ready(p) and not pod_is_ready({"status": {"phase": "Running"}})
+    assert container_message({"status": {"phase": "Pending"}}) == "pod is Pending"
