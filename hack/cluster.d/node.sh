@@ -223,15 +223,22 @@ node_import_images() {
   done
 }
 
-node_up() {  # node_up NAME CAPACITY: brings the node up to Ready (idempotent)
-  local name=$1 cap=$2 dir logs
+# node_prepare NAME CAPACITY: the host-side setup (index, netns, cgroups, certs,
+# configs); serial, because `ip netns add` and cgroup mkdir race with themselves.
+node_prepare() {
+  local name=$1 cap=$2
   node_alloc "$name" "$cap"
-  dir=$(node_dir "$name"); logs=$CLUSTER_DIR/logs/$name
-  mkdir -p "$logs"
+  mkdir -p "$CLUSTER_DIR/logs/$name"
   node_net_up "$name"
   node_cgroups_up "$name"
   pki_node "$name" "$(node_ip "$name")"
   node_write_configs "$name"
+}
+
+# node_start NAME: starts the node's daemons, waits until it is registered (parallel-safe).
+node_start() {
+  local name=$1 dir logs
+  dir=$(node_dir "$name"); logs=$CLUSTER_DIR/logs/$name
   local innode=("$HERMIT_ROOT/hack/cluster.d/in-node" "$name")
   start_daemon "$name-containerd" "$logs/containerd.log" "${innode[@]}" \
     containerd --config "$dir/containerd.toml"
@@ -246,6 +253,11 @@ node_up() {  # node_up NAME CAPACITY: brings the node up to Ready (idempotent)
     "$HERMIT_BIN/kube-proxy" --config "$dir/kube-proxy.yaml" --v=1
   wait_for "node $name registered" 90 kctl get node "$name"
   kctl annotate --overwrite node "$name" "$IMDS_ANNOTATION=$(node_imds_url "$name")" >/dev/null
+}
+
+node_up() {  # node_up NAME CAPACITY: one node, up to registered (idempotent)
+  node_prepare "$1" "$2"
+  node_start "$1"
 }
 
 # node_kill NAME: the node vanishes as a cloud VM does: every process of it

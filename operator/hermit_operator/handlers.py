@@ -23,14 +23,14 @@ def _post(sandbox: dict[str, Any], event: Event) -> None:
                message=event.message)
 
 
-def _reconcile(memo: Any, namespace: str, name: str) -> dict[str, Any] | None:
+def _reconcile(memo: Any, namespace: str, name: str) -> None:
+    # Returns nothing: kopf would store a return value under .status, which the CRD prunes.
     try:
-        plan = driver.reconcile_sandbox(memo.kube, memo.settings, namespace, name, _post)
+        driver.reconcile_sandbox(memo.kube, memo.settings, namespace, name, _post)
     except InvalidSpec as exc:
         raise kopf.PermanentError(str(exc)) from None
     except KubeTransient as exc:
         raise kopf.TemporaryError(str(exc), delay=kopfconfig.RETRY_DELAY_SECONDS) from None
-    return None if plan is None else {"phase": plan.status_patch.get("phase")}
 
 
 @kopf.on.startup()
@@ -45,9 +45,15 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.resume(api.GROUP, api.VERSION, api.SANDBOX_PLURAL)
 @kopf.on.create(api.GROUP, api.VERSION, api.SANDBOX_PLURAL)
 @kopf.on.update(api.GROUP, api.VERSION, api.SANDBOX_PLURAL, field="spec")
-def sandbox_changed(namespace: str | None, name: str, memo: kopf.Memo,
-                    **_: Any) -> dict[str, Any] | None:
-    return _reconcile(memo, namespace or "default", name)
+def sandbox_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+    _reconcile(memo, namespace or "default", name)
+
+
+@kopf.timer(api.GROUP, api.VERSION, api.SANDBOX_PLURAL,
+            interval=kopfconfig.RESYNC_SECONDS, initial_delay=kopfconfig.RESYNC_SECONDS)
+def sandbox_resync(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+    """A safety net for missed pod events (they are not retried)."""
+    _reconcile(memo, namespace or "default", name)
 
 
 @kopf.on.delete(api.GROUP, api.VERSION, api.SANDBOX_PLURAL, optional=True)

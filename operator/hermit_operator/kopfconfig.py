@@ -14,6 +14,7 @@ WATCH_SERVER_TIMEOUT = 300  # seconds the API server keeps a watch open
 WATCH_CLIENT_TIMEOUT = 330
 WATCH_CONNECT_TIMEOUT = 10
 RETRY_DELAY_SECONDS = 10
+RESYNC_SECONDS = 60.0  # every sandbox is reconciled at least this often
 
 
 def configure(kopf_settings: Any, settings: OperatorSettings) -> None:
@@ -32,4 +33,4 @@ def configure(kopf_settings: Any, settings: OperatorSettings) -> None:
     kopf_settings.watching.server_timeout = WATCH_SERVER_TIMEOUT
     kopf_settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT
     kopf_settings.watching.connect_timeout = WATCH_CONNECT_TIMEOUT
-    kopf_settings.batching.error_delays = (1, 2, 5, 10, 30, 60)
+    kopf_settings.queueing.error_delays = (1, 2, 5, 10, 30, 60)

@@ -152,7 +152,10 @@ def _init_container(settings: OperatorSettings) -> Manifest:
         "volumeMounts": [{"name": INIT_VOLUME, "mountPath": INIT_DIR}],
         "resources": {"requests": {"cpu": "10m", "memory": "16Mi"},
                       "limits": {"memory": "64Mi"}},
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        # Non-root so that pods with runAsNonRoot accept it; the emptyDir is world-writable.
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                            "runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
+                            "readOnlyRootFilesystem": True},
     }
 
 

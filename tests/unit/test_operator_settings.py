@@ -72,3 +72,22 @@ def test_cli_without_credentials_says_so_in_one_line(
     assert _run_main(monkeypatch, {"KUBECONFIG": str(tmp_path / "none")}) == 1
     err = capsys.readouterr().err
     assert err.startswith("hermit-operator: no Kubernetes credentials") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("peering", [None, "hermit"])
+def test_kopf_is_configured_from_the_settings(peering: str | None) -> None:
+    import logging
+
+    import kopf
+
+    from hermit_operator import kopfconfig
+
+    ks = kopf.OperatorSettings()
+    kopfconfig.configure(ks, OperatorSettings(peering_name=peering))
+    assert ks.peering.standalone is (peering is None)
+    if peering is not None:
+        assert (ks.peering.name, ks.peering.mandatory) == ("hermit", True)
+    assert ks.posting.level == logging.WARNING
+    assert isinstance(ks.persistence.progress_storage, kopf.AnnotationsProgressStorage)
+    assert ks.persistence.finalizer.startswith("hermit.dev/")
+    assert ks.watching.server_timeout == kopfconfig.WATCH_SERVER_TIMEOUT
