@@ -181,4 +181,4 @@ def test_helm_template_renders() -> None:
     ])
     missing = subprocess.run(
         [helm, "template", "hermit", str(CHART)], capture_output=True, text=True, timeout=60)
-    assert missing.returncode != 0 and "s3.bucket" in missing.stderr
+    assert missing.returncode != 0 and "s3/bucket" in missing.stderr, missing.stderr
