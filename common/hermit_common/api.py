@@ -56,3 +56,14 @@ REASON_NOT_SUSPENDED: Final = "NotSuspended"
 REASON_RESTORE_STARTED: Final = "RestoreStarted"
 REASON_RESTORE_COMPLETED: Final = "RestoreCompleted"
 REASON_RUNNING: Final = "Running"  # Succeeded/Failed=False while the sandbox is alive
+
+# --- The operator <-> node-agent protocol (see docs/protocol.md) ---------------
+# Pods: the operator sets these; the node-agent reads them.
+ANNOTATION_WORKSPACE_PATH: Final = f"{GROUP}/workspace-path"  # mount path of the workspace
+# Restore outcome, written by the node-agent on the restore pod; read by the operator.
+ANNOTATION_RESTORE_PHASE: Final = f"{GROUP}/restore-phase"  # Restoring | Restored | Failed
+ANNOTATION_RESTORE_MESSAGE: Final = f"{GROUP}/restore-message"
+RESTORE_PHASES: Final = ("Restoring", "Restored", "Failed")
+# Checkpoint objects carry the sandbox label (LABEL_SANDBOX) so both sides can select them.
+# Reasons whose checkpoint ends the current incarnation once it is durable.
+STOPPING_REASONS: Final = ("Preemption", "Eviction", "Suspend")

@@ -52,7 +52,7 @@ start_daemon() {
   local pidf="$CLUSTER_DIR/pids/$name.pid"
   mkdir -p "$CLUSTER_DIR/pids" "$(dirname "$logf")"
   if pid_alive "$pidf"; then return 0; fi
-  setsid "$@" </dev/null >>"$logf" 2>&1 &
+  setsid "$@" </dev/null >>"$logf" 2>&1 8>&- 9>&- &
   echo $! >"$pidf"
 }
 

@@ -109,6 +109,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   sandbox_image = "hermit.local/pause:3.10"
   netns_mounts_under_state_dir = true
   disable_apparmor = true
+  # no CAP_SYS_RESOURCE here: clamp oom_score_adj (-998 for pause) to what we may set
+  restrict_oom_score_adj = true
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
     default_runtime_name = "runc"
