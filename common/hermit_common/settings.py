@@ -186,6 +186,7 @@ class NodeSettings:
     work_dir: str = "/var/lib/hermit"
     metrics_port: int = 9101
     log_level: str = "INFO"
+    reconcile_interval_seconds: float = 2.0  # how often pods and Checkpoints are listed
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> NodeSettings:
@@ -199,6 +200,8 @@ class NodeSettings:
             metrics_port=env.integer("HERMIT_METRICS_PORT", 9101, minimum=1, maximum=65535),
             log_level=env.choice(
                 "HERMIT_LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR")),
+            reconcile_interval_seconds=env.number(
+                "HERMIT_RECONCILE_INTERVAL_SECONDS", 2.0, minimum=0.1, maximum=300.0),
         )
 
 

@@ -24,12 +24,11 @@ IMAGES=(pause sandbox hermit)
 
 kctl() { "$HERMIT_BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" "$@"; }
 
-# cgroup v1 hierarchies the node cgroups are created in (all named/legacy ones).
+# cgroup hierarchies the node cgroups live in (the kubelet also uses the unified one).
 cgroup_ctrls() {
   local d
   for d in /sys/fs/cgroup/*/; do
     d=${d%/}; d=${d##*/}
-    [ "$d" = unified ] && continue
     [ -f "/sys/fs/cgroup/$d/cgroup.procs" ] && echo "$d"
   done
 }

@@ -79,7 +79,7 @@ node_cgroups_down() {
   local c d
   for c in $(cgroup_ctrls); do
     d=/sys/fs/cgroup/$c/$CGROUP_ROOT/$1
-    [ -d "$d" ] && find "$d" -depth -type d -exec rmdir {} + 2>/dev/null
+    [ -d "$d" ] && { find "$d" -depth -type d -exec rmdir {} + 2>/dev/null || true; }
     [ -d "$d" ] && log "warning: cgroup $d still present"
   done
   return 0
@@ -270,7 +270,7 @@ node_kill() {
   stop_daemon "$name-aemm"
   for c in kubelet kube-proxy containerd; do
     local pf="$CLUSTER_DIR/pids/$name-$c.pid"
-    [ -f "$pf" ] && kill -KILL "$(cat "$pf")" 2>/dev/null; rm -f "$pf"
+    if [ -f "$pf" ]; then kill -KILL "$(cat "$pf")" 2>/dev/null || true; rm -f "$pf"; fi
   done
   while pids=$(node_cgroup_pids "$name") && [ -n "$pids" ]; do
     # shellcheck disable=SC2086

@@ -1,40 +1,411 @@
-"""The node-agent's main loop: watch for interruption notices and report them.
+"""The node-agent's main loop: notices, Checkpoint requests and restores on this node.
 
-Tainting the node and checkpointing its sandboxes on a notice is wired in by the
-Kubernetes integration; this loop owns settings, metrics and the watcher.
+Three things run: the watcher thread (interruption notices from the cloud), the
+reconcile loop (every ``reconcile_interval_seconds``: list this node's pods and the
+Checkpoints, start what is due) and a small pool of jobs (one per sandbox at a
+time) that drive the checkpoint and restore engines. Decisions come from
+``planner`` (pure); this module only applies them. API errors are logged and
+retried on the next loop. SIGTERM of the agent stops the loops, lets running
+jobs finish and does nothing else: no taint, no checkpoint.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Protocol
 
-from prometheus_client import Counter, start_http_server
+from prometheus_client import start_http_server
 
-from hermit_common import metrics
+from hermit_common.errors import HermitError, RestoreFailed
 from hermit_common.settings import NodeSettings, redacted
+from hermit_node import locate, metrics, planner
+from hermit_node.checkpoint import CheckpointResult, CheckpointTarget
+from hermit_node.kube import Kube, KubeError
+from hermit_node.planner import Manifest, SandboxPod
+from hermit_node.restore import RestoreResult, RestoreTarget
+from hermit_node.watchers import Notice
 
 log = logging.getLogger("hermit_node")
 
-NOTICES = Counter(metrics.NODE_NOTICES, "Interruption notices seen", ["provider", "kind"])
+WORKERS = 4
+STATUS_ATTEMPTS = 5
+EVENT_CHECKPOINT_FAILED = "CheckpointFailed"
 
 
-def run_agent(environ: Mapping[str, str]) -> int:
-    settings = NodeSettings.from_env(environ)
-    logging.getLogger().setLevel(settings.log_level)
-    log.info("starting with settings %s", redacted(settings))
-    start_http_server(settings.metrics_port)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    if settings.watcher.provider == "none":
-        stop.wait()
-        return 0
+class Checkpointer(Protocol):
+    def checkpoint(self, target: CheckpointTarget, *, stop: bool = False,
+                   keep_local: bool = False, deadline: float | None = None,
+                   on_uploading: Callable[[int, int], None] | None = None,
+                   ) -> CheckpointResult: ...
+
+
+class Restorer(Protocol):
+    def restore(self, target: RestoreTarget, *, timeout: float = 120.0) -> RestoreResult: ...
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Jobs:
+    """A small thread pool that runs at most one job per key (a sandbox) at a time."""
+
+    def __init__(self, workers: int = WORKERS) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hermit-job")
+        self._busy: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def submit(self, key: tuple[str, str], fn: Callable[[], None]) -> bool:
+        """Start ``fn`` unless a job for ``key`` runs; True when started."""
+        with self._lock:
+            if key in self._busy:
+                return False
+            self._busy.add(key)
+
+        def run() -> None:
+            try:
+                fn()
+            except Exception:  # a bug in a job must not take the agent down
+                log.exception("job for %s/%s crashed", *key)
+            finally:
+                with self._lock:
+                    self._busy.discard(key)
+
+        self._pool.submit(run)
+        return True
+
+    def busy(self) -> set[tuple[str, str]]:
+        with self._lock:
+            return set(self._busy)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class NodeAgent:
+    """Applies the planner's decisions for one node."""
+
+    def __init__(self, node: str, kube: Kube, checkpointer: Checkpointer, restorer: Restorer,
+                 *, jobs: Jobs | None = None, proc_root: Path = Path("/proc"),
+                 clock: Callable[[], datetime] = utc_now) -> None:
+        self.node = node
+        self._kube = kube
+        self._checkpointer = checkpointer
+        self._restorer = restorer
+        self._jobs = jobs or Jobs()
+        self._proc_root = proc_root
+        self._clock = clock
+        self._notice: Notice | None = None
+        self._tainted = False
+        self._recovered = False
+        self._lock = threading.Lock()
+        self._reconciling = threading.Lock()  # the watcher thread and the loop both reconcile
+        self._taken: set[str] = set()  # uids of Checkpoints and pods this process took up
+
+    # -- notices --------------------------------------------------------------------
+
+    def on_notice(self, notice: Notice) -> None:
+        metrics.record_notice(notice.provider, notice.kind)
+        left = notice.seconds_left(self._clock())
+        if not notice.is_interruption:
+            log.info("advisory notice on %s (%s, %s): nothing to do", self.node,
+                     notice.provider, notice.kind)
+            return
+        log.warning("interruption notice on %s: %s %s, %.0f s left", self.node,
+                    notice.provider, notice.kind, left)
+        with self._lock:
+            if self._notice is None:
+                self._notice = notice
+        self.reconcile_once()
+
+    def _drain(self, notice: Notice, pods: list[SandboxPod]) -> None:
+        """Taint and cordon the node; make sure every sandbox on it has a Preemption request."""
+        if not self._tainted:
+            try:
+                patch = planner.node_taint_patch(self._kube.get_node(), notice.kind)
+                if patch is not None:
+                    self._kube.patch_node(patch)
+                self._tainted = True
+                log.info("node %s tainted %s and cordoned", self.node, notice.kind)
+            except KubeError as exc:
+                log.warning("cannot taint node %s yet: %s", self.node, exc)
+        for sp in planner.pods_to_checkpoint_on_notice(pods):
+            name = planner.preempt_checkpoint_name(sp.sandbox, sp.incarnation)
+            try:
+                self._kube.create_checkpoint(sp.namespace, planner.checkpoint_object(
+                    sp.sandbox, name, "Preemption", sp.incarnation))
+            except KubeError as exc:
+                log.warning("cannot request checkpoint %s/%s yet: %s", sp.namespace, name, exc)
+
+    # -- the reconcile loop -------------------------------------------------------------
+
+    def reconcile_once(self) -> None:
+        """List, decide, start jobs. Never raises for API trouble: the next loop retries."""
+        with self._reconciling:
+            self._reconcile()
+
+    def _reconcile(self) -> None:
+        try:
+            pods = planner.sandbox_pods(self._kube.list_node_pods(), self.node)
+        except KubeError as exc:
+            log.warning("%s", exc)
+            return
+        with self._lock:
+            notice = self._notice
+        if notice is not None:
+            self._drain(notice, pods)
+        try:
+            checkpoints = self._kube.list_checkpoints()
+        except KubeError as exc:
+            log.warning("%s", exc)
+            checkpoints = None
+        if not self._recovered and checkpoints is not None:
+            self._recover(checkpoints, pods)
+            self._recovered = True
+        if checkpoints is not None:
+            for ckpt, sp in planner.checkpoints_to_serve(checkpoints, pods):
+                uid = str((ckpt.get("metadata") or {}).get("uid") or "")
+                self._start(uid, sp.key, functools.partial(self.run_checkpoint, ckpt, sp))
+        for sp in planner.pods_to_restore(pods):
+            self._start(sp.uid, sp.key, functools.partial(self.run_restore, sp))
+
+    def _start(self, uid: str, key: tuple[str, str], fn: Callable[[], None]) -> None:
+        with self._lock:
+            if uid in self._taken:
+                return
+            self._taken.add(uid)
+        if not self._jobs.submit(key, fn):
+            with self._lock:
+                self._taken.discard(uid)  # busy with another job: next loop
+
+    def _release(self, uid: str) -> None:
+        """Forget a job that did not get to write anything, so the next loop retries it."""
+        with self._lock:
+            self._taken.discard(uid)
+
+    def _recover(self, checkpoints: list[Manifest], pods: list[SandboxPod]) -> None:
+        """At start-up: fail what an earlier run of this agent left half done."""
+        for ckpt in planner.stale_checkpoints(checkpoints, self.node, set()):
+            meta = ckpt.get("metadata") or {}
+            message = "the node-agent restarted while taking this checkpoint"
+            self._write_status(str(meta.get("namespace")), str(meta.get("name")),
+                               planner.status_failed(message, self._clock(), self.node))
+            self._event(ckpt, message)
+        for sp in planner.stale_restores(pods, set()):
+            self._annotate(sp, planner.restore_annotations(
+                "Failed", "the node-agent restarted while restoring this pod"))
+
+    # -- checkpoint -------------------------------------------------------------------
+
+    def run_checkpoint(self, ckpt: Manifest, sp: SandboxPod) -> None:
+        meta = ckpt.get("metadata") or {}
+        namespace, name, uid = str(meta.get("namespace")), str(meta.get("name")), \
+            str(meta.get("uid") or "")
+        reason = planner.checkpoint_reason(ckpt)
+        stop = planner.is_stopping(reason)
+        began = time.monotonic()
+        try:
+            self._kube.patch_checkpoint_status(
+                namespace, name, planner.status_dumping(self.node, self._clock()))
+        except KubeError as exc:
+            log.warning("%s", exc)
+            self._release(uid)
+            return
+        log.info("checkpoint %s/%s of %s (%s, stop=%s) started%s", namespace, name, sp.pod,
+                 reason, stop, self._time_left())
+        try:
+            if sp.container_id is None:
+                raise HermitError(f"pod {sp.namespace}/{sp.pod} has no container id")
+            pid = locate.find_init_pid(sp.container_id, self._proc_root)
+            result = self._checkpointer.checkpoint(CheckpointTarget(
+                namespace=namespace, sandbox=sp.sandbox, sandbox_uid=sp.sandbox_uid,
+                checkpoint=name, init_pid=pid, workspace_path=sp.workspace_path,
+                image_digest=sp.image_digest), stop=stop, deadline=self._deadline(),
+                on_uploading=lambda frozen_ms, dump_ms: self._write_status(
+                    namespace, name, planner.status_uploading(frozen_ms, dump_ms)))
+        except Exception as exc:
+            message = str(exc) if isinstance(exc, HermitError) else \
+                f"unexpected {type(exc).__name__}: {exc}"
+            if not isinstance(exc, HermitError):
+                log.exception("checkpoint %s/%s", namespace, name)
+            metrics.record_checkpoint_failure(time.monotonic() - began)
+            log.error("checkpoint %s/%s failed: %s", namespace, name, planner.one_line(message))
+            self._write_status(namespace, name,
+                               planner.status_failed(message, self._clock(), self.node))
+            self._event(ckpt, planner.one_line(message))
+            return
+        metrics.record_checkpoint(
+            frozen_ms=result.frozen_ms, dump_ms=result.dump_ms, capture_ms=result.capture_ms,
+            upload_ms=result.upload_ms, total_seconds=time.monotonic() - began,
+            image_bytes=result.image_bytes, uploaded_bytes=result.uploaded_bytes,
+            stored_bytes=result.stored_bytes)
+        self._write_status(namespace, name,
+                           planner.status_completed(result, self._clock(), stopped=stop))
+        log.info("checkpoint %s/%s Completed in %.1f s%s", namespace, name,
+                 time.monotonic() - began, self._time_left())
+
+    def _deadline(self) -> float | None:
+        """The notice's deadline as a ``time.monotonic()`` value: uploads must end by then."""
+        with self._lock:
+            notice = self._notice
+        if notice is None or notice.deadline is None:
+            return None
+        return time.monotonic() + notice.seconds_left(self._clock())
+
+    def _time_left(self) -> str:
+        with self._lock:
+            notice = self._notice
+        if notice is None or notice.deadline is None:
+            return ""
+        return f"; {notice.seconds_left(self._clock()):.0f} s left before the node goes"
+
+    def _write_status(self, namespace: str, name: str, status: Manifest) -> None:
+        """Status writes matter (the operator waits on them): retry a few times."""
+        delay = 0.2
+        for attempt in range(1, STATUS_ATTEMPTS + 1):
+            try:
+                self._kube.patch_checkpoint_status(namespace, name, status)
+                return
+            except KubeError as exc:
+                if attempt == STATUS_ATTEMPTS:
+                    log.error("giving up on the status of Checkpoint %s/%s: %s",
+                              namespace, name, exc)
+                    return
+                log.warning("%s (attempt %d)", exc, attempt)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _event(self, ckpt: Manifest, message: str) -> None:
+        try:
+            self._kube.checkpoint_event(ckpt, "Warning", EVENT_CHECKPOINT_FAILED, message)
+        except KubeError as exc:
+            log.warning("%s", exc)
+
+    # -- restore ----------------------------------------------------------------------
+
+    def run_restore(self, sp: SandboxPod) -> None:
+        name = str(sp.restore_from)
+        try:
+            self._kube.annotate_pod(sp.namespace, sp.pod, planner.restore_annotations("Restoring"))
+        except KubeError as exc:
+            log.warning("%s", exc)
+            self._release(sp.uid)
+            return
+        log.info("restoring pod %s/%s from Checkpoint %s", sp.namespace, sp.pod, name)
+        began = time.monotonic()
+        try:
+            result = self._restore(sp, name)
+        except Exception as exc:
+            message = str(exc) if isinstance(exc, HermitError) else \
+                f"unexpected {type(exc).__name__}: {exc}"
+            if not isinstance(exc, HermitError):
+                log.exception("restore of %s/%s", sp.namespace, sp.pod)
+            metrics.record_restore(time.monotonic() - began, ok=False)
+            log.error("restore of %s/%s failed: %s", sp.namespace, sp.pod,
+                      planner.one_line(message))
+            self._annotate(sp, planner.restore_annotations("Failed", message))
+            return
+        metrics.record_restore(time.monotonic() - began, ok=True)
+        self._annotate(sp, planner.restore_annotations(
+            "Restored", f"restored from {name} in {result.total_ms} ms "
+                        f"({result.downloaded_bytes} bytes downloaded)"))
+
+    def _restore(self, sp: SandboxPod, name: str) -> RestoreResult:
+        source = planner.restore_source(self._kube.get_checkpoint(sp.namespace, name), name)
+        if isinstance(source, str):
+            raise RestoreFailed(source)
+        sandbox_uid = sp.sandbox_uid
+        if source.sandbox != sp.sandbox:  # a fork: the checkpoint is bound to its own sandbox
+            other = self._kube.get_sandbox(sp.namespace, source.sandbox)
+            if other is None:
+                raise RestoreFailed(
+                    f"Checkpoint {name} belongs to AgentSandbox {source.sandbox}, which is gone")
+            sandbox_uid = str((other.get("metadata") or {}).get("uid"))
+        if sp.container_id is None:
+            raise RestoreFailed(f"pod {sp.namespace}/{sp.pod} has no container id")
+        pid = locate.find_init_pid(sp.container_id, self._proc_root)
+        return self._restorer.restore(RestoreTarget(
+            namespace=sp.namespace, sandbox=source.sandbox, sandbox_uid=sandbox_uid,
+            checkpoint=name, init_pid=pid, image_digest=sp.image_digest,
+            expect_manifest_digest=source.manifest_digest))
+
+    def _annotate(self, sp: SandboxPod, annotations: dict[str, str | None]) -> None:
+        delay = 0.2
+        for attempt in range(1, STATUS_ATTEMPTS + 1):
+            try:
+                self._kube.annotate_pod(sp.namespace, sp.pod, annotations)
+                return
+            except KubeError as exc:
+                if attempt == STATUS_ATTEMPTS:
+                    log.error("giving up on annotating pod %s/%s: %s", sp.namespace, sp.pod, exc)
+                    return
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def shutdown(self) -> None:
+        self._jobs.shutdown()
+
+
+def _watch(agent: NodeAgent, settings: NodeSettings, stop: threading.Event) -> None:
     from hermit_node.watchers import build_watcher
 
     watcher = build_watcher(settings.watcher)
-    for notice in watcher.watch(stop):
-        NOTICES.labels(notice.provider, notice.kind).inc()
-        log.warning("interruption notice on %s: %s", settings.node_name, notice)
+    while not stop.is_set():
+        try:
+            for notice in watcher.watch(stop):
+                agent.on_notice(notice)
+        except Exception:
+            log.exception("the %s watcher failed; restarting it", settings.watcher.provider)
+            stop.wait(5.0)
+
+
+def build_agent(settings: NodeSettings) -> NodeAgent:
+    """Everything built once at start-up; HermitError when a piece cannot be built."""
+    from hermit_common.store import CheckpointStore
+    from hermit_node.checkpoint import CheckpointEngine
+    from hermit_node.criu import Criu
+    from hermit_node.restore import RestoreEngine
+
+    kube = Kube.connect(settings.node_name)
+    criu = Criu(settings.criu_path)
+    store = CheckpointStore(settings.store)
+    work_dir = Path(settings.work_dir)
+    return NodeAgent(settings.node_name, kube, CheckpointEngine(criu, store, work_dir),
+                     RestoreEngine(criu, store, work_dir))
+
+
+def run_agent(environ: Mapping[str, str], *, stop: threading.Event | None = None,
+              install_signals: bool = True) -> int:
+    settings = NodeSettings.from_env(environ)
+    logging.getLogger().setLevel(settings.log_level)
+    log.info("starting with settings %s", redacted(settings))
+    agent = build_agent(settings)
+    stop = stop or threading.Event()
+    if install_signals:
+        signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(stop))
+    start_http_server(settings.metrics_port)
+    watcher = threading.Thread(target=_watch, args=(agent, settings, stop), name="watcher",
+                               daemon=True)
+    watcher.start()
+    while not stop.is_set():
+        try:
+            agent.reconcile_once()
+        except Exception:  # a bug must not end the DaemonSet's loop
+            log.exception("reconcile failed")
+        stop.wait(settings.reconcile_interval_seconds)
+    log.info("stopping (no taint, no checkpoint); waiting for running jobs to finish")
+    agent.shutdown()
     return 0
+
+
+def _on_sigterm(stop: threading.Event) -> None:
+    stop.set()  # only this: logging is not safe in a signal handler
+

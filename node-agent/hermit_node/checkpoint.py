@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,12 +111,15 @@ class CheckpointEngine:
         return self._work_dir / "checkpoints" / t.namespace / t.sandbox / t.checkpoint
 
     def checkpoint(self, target: CheckpointTarget, *, stop: bool = False,
-                   keep_local: bool = False) -> CheckpointResult:
+                   keep_local: bool = False, deadline: float | None = None,
+                   on_uploading: Callable[[int, int], None] | None = None) -> CheckpointResult:
         """Take one checkpoint. ``stop=True``: the sandbox ends once it is durable (migration).
 
         On failure the sandbox is thawed and keeps running; CheckpointFailed says why.
         The local copy of the images is removed once the store has them, unless
-        ``keep_local`` (for debugging).
+        ``keep_local`` (for debugging). ``deadline`` (a ``time.monotonic()`` value, e.g.
+        the node's termination time) bounds the upload; ``on_uploading(frozen_ms, dump_ms)``
+        is called once the tree's state is captured and the upload starts.
         """
         view = container.inspect(target.init_pid, target.bundle)
         cgroup = view.freezer_cgroup()
@@ -163,9 +167,12 @@ class CheckpointEngine:
                 freezer.thaw(cgroup)
                 thawed = True
                 frozen_ms = _ms(frozen_at)
+            if on_uploading is not None:
+                on_uploading(_ms(frozen_at), dump_ms)
             started = time.monotonic()
             uploaded = self._store.upload(
-                binding, sections, restore_info(view, target.workspace_path, mount_keys))
+                binding, sections, restore_info(view, target.workspace_path, mount_keys),
+                deadline=deadline)
             upload_ms = _ms(started)
             if stop:
                 # Durable: end the old incarnation. SIGKILL to a pid namespace's init

@@ -16,6 +16,7 @@ from typing import Any
 from hermit_common import api
 from hermit_common.settings import OperatorSettings
 from hermit_operator import metrics
+from hermit_operator.checkpoints import sandbox_of
 from hermit_operator.conditions import FALSE, derive_phase, set_condition
 from hermit_operator.kube import Kube, KubeTransient
 from hermit_operator.podspec import InvalidSpec
@@ -37,6 +38,11 @@ def forget(namespace: str, name: str) -> None:
     """Drop the lock of a deleted sandbox."""
     with _locks_guard:
         _locks.pop((namespace, name), None)
+
+
+def checkpoint_sandbox(ckpt: Manifest) -> str | None:
+    """The name of the AgentSandbox a Checkpoint is of (spec.sandboxRef.name), or None."""
+    return sandbox_of(ckpt)
 
 
 def owner_sandbox(pod: Manifest) -> str | None:
@@ -64,8 +70,9 @@ def reconcile_sandbox(kube: Kube, settings: OperatorSettings, namespace: str, na
                 return None
             pod_name = (sandbox.get("status") or {}).get("podName")
             pod = kube.get_pod(namespace, pod_name) if pod_name else None
+            ckpts = kube.list_checkpoints(namespace)
             clock = now or (lambda: datetime.now(UTC))
-            p = plan(sandbox, pod, clock(), settings=settings)
+            p = plan(sandbox, pod, clock(), settings=settings, checkpoints=ckpts)
             _apply(kube, sandbox, p, post)
             if p.invalid_spec is not None:
                 result = "invalid"
@@ -101,9 +108,17 @@ def _apply(kube: Kube, sandbox: Manifest, p: Plan, post: Poster) -> None:
         restore = api.ANNOTATION_RESTORE_FROM in (p.create_pod["metadata"].get("annotations")
                                                   or {})
         metrics.PODS_CREATED.labels(mode="restore" if restore else "fresh").inc()
+    if p.create_checkpoint is not None:
+        kube.create_checkpoint(p.create_checkpoint)
     kube.patch_sandbox_status(namespace, name, p.status_patch)
     for event in p.events:
         post(sandbox, event)
+    for ckpt, patch in p.adopt_checkpoints:
+        kube.patch_checkpoint(namespace, ckpt, patch)
+    for ckpt in p.delete_checkpoints:
+        # The S3 side (manifest and unreferenced chunks) is not collected yet.
+        kube.delete_checkpoint(namespace, ckpt)
+        metrics.CHECKPOINTS_DELETED.inc()
 
 
 def _invalid_status(sandbox: Manifest, p: Plan, message: str) -> Manifest:

@@ -1,5 +1,8 @@
 """kopf handlers: thin wrappers that hand each event to driver.reconcile_sandbox.
 
+Checkpoints are watched with an event handler: kopf's change handlers (and on.field)
+diff the object without its status, so they never see the node-agent's progress.
+
 Importing this module registers the handlers with kopf's default registry.
 """
 
@@ -72,3 +75,17 @@ def pod_event(body: kopf.Body, namespace: str | None, memo: kopf.Memo,
     except (InvalidSpec, KubeTransient) as exc:
         # Event handlers are not retried; the sandbox's own handlers retry.
         logger.warning("reconciling AgentSandbox %s after a pod event: %s", sandbox, exc)
+
+
+@kopf.on.event(api.GROUP, api.VERSION, api.CHECKPOINT_PLURAL)
+def checkpoint_event(body: kopf.Body, namespace: str | None, memo: kopf.Memo,
+                     logger: kopf.Logger, **_: Any) -> None:
+    """A Checkpoint appeared, progressed, finished or went away: reconcile its sandbox."""
+    sandbox = driver.checkpoint_sandbox(dict(body))
+    if sandbox is None or namespace is None:
+        return
+    try:
+        driver.reconcile_sandbox(memo.kube, memo.settings, namespace, sandbox, _post)
+    except (InvalidSpec, KubeTransient) as exc:
+        # Event handlers are not retried; the sandbox's resync timer is the safety net.
+        logger.warning("reconciling AgentSandbox %s after a Checkpoint event: %s", sandbox, exc)

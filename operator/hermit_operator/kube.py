@@ -68,7 +68,8 @@ def api_message(exc: ApiException) -> str:
 
 
 class Kube:
-    """get/create/delete pods, get sandboxes and patch their status."""
+    """get/create/delete pods, get sandboxes and patch their status, list/create/patch/delete
+    Checkpoints."""
 
     def __init__(self, api_client: client.ApiClient) -> None:
         self._client = api_client
@@ -175,3 +176,46 @@ class Kube:
             if exc.status == 404:
                 return  # the sandbox is gone; nothing left to report on
             raise self._transient(what, exc) from None
+
+    def list_checkpoints(self, namespace: str) -> list[Manifest]:
+        """Every Checkpoint in the namespace (callers pick a sandbox's by spec.sandboxRef)."""
+        what = f"listing Checkpoints in {namespace}"
+        try:
+            out = self._call(what, self._custom.list_namespaced_custom_object, api.GROUP,
+                             api.VERSION, namespace, api.CHECKPOINT_PLURAL)
+        except ApiException as exc:
+            raise self._transient(what, exc) from None
+        items = out.get("items") if isinstance(out, dict) else None
+        return [i for i in items or [] if isinstance(i, dict)]
+
+    def create_checkpoint(self, manifest: Manifest) -> None:
+        """Create a Checkpoint request; one that already exists is left as it is."""
+        meta = manifest["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        what = f"creating Checkpoint {namespace}/{name}"
+        try:
+            self._call(what, self._custom.create_namespaced_custom_object, api.GROUP,
+                       api.VERSION, namespace, api.CHECKPOINT_PLURAL, manifest)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise self._transient(what, exc) from None
+
+    def patch_checkpoint(self, namespace: str, name: str, patch: Manifest) -> None:
+        """A JSON merge patch of a Checkpoint (metadata only; its status is the node-agent's)."""
+        what = f"patching Checkpoint {namespace}/{name}"
+        try:
+            self._call(what, self._custom.patch_namespaced_custom_object, api.GROUP,
+                       api.VERSION, namespace, api.CHECKPOINT_PLURAL, name, patch,
+                       _content_type=MERGE_PATCH)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise self._transient(what, exc) from None
+
+    def delete_checkpoint(self, namespace: str, name: str) -> None:
+        what = f"deleting Checkpoint {namespace}/{name}"
+        try:
+            self._call(what, self._custom.delete_namespaced_custom_object, api.GROUP,
+                       api.VERSION, namespace, api.CHECKPOINT_PLURAL, name)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise self._transient(what, exc) from None

@@ -20,3 +20,7 @@ PODS_CREATED: Final = Counter(
     "Sandbox pods created, by mode (fresh, restore).",
     ["mode"],
 )
+CHECKPOINTS_DELETED: Final = Counter(
+    "hermit_operator_checkpoints_deleted_total",
+    "Checkpoint objects deleted by retention.",
+)

@@ -77,12 +77,38 @@ def validate(sandbox: Manifest) -> None:
     if INIT_CONTAINER in init_names:
         raise InvalidSpec(f"spec.podTemplate.spec.initContainers: the name {INIT_CONTAINER!r} "
                           "is reserved for Hermit")
+    for where, tolerations in (
+            ("spec.podTemplate.spec.tolerations", pod_spec.get("tolerations")),
+            ("spec.placement.tolerations", (spec.get("placement") or {}).get("tolerations"))):
+        for tol in tolerations or []:
+            if tolerates_interruption(tol):
+                raise InvalidSpec(
+                    f"{where}: {_describe(tol)} tolerates the {api.TAINT_INTERRUPTION} taint, "
+                    "so a sandbox could be placed on a node that is going away; "
+                    "name the taint keys to tolerate")
     mount_path = _workspace(spec)[1]
     for mount in containers[0].get("volumeMounts") or []:
         if mount.get("mountPath") in (INIT_DIR, mount_path):
             raise InvalidSpec(
                 f"spec.podTemplate.spec.containers[0].volumeMounts: {mount.get('mountPath')} "
                 "is reserved for Hermit's init and workspace")
+
+
+def tolerates_interruption(toleration: Manifest) -> bool:
+    """Whether a core/v1 Toleration tolerates the node-agent's interruption taint
+    (key hermit.dev/interruption, effect NoSchedule, any value)."""
+    key = toleration.get("key") or ""
+    operator = toleration.get("operator") or "Equal"
+    effect = toleration.get("effect") or ""
+    if effect not in ("", "NoSchedule"):
+        return False
+    if key == "":
+        return bool(operator == "Exists")  # an empty key with Exists matches every taint
+    return bool(key == api.TAINT_INTERRUPTION)
+
+
+def _describe(toleration: Manifest) -> str:
+    return "the toleration " + ", ".join(f"{k}={v}" for k, v in sorted(toleration.items()))
 
 
 def build_sandbox_pod(sandbox: Manifest, settings: OperatorSettings, incarnation: int,
@@ -97,11 +123,15 @@ def build_sandbox_pod(sandbox: Manifest, settings: OperatorSettings, incarnation
 
     labels = {**(tmeta.get("labels") or {}), api.LABEL_SANDBOX: meta["name"],
               api.LABEL_INCARNATION: str(incarnation)}
+    size, mount_path = _workspace(spec)
     annotations = dict(tmeta.get("annotations") or {})
+    annotations[api.ANNOTATION_WORKSPACE_PATH] = mount_path
+    annotations.pop(api.ANNOTATION_RESTORE_FROM, None)
     if restore_from is not None:
         annotations[api.ANNOTATION_RESTORE_FROM] = restore_from
+    for key in (api.ANNOTATION_RESTORE_PHASE, api.ANNOTATION_RESTORE_MESSAGE):
+        annotations.pop(key, None)  # the node-agent's to write
 
-    size, mount_path = _workspace(spec)
     main = pod_spec["containers"][0]
     main["command"] = init_command(list(main["command"]), restore_from)
     main["volumeMounts"] = [

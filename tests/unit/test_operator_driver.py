@@ -34,7 +34,24 @@ class FakeKube:
     def __init__(self, sandbox: dict[str, Any]) -> None:
         self.sandbox = sandbox
         self.pods: dict[str, dict[str, Any]] = {}
+        self.checkpoints: dict[str, dict[str, Any]] = {}
         self.calls: list[str] = []
+
+    def list_checkpoints(self, namespace: str) -> list[dict[str, Any]]:
+        return [copy.deepcopy(c) for c in self.checkpoints.values()]
+
+    def create_checkpoint(self, manifest: dict[str, Any]) -> None:
+        name = manifest["metadata"]["name"]
+        self.calls.append(f"create checkpoint {name}")
+        self.checkpoints.setdefault(name, copy.deepcopy(manifest))
+
+    def patch_checkpoint(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        self.calls.append(f"patch checkpoint {name}")
+        _merge(self.checkpoints[name], patch)
+
+    def delete_checkpoint(self, namespace: str, name: str) -> None:
+        self.calls.append(f"delete checkpoint {name}")
+        self.checkpoints.pop(name, None)
 
     def get_sandbox(self, namespace: str, name: str) -> dict[str, Any] | None:
         return copy.deepcopy(self.sandbox)
@@ -121,4 +138,47 @@ def test_handlers_register_with_kopf() -> None:
     names = {h.id for h in registry._changing.get_all_handlers()}
     assert any("sandbox_changed" in n for n in names)
     assert any("pod_event" in h.id for h in registry._watching.get_all_handlers())
+    assert any("checkpoint_event" in h.id for h in registry._watching.get_all_handlers())
     assert any("startup" in h.id for h in registry._activities.get_all_handlers())
+
+
+def _checkpoint(name: str, reason: str, phase: str, node: str = "spot-1") -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": "ns", "resourceVersion": "1",
+                         "creationTimestamp": "2026-01-01T11:00:00Z"},
+            "spec": {"sandboxRef": {"name": "minimal"}, "reason": reason},
+            "status": {"phase": phase, "nodeName": node, "completedAt": "2026-01-01T11:00:01Z"}}
+
+
+def test_preemption_requeue_restore_and_retention(sandbox: dict[str, Any]) -> None:
+    sandbox["spec"]["checkpoint"] = {"retain": 1}
+    kube, events = FakeKube(sandbox), list[Event]()
+    run(kube, events)
+    kube.pods["minimal-1"]["spec"]["nodeName"] = "spot-1"
+    kube.pods["minimal-1"]["metadata"]["creationTimestamp"] = "2026-01-01T10:00:00Z"
+    kube.pods["minimal-1"]["status"] = {"phase": "Running", "conditions": [
+        {"type": "Ready", "status": "True"}]}
+    kube.checkpoints["minimal-int"] = _checkpoint("minimal-int", "Interval", "Completed")
+    kube.checkpoints["minimal-1-preempt"] = _checkpoint("minimal-1-preempt", "Preemption",
+                                                        "Dumping")
+    run(kube, events)
+    assert kube.sandbox["status"]["phase"] == "Checkpointing"
+    owners = kube.checkpoints["minimal-1-preempt"]["metadata"]["ownerReferences"]
+    assert [o["uid"] for o in owners] == ["u-1"]  # adopted
+    kube.checkpoints["minimal-1-preempt"]["status"]["phase"] = "Completed"
+    kube.checkpoints["minimal-1-preempt"]["status"]["completedAt"] = "2026-01-01T11:00:05Z"
+    run(kube, events)
+    assert kube.calls[-3:] == ["delete minimal-1", "create minimal-2",
+                               "delete checkpoint minimal-int"]
+    new = kube.pods["minimal-2"]
+    assert new["metadata"]["annotations"][api.ANNOTATION_RESTORE_FROM] == "minimal-1-preempt"
+    status = kube.sandbox["status"]
+    assert (status["phase"], status["lastCheckpoint"]["name"]) == ("Migrating",
+                                                                   "minimal-1-preempt")
+    new["spec"]["nodeName"] = "spot-2"
+    new["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
+    new["metadata"]["annotations"][api.ANNOTATION_RESTORE_PHASE] = "Restored"
+    run(kube, events)
+    run(kube, events)
+    status = kube.sandbox["status"]
+    assert (status["phase"], status["restores"], status["nodeName"]) == ("Running", 1, "spot-2")
+    assert set(kube.pods) == {"minimal-2"} and set(kube.checkpoints) == {"minimal-1-preempt"}

@@ -29,7 +29,7 @@ def test_minimal_sample_runs_under_hermit_init() -> None:
     assert pod["apiVersion"] == "v1" and pod["kind"] == "Pod"
     assert meta["name"] == "minimal-1" and meta["namespace"] == "team-a"
     assert meta["labels"] == {api.LABEL_SANDBOX: "minimal", api.LABEL_INCARNATION: "1"}
-    assert "annotations" not in meta
+    assert meta["annotations"] == {api.ANNOTATION_WORKSPACE_PATH: "/workspace"}
     assert meta["ownerReferences"] == [{
         "apiVersion": "hermit.dev/v1alpha1", "kind": "AgentSandbox", "name": "minimal",
         "uid": "uid-1234", "controller": True, "blockOwnerDeletion": True}]
@@ -66,7 +66,8 @@ def test_args_stay_after_the_command() -> None:
 def test_restore_mode_waits_for_the_restored_tree_and_annotates() -> None:
     pod = build_sandbox_pod(sample("agentsandbox-minimal.yaml"), SETTINGS, 3, "minimal-ckpt-7")
     assert pod["metadata"]["name"] == "minimal-3"
-    assert pod["metadata"]["annotations"] == {api.ANNOTATION_RESTORE_FROM: "minimal-ckpt-7"}
+    assert pod["metadata"]["annotations"] == {api.ANNOTATION_RESTORE_FROM: "minimal-ckpt-7",
+                                              api.ANNOTATION_WORKSPACE_PATH: "/workspace"}
     assert pod["spec"]["containers"][0]["command"] == [
         "/.hermit/hermit-init", "--restore", "--restore-timeout", "300", "--",
         "python", "-m", "http.server", "8000"]
@@ -79,7 +80,8 @@ def test_full_sample_keeps_user_metadata_workspace_and_placement() -> None:
     assert sb == before  # the input is not changed
     meta, spec = pod["metadata"], pod["spec"]
     assert meta["labels"]["team"] == "research"
-    assert meta["annotations"] == {"example.com/owner": "alice"}
+    assert meta["annotations"] == {"example.com/owner": "alice",
+                                   api.ANNOTATION_WORKSPACE_PATH: "/workspace"}
     assert spec["terminationGracePeriodSeconds"] == 30  # the user's choice wins
     assert spec["containers"][0]["env"] == [{"name": "MODEL", "value": "small"}]
     vols = {v["name"]: v for v in spec["volumes"]}
@@ -141,4 +143,56 @@ def test_reserved_names_and_paths_are_refused(edit: Any, message: str) -> None:
     sb = sample("agentsandbox-minimal.yaml")
     edit(sb["spec"]["podTemplate"]["spec"])
     with pytest.raises(InvalidSpec, match=message):
+        build_sandbox_pod(sb, SETTINGS, 1, None)
+
+
+def test_workspace_path_annotation_follows_the_mount_path_and_protocol_keys_are_ours() -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    sb["spec"]["workspace"] = {"mountPath": "/home/agent/work"}
+    sb["spec"]["podTemplate"]["metadata"] = {"annotations": {
+        api.ANNOTATION_RESTORE_FROM: "forged", api.ANNOTATION_RESTORE_PHASE: "Restored",
+        api.ANNOTATION_RESTORE_MESSAGE: "x", "keep": "me"}}
+    fresh = build_sandbox_pod(sb, SETTINGS, 1, None)["metadata"]["annotations"]
+    assert fresh == {api.ANNOTATION_WORKSPACE_PATH: "/home/agent/work", "keep": "me"}
+    restore = build_sandbox_pod(sb, SETTINGS, 2, "c-1")["metadata"]["annotations"]
+    assert restore[api.ANNOTATION_RESTORE_FROM] == "c-1"
+    assert api.ANNOTATION_RESTORE_PHASE not in restore
+
+
+@pytest.mark.parametrize(
+    ("toleration", "tolerates"),
+    [
+        ({"operator": "Exists"}, True),
+        ({"operator": "Exists", "effect": "NoSchedule"}, True),
+        ({"operator": "Exists", "effect": "NoExecute"}, False),
+        ({"key": api.TAINT_INTERRUPTION, "operator": "Exists"}, True),
+        ({"key": api.TAINT_INTERRUPTION, "value": "aws", "effect": "NoSchedule"}, True),
+        ({"key": api.TAINT_INTERRUPTION, "operator": "Exists", "effect": "PreferNoSchedule"},
+         False),
+        ({"key": "spot", "operator": "Exists"}, False),
+        ({"key": "", "operator": "Equal", "value": "x"}, False),
+    ],
+)
+def test_tolerates_interruption(toleration: dict[str, Any], tolerates: bool) -> None:
+    assert podspec.tolerates_interruption(toleration) is tolerates
+
+
+def test_hermit_never_tolerates_the_interruption_taint() -> None:
+    for name in ("agentsandbox-minimal.yaml", "agentsandbox-full.yaml"):
+        for spot in (True, False):
+            sb = sample(name)
+            sb["spec"]["placement"] = {**(sb["spec"].get("placement") or {}), "spot": spot}
+            tols = build_sandbox_pod(sb, SETTINGS, 1, None)["spec"].get("tolerations") or []
+            assert not any(podspec.tolerates_interruption(t) for t in tols), (name, spot)
+
+
+@pytest.mark.parametrize("where", ["podTemplate", "placement"])
+def test_tolerating_the_interruption_taint_is_an_invalid_spec(where: str) -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    tol = {"operator": "Exists"}
+    if where == "podTemplate":
+        sb["spec"]["podTemplate"]["spec"]["tolerations"] = [tol]
+    else:
+        sb["spec"]["placement"] = {"tolerations": [tol]}
+    with pytest.raises(InvalidSpec, match=r"tolerates the hermit\.dev/interruption taint"):
         build_sandbox_pod(sb, SETTINGS, 1, None)

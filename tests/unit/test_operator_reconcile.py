@@ -35,6 +35,21 @@ def pod(phase: str, *, ready: bool = False, name: str = "minimal-1", node: str =
             "status": st}
 
 
+def restore_pod(name: str, incarnation: int, source: str, outcome: str | None,
+                message: str | None = None, *, phase: str = "Running") -> dict[str, Any]:
+    """A restore pod (Ready: its init runs) with the node-agent's outcome annotation."""
+    p = pod(phase, ready=True, name=name, node="spot-2")
+    annotations = {api.ANNOTATION_RESTORE_FROM: source}
+    if outcome is not None:
+        annotations[api.ANNOTATION_RESTORE_PHASE] = outcome
+    if message is not None:
+        annotations[api.ANNOTATION_RESTORE_MESSAGE] = message
+    p["metadata"].update(annotations=annotations,
+                         labels={api.LABEL_SANDBOX: "minimal",
+                                 api.LABEL_INCARNATION: str(incarnation)})
+    return p
+
+
 def cond(p: Plan, type_: str) -> dict[str, Any]:
     c = get_condition(p.status_patch["conditions"], type_)
     assert c is not None, type_
@@ -127,9 +142,13 @@ def test_evicted_pod_is_replaced_from_the_last_checkpoint() -> None:
     assert p.create_pod["metadata"]["annotations"][api.ANNOTATION_RESTORE_FROM] == "minimal-int-5"
     assert p.status_patch["phase"] == "Restoring"
     assert cond(p, "Restoring")["status"] == "True"
-    # The restored pod comes up: Running, restores + 1, Restoring=False.
-    up = plan(after(p, sb), pod("Running", ready=True, name="minimal-2", node="spot-2"), NOW,
-              settings=SETTINGS)
+    # The restore pod is Ready before the node-agent has restored anything: still Restoring.
+    new = restore_pod("minimal-2", 2, "minimal-int-5", None)
+    waiting = plan(after(p, sb), new, NOW, settings=SETTINGS)
+    assert waiting.status_patch["phase"] == "Restoring" and waiting.status_patch["restores"] == 0
+    # The node-agent reports Restored: Running, restores + 1, Restoring=False.
+    done = restore_pod("minimal-2", 2, "minimal-int-5", "Restored")
+    up = plan(after(waiting, after(p, sb)), done, NOW, settings=SETTINGS)
     assert up.status_patch["phase"] == "Running" and up.status_patch["restores"] == 1
     assert cond(up, "Restoring")["reason"] == "RestoreCompleted"
 
@@ -137,7 +156,7 @@ def test_evicted_pod_is_replaced_from_the_last_checkpoint() -> None:
 def test_vanished_pod_without_checkpoint_restarts_from_scratch_and_warns() -> None:
     p = plan(sandbox({"incarnation": 2, "podName": "minimal-2"}), None, NOW, settings=SETTINGS)
     assert p.create_pod is not None and p.create_pod["metadata"]["name"] == "minimal-3"
-    assert "annotations" not in p.create_pod["metadata"]
+    assert api.ANNOTATION_RESTORE_FROM not in p.create_pod["metadata"]["annotations"]
     assert {e.type for e in p.events} == {"Warning"}
 
 
@@ -150,13 +169,13 @@ def test_fork_restores_spec_restore_from_on_the_first_incarnation() -> None:
     p = plan(sandbox(restoreFrom="other-manual-1"), None, NOW, settings=SETTINGS)
     assert p.create_pod is not None
     assert p.create_pod["metadata"]["annotations"] == {
-        api.ANNOTATION_RESTORE_FROM: "other-manual-1"}
+        api.ANNOTATION_RESTORE_FROM: "other-manual-1", api.ANNOTATION_WORKSPACE_PATH: "/workspace"}
     assert p.status_patch["phase"] == "Restoring"
 
 
 def test_suspend_deletes_the_pod_and_resume_creates_a_new_one() -> None:
     sb = sandbox({"incarnation": 1, "podName": "minimal-1"}, suspend=True)
-    p = plan(sb, pod("Running", ready=True), NOW, settings=SETTINGS)
+    p = plan(sb, pod("Pending"), NOW, settings=SETTINGS)  # nothing to checkpoint yet
     assert p.delete_pod == "minimal-1" and p.create_pod is None
     assert p.status_patch["phase"] == "Suspended"
     assert p.status_patch["podName"] is None and p.status_patch["nodeName"] is None

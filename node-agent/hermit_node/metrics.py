@@ -1,0 +1,48 @@
+"""The node-agent's Prometheus metrics (names from hermit_common.metrics; small label sets)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+from hermit_common import metrics
+
+# Checkpoint phases a duration is recorded for, and results.
+PHASES = ("frozen", "dump", "capture", "upload", "total")
+RESULTS = ("success", "failure")
+BYTE_KINDS = ("image", "uploaded", "stored")
+
+_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+NOTICES = Counter(metrics.NODE_NOTICES, "Interruption notices seen", ["provider", "kind"])
+CHECKPOINT_SECONDS = Histogram(
+    metrics.NODE_CHECKPOINT_SECONDS, "Time spent per checkpoint phase", ["phase", "result"],
+    buckets=_BUCKETS)
+CHECKPOINT_BYTES = Counter(
+    metrics.NODE_CHECKPOINT_BYTES, "Checkpoint bytes by kind", ["kind"])
+RESTORE_SECONDS = Histogram(
+    metrics.NODE_RESTORE_SECONDS, "Time to restore a checkpoint into a pod", ["result"],
+    buckets=_BUCKETS)
+
+
+def record_checkpoint(*, frozen_ms: int, dump_ms: int, capture_ms: int, upload_ms: int,
+                      total_seconds: float, image_bytes: int, uploaded_bytes: int,
+                      stored_bytes: int) -> None:
+    for phase, ms in (("frozen", frozen_ms), ("dump", dump_ms), ("capture", capture_ms),
+                      ("upload", upload_ms)):
+        CHECKPOINT_SECONDS.labels(phase, "success").observe(ms / 1000)
+    CHECKPOINT_SECONDS.labels("total", "success").observe(total_seconds)
+    for kind, n in (("image", image_bytes), ("uploaded", uploaded_bytes),
+                    ("stored", stored_bytes)):
+        CHECKPOINT_BYTES.labels(kind).inc(n)
+
+
+def record_checkpoint_failure(total_seconds: float) -> None:
+    CHECKPOINT_SECONDS.labels("total", "failure").observe(total_seconds)
+
+
+def record_restore(seconds: float, *, ok: bool) -> None:
+    RESTORE_SECONDS.labels("success" if ok else "failure").observe(seconds)
+
+
+def record_notice(provider: str, kind: str) -> None:
+    NOTICES.labels(provider, kind).inc()

@@ -1,0 +1,496 @@
+"""The node-agent's decisions (hermit_node.planner): pure functions over API dicts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hermit_common import api
+from hermit_common.errors import CheckpointFailed, CheckpointRefused
+from hermit_node import planner
+from hermit_node.agent import NodeAgent
+from hermit_node.checkpoint import CheckpointResult
+from hermit_node.kube import KubeError
+from hermit_node.restore import RestoreResult
+from hermit_node.watchers import Notice
+from tests.unit.test_crds import schema_errors
+
+NODE = "node-a"
+NOW = datetime(2026, 1, 2, 3, 4, 5, 600000, tzinfo=UTC)
+DIGEST = "sha256:" + "ab" * 32
+IMAGE_DIGEST = "sha256:" + "cd" * 32
+
+
+def pod(name: str = "box-1", *, sandbox: str | None = "box", incarnation: int = 1,
+        node: str = NODE, running: bool = True, phase: str = "Running",
+        annotations: dict[str, str] | None = None, owner: bool = True,
+        terminating: bool = False, namespace: str = "agents") -> dict[str, Any]:
+    labels = {api.LABEL_INCARNATION: str(incarnation)}
+    if sandbox is not None:
+        labels[api.LABEL_SANDBOX] = sandbox
+    meta: dict[str, Any] = {
+        "name": name, "namespace": namespace, "uid": f"uid-{name}", "labels": labels,
+        "annotations": annotations or {},
+        "ownerReferences": [{"kind": api.SANDBOX_KIND, "name": sandbox, "uid": "sbx-uid"}]
+        if owner else [{"kind": "ReplicaSet", "name": "rs", "uid": "rs-uid"}],
+    }
+    if terminating:
+        meta["deletionTimestamp"] = "2026-01-02T03:04:00Z"
+    state = {"running": {"startedAt": "2026-01-02T03:00:00Z"}} if running else \
+        {"waiting": {"reason": "PodInitializing"}}
+    return {
+        "metadata": meta,
+        "spec": {"nodeName": node, "containers": [{"name": "sandbox"}, {"name": "aaa-sidecar"}]},
+        "status": {"phase": phase, "containerStatuses": [
+            # Sorted by name, as the kubelet reports them: the sidecar comes first.
+            {"name": "aaa-sidecar", "containerID": "containerd://" + "ee" * 32,
+             "imageID": "docker.io/library/side@sha256:" + "ff" * 32,
+             "state": {"running": {}}},
+            {"name": "sandbox", "containerID": "containerd://" + "12" * 32,
+             "imageID": f"registry.local/agent@{IMAGE_DIGEST}", "state": state},
+        ]},
+    }
+
+
+def ckpt(name: str, *, sandbox: str = "box", reason: str = "Manual",
+         status: dict[str, Any] | None = None, created: str = "2026-01-02T03:00:00Z",
+         namespace: str = "agents") -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "apiVersion": api.API_VERSION, "kind": api.CHECKPOINT_KIND,
+        "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}",
+                     "creationTimestamp": created, "labels": {api.LABEL_SANDBOX: sandbox}},
+        "spec": {"sandboxRef": {"name": sandbox}, "reason": reason},
+    }
+    if status is not None:
+        out["status"] = status
+    return out
+
+
+def sps(*pods: dict[str, Any]) -> list[planner.SandboxPod]:
+    return planner.sandbox_pods(pods, NODE)
+
+
+# -- binding identity --------------------------------------------------------------------
+
+def test_sandbox_pod_binding_identity() -> None:
+    sp = planner.sandbox_pod(pod(annotations={api.ANNOTATION_WORKSPACE_PATH: "/work"}))
+    assert sp is not None
+    assert (sp.namespace, sp.pod, sp.sandbox, sp.sandbox_uid, sp.incarnation) == (
+        "agents", "box-1", "box", "sbx-uid", 1)
+    assert sp.container_id == "containerd://" + "12" * 32  # the first spec container's
+    assert sp.image_digest == IMAGE_DIGEST
+    assert sp.workspace_path == "/work"
+    assert sp.running and sp.has_live_tree
+    assert sp.key == ("agents", "box")
+
+
+def test_workspace_path_defaults() -> None:
+    sp = planner.sandbox_pod(pod())
+    assert sp is not None and sp.workspace_path == "/workspace"
+
+
+@pytest.mark.parametrize("kwargs", [{"sandbox": None}, {"owner": False}])
+def test_non_sandbox_pods_are_ignored(kwargs: dict[str, Any]) -> None:
+    assert planner.sandbox_pod(pod(**kwargs)) is None
+
+
+def test_only_pods_on_this_node() -> None:
+    assert [sp.pod for sp in sps(pod("a-1", sandbox="a"), pod("b-1", sandbox="b", node="x"))] \
+        == ["a-1"]
+
+
+# -- notices ---------------------------------------------------------------------------
+
+def test_preempt_checkpoint_name() -> None:
+    assert planner.preempt_checkpoint_name("box", 3) == "box-3-preempt"
+
+
+def test_notice_checkpoints_every_live_sandbox_once() -> None:
+    pods = sps(
+        pod("a-1", sandbox="a"),
+        pod("b-1", sandbox="b", incarnation=1, terminating=True),  # old, going away
+        pod("b-2", sandbox="b", incarnation=2),
+        pod("c-1", sandbox="c", running=False, phase="Pending"),
+        pod("d-2", sandbox="d", incarnation=2,
+            annotations={api.ANNOTATION_RESTORE_FROM: "d-1-preempt"}),  # init still waiting
+        pod("e-2", sandbox="e", incarnation=2,
+            annotations={api.ANNOTATION_RESTORE_FROM: "e-1-preempt",
+                         api.ANNOTATION_RESTORE_PHASE: "Restored"}),
+        pod("f-1", sandbox="f", phase="Succeeded", running=False),
+    )
+    assert [sp.pod for sp in planner.pods_to_checkpoint_on_notice(pods)] == ["a-1", "b-2", "e-2"]
+
+
+def test_checkpoint_object_for_a_notice() -> None:
+    body = planner.checkpoint_object("box", "box-1-preempt", "Preemption", 1)
+    assert body == {
+        "apiVersion": "hermit.dev/v1alpha1", "kind": "Checkpoint",
+        "metadata": {"name": "box-1-preempt",
+                     "labels": {api.LABEL_SANDBOX: "box", api.LABEL_INCARNATION: "1"}},
+        "spec": {"sandboxRef": {"name": "box"}, "reason": "Preemption"},
+    }
+    assert schema_errors({**body, "metadata": {**body["metadata"], "namespace": "agents"}}) == []
+    with pytest.raises(ValueError):
+        planner.checkpoint_object("box", "x", "Whim")
+
+
+def test_taint_and_cordon_patch_keeps_other_taints() -> None:
+    node = {"metadata": {"name": NODE, "resourceVersion": "42"},
+            "spec": {"taints": [{"key": "gpu", "value": "yes", "effect": "NoSchedule"}]}}
+    patch = planner.node_taint_patch(node, "spot-interruption")
+    assert patch == {
+        "metadata": {"resourceVersion": "42"},
+        "spec": {"unschedulable": True, "taints": [
+            {"key": "gpu", "value": "yes", "effect": "NoSchedule"},
+            {"key": "hermit.dev/interruption", "value": "spot-interruption",
+             "effect": "NoSchedule"}]},
+    }
+
+
+def test_taint_patch_is_none_when_done_and_cordons_when_only_tainted() -> None:
+    taint = planner.interruption_taint("preemption")
+    assert planner.node_taint_patch(
+        {"spec": {"unschedulable": True, "taints": [taint]}}, "preemption") is None
+    patch = planner.node_taint_patch({"spec": {"taints": [taint]}}, "termination")
+    assert patch is not None
+    assert patch["spec"] == {"unschedulable": True, "taints": [taint]}  # not duplicated
+
+
+# -- checkpoint requests ---------------------------------------------------------------
+
+def test_serves_pending_requests_for_sandboxes_here() -> None:
+    pods = sps(pod("box-1"), pod("other-1", sandbox="other"))
+    requests = [
+        ckpt("done", status={"phase": "Completed"}),
+        ckpt("elsewhere", sandbox="remote"),  # its pod is on another node
+        ckpt("wrong-ns", namespace="team-b"),
+        ckpt("manual"),
+        ckpt("other-turn", sandbox="other", reason="Turn"),
+    ]
+    served = planner.checkpoints_to_serve(requests, pods)
+    assert [(c["metadata"]["name"], sp.pod) for c, sp in served] == [
+        ("manual", "box-1"), ("other-turn", "other-1")]
+
+
+def test_one_request_per_sandbox_stopping_first_then_oldest() -> None:
+    pods = sps(pod("box-1"))
+    requests = [
+        ckpt("newer", created="2026-01-02T03:00:09Z"),
+        ckpt("older", created="2026-01-02T03:00:01Z"),
+        ckpt("box-1-preempt", reason="Preemption", created="2026-01-02T03:00:05Z"),
+    ]
+    served = planner.checkpoints_to_serve(requests, pods)
+    assert [c["metadata"]["name"] for c, _ in served] == ["box-1-preempt"]
+    served = planner.checkpoints_to_serve(requests[:2], pods)
+    assert [c["metadata"]["name"] for c, _ in served] == ["older"]
+
+
+def test_requests_wait_while_the_pod_is_not_live() -> None:
+    waiting = pod("box-2", incarnation=2, annotations={api.ANNOTATION_RESTORE_FROM: "c1"})
+    assert planner.checkpoints_to_serve([ckpt("m")], sps(waiting)) == []
+    assert planner.checkpoints_to_serve([ckpt("m")], sps(pod(running=False))) == []
+
+
+def test_stopping_reasons() -> None:
+    assert [r for r in api.REASONS if planner.is_stopping(r)] == [
+        "Preemption", "Eviction", "Suspend"]
+
+
+def test_stale_checkpoints_are_this_nodes_unfinished_ones() -> None:
+    items = [
+        ckpt("mine", status={"phase": "Dumping", "nodeName": NODE}),
+        ckpt("theirs", status={"phase": "Uploading", "nodeName": "node-b"}),
+        ckpt("running-now", status={"phase": "Dumping", "nodeName": NODE}),
+        ckpt("done", status={"phase": "Completed", "nodeName": NODE}),
+    ]
+    stale = planner.stale_checkpoints(items, NODE, {("agents", "running-now")})
+    assert [c["metadata"]["name"] for c in stale] == ["mine"]
+
+
+# -- restores --------------------------------------------------------------------------
+
+def test_pods_to_restore() -> None:
+    want = {api.ANNOTATION_RESTORE_FROM: "box-1-preempt"}
+    pods = sps(
+        pod("a-2", sandbox="a", annotations=want),
+        pod("b-2", sandbox="b", annotations={**want, api.ANNOTATION_RESTORE_PHASE: "Restoring"}),
+        pod("c-2", sandbox="c", annotations={**want, api.ANNOTATION_RESTORE_PHASE: "Failed"}),
+        pod("d-2", sandbox="d", annotations=want, running=False, phase="Pending"),
+        pod("e-1", sandbox="e"),
+    )
+    assert [sp.pod for sp in planner.pods_to_restore(pods)] == ["a-2"]
+    assert [sp.pod for sp in planner.stale_restores(pods, set())] == ["b-2"]
+    assert planner.stale_restores(pods, {("agents", "b")}) == []
+
+
+def test_restore_source() -> None:
+    done = ckpt("box-1-preempt", status={"phase": "Completed", "manifestDigest": DIGEST})
+    assert planner.restore_source(done, "box-1-preempt") == planner.RestoreSource("box", DIGEST)
+    assert planner.restore_source(None, "x") == "Checkpoint x does not exist"
+    assert planner.restore_source(ckpt("p", status={"phase": "Failed"}), "p") == \
+        "Checkpoint p is Failed, not Completed"
+    assert planner.restore_source(ckpt("p"), "p") == "Checkpoint p is Pending, not Completed"
+    fork = ckpt("f", sandbox="parent", status={"phase": "Completed", "manifestDigest": DIGEST})
+    assert planner.restore_source(fork, "f") == planner.RestoreSource("parent", DIGEST)
+
+
+def test_restore_annotations() -> None:
+    assert planner.restore_annotations("Restoring") == {
+        api.ANNOTATION_RESTORE_PHASE: "Restoring", api.ANNOTATION_RESTORE_MESSAGE: None}
+    failed = planner.restore_annotations("Failed", "bad\ndigest   here")
+    assert failed[api.ANNOTATION_RESTORE_MESSAGE] == "bad digest here"
+    with pytest.raises(ValueError):
+        planner.restore_annotations("Maybe")
+
+
+# -- Checkpoint status -----------------------------------------------------------------
+
+RESULT = CheckpointResult(
+    frozen_ms=120, dump_ms=100, capture_ms=15, upload_ms=300, image_bytes=20_000_000,
+    uploaded_bytes=5_000_000, stored_bytes=6_000_000,
+    manifest_uri="s3://hermit/hermit/agents/box/checkpoints/m/manifest.json",
+    manifest_digest=DIGEST, criu_version="4.2.1", kernel="6.18.0", cpu_flags=("avx2", "sse4_2"),
+)
+
+
+def _with_status(*patches: dict[str, Any]) -> dict[str, Any]:
+    status: dict[str, Any] = {}
+    for p in patches:
+        status.update(p)
+    return ckpt("m", status=status)
+
+
+def test_status_patches_follow_the_crd() -> None:
+    dumping = planner.status_dumping(NODE, NOW)
+    assert dumping == {"phase": "Dumping", "nodeName": NODE, "startedAt": "2026-01-02T03:04:05Z"}
+    uploading = planner.status_uploading(120, 100)
+    completed = planner.status_completed(RESULT, NOW, stopped=True)
+    assert completed["phase"] == "Completed"
+    assert completed["manifestURI"] == RESULT.manifest_uri
+    assert completed["manifestDigest"] == DIGEST
+    assert completed["cpuFeatures"] == ["avx2", "sse4_2"]
+    assert (completed["frozenMs"], completed["dumpMs"], completed["uploadMs"]) == (120, 100, 300)
+    assert completed["completedAt"] == "2026-01-02T03:04:05Z"
+    assert "ended" in completed["message"]
+    for doc in (_with_status(dumping), _with_status(dumping, uploading),
+                _with_status(dumping, uploading, completed),
+                _with_status(dumping, planner.status_failed("x", NOW, NODE))):
+        assert schema_errors(doc) == []
+
+
+def test_failed_status_has_a_short_one_line_message() -> None:
+    failed = planner.status_failed("criu dump failed:\n  " + "x" * 5000, NOW, NODE)
+    assert failed["phase"] == "Failed" and failed["nodeName"] == NODE
+    assert "\n" not in failed["message"]
+    assert len(failed["message"]) <= planner.MESSAGE_LIMIT
+    assert failed["message"].startswith("criu dump failed: xxx")
+    assert failed["message"].endswith("...")
+
+
+def test_image_digest_is_the_same_whatever_the_registry_name() -> None:
+    assert planner.image_digest(f"docker.io/library/a@{IMAGE_DIGEST}") == IMAGE_DIGEST
+    assert planner.image_digest(IMAGE_DIGEST) == IMAGE_DIGEST
+    assert planner.image_digest("") is None
+
+
+def test_schema_check_catches_a_bad_status() -> None:
+    bad = planner.status_completed(RESULT, NOW, stopped=False)
+    bad["manifestDigest"] = "md5:xyz"
+    assert schema_errors(_with_status(bad)) != []
+
+
+# -- the agent applying these decisions (fake API, fake engines, fake /proc) -----------
+
+class FakeKube:
+    def __init__(self, pods: list[dict[str, Any]], checkpoints: list[dict[str, Any]]) -> None:
+        self.node_name = NODE
+        self.pods = pods
+        self.checkpoints = {c["metadata"]["name"]: c for c in checkpoints}
+        self.node: dict[str, Any] = {"metadata": {"resourceVersion": "7"}, "spec": {}}
+        self.statuses: list[tuple[str, dict[str, Any]]] = []
+        self.annotations: list[tuple[str, dict[str, str | None]]] = []
+        self.events: list[tuple[str, str, str]] = []
+        self.fail_lists = 0
+
+    def list_node_pods(self) -> list[dict[str, Any]]:
+        if self.fail_lists:
+            self.fail_lists -= 1
+            raise KubeError("listing pods on node node-a failed: HTTP 503")
+        return self.pods
+
+    def list_checkpoints(self) -> list[dict[str, Any]]:
+        return list(self.checkpoints.values())
+
+    def get_checkpoint(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.checkpoints.get(name)
+
+    def get_sandbox(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return {"metadata": {"name": name, "uid": f"uid-of-{name}"}}
+
+    def create_checkpoint(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        name = body["metadata"]["name"]
+        if name not in self.checkpoints:
+            self.checkpoints[name] = ckpt(name, reason=body["spec"]["reason"],
+                                          sandbox=body["spec"]["sandboxRef"]["name"])
+        return self.checkpoints[name]
+
+    def patch_checkpoint_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.statuses.append((name, status))
+        self.checkpoints[name].setdefault("status", {}).update(status)
+
+    def annotate_pod(self, namespace: str, name: str, ann: dict[str, str | None]) -> None:
+        self.annotations.append((name, ann))
+
+    def get_node(self) -> dict[str, Any]:
+        return self.node
+
+    def patch_node(self, patch: dict[str, Any]) -> None:
+        self.node["spec"].update(patch["spec"])
+
+    def checkpoint_event(self, c: dict[str, Any], kind: str, reason: str, msg: str) -> None:
+        self.events.append((c["metadata"]["name"], kind, reason))
+
+
+class FakeEngine:
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+        self.calls: list[tuple[Any, bool]] = []
+
+    def checkpoint(self, target: Any, *, stop: bool = False,
+                   keep_local: bool = False, deadline: float | None = None,
+                   on_uploading: Callable[[int, int], None] | None = None,
+                   ) -> CheckpointResult:
+        self.calls.append((target, stop))
+        if on_uploading is not None and self.error is None:
+            on_uploading(5, 4)
+        if self.error is not None:
+            raise self.error
+        return RESULT
+
+    def restore(self, target: Any, *, timeout: float = 120.0) -> RestoreResult:
+        self.calls.append((target, False))
+        if self.error is not None:
+            raise self.error
+        return RestoreResult(download_ms=1, apply_ms=1, restore_ms=1, total_ms=3,
+                             restored_pid=2, downloaded_bytes=10)
+
+
+def fake_proc(tmp_path: Path) -> Path:
+    """A /proc with the sandbox container's init at host pid 420."""
+    root = tmp_path / "proc"
+    d = root / "420"
+    d.mkdir(parents=True)
+    (d / "cgroup").write_text(f"12:freezer:/kubepods/pod1/{'12' * 32}\n")
+    (d / "stat").write_text("420 (hermit-init) S 400 420 420 0 -1\n")
+    (d / "status").write_text("NSpid:\t420\t1\n")
+    return root
+
+
+def make_agent(tmp_path: Path, kube: FakeKube, engine: FakeEngine) -> NodeAgent:
+    return NodeAgent(NODE, kube, engine, engine,  # type: ignore[arg-type]
+                     proc_root=fake_proc(tmp_path), clock=lambda: NOW)
+
+
+def notice(kind: str = "spot-interruption") -> Notice:
+    return Notice(provider="aws", kind=kind, action="terminate",
+                  deadline=NOW + timedelta(seconds=120), received_at=NOW, event_id="e1")
+
+
+def test_notice_taints_cordons_and_checkpoints_with_stop(tmp_path: Path) -> None:
+    kube = FakeKube([pod("box-1")], [])
+    engine = FakeEngine()
+    agent = make_agent(tmp_path, kube, engine)
+    agent.on_notice(notice())
+    agent.shutdown()
+    assert kube.node["spec"]["unschedulable"] is True
+    assert kube.node["spec"]["taints"] == [planner.interruption_taint("spot-interruption")]
+    [(target, stop)] = engine.calls
+    assert stop is True
+    assert (target.checkpoint, target.init_pid, target.sandbox_uid, target.image_digest) == (
+        "box-1-preempt", 420, "sbx-uid", IMAGE_DIGEST)
+    assert [(n, s["phase"]) for n, s in kube.statuses] == [
+        ("box-1-preempt", "Dumping"), ("box-1-preempt", "Uploading"),
+        ("box-1-preempt", "Completed")]
+
+
+def test_advisory_notice_does_nothing(tmp_path: Path) -> None:
+    kube = FakeKube([pod("box-1")], [])
+    engine = FakeEngine()
+    agent = make_agent(tmp_path, kube, engine)
+    agent.on_notice(notice("rebalance-recommendation"))
+    agent.shutdown()
+    assert kube.node["spec"] == {} and engine.calls == [] and kube.checkpoints == {}
+
+
+def test_failed_checkpoint_reports_and_is_not_retried(tmp_path: Path) -> None:
+    kube = FakeKube([pod("box-1")], [ckpt("manual")])
+    engine = FakeEngine(CheckpointFailed("checkpoint agents/manual failed, sandbox left "
+                                         "running: criu\ndump failed"))
+    agent = make_agent(tmp_path, kube, engine)
+    agent.reconcile_once()
+    agent.shutdown()
+    agent = make_agent(tmp_path / "again", kube, engine)
+    agent.reconcile_once()  # status is Failed now: nothing to serve
+    agent.shutdown()
+    assert [(target.checkpoint, stop) for target, stop in engine.calls] == [("manual", False)]
+    assert kube.checkpoints["manual"]["status"]["phase"] == "Failed"
+    assert "\n" not in kube.checkpoints["manual"]["status"]["message"]
+    assert kube.events == [("manual", "Warning", "CheckpointFailed")]
+
+
+def test_api_errors_are_retried_on_the_next_loop(tmp_path: Path) -> None:
+    kube = FakeKube([pod("box-1")], [ckpt("manual")])
+    kube.fail_lists = 1
+    engine = FakeEngine()
+    agent = make_agent(tmp_path, kube, engine)
+    agent.reconcile_once()  # logged, nothing raised
+    agent.reconcile_once()
+    agent.shutdown()
+    assert [t.checkpoint for t, _ in engine.calls] == ["manual"]
+
+
+def test_restore_annotates_and_expects_the_recorded_digest(tmp_path: Path) -> None:
+    restoring = pod("box-2", incarnation=2,
+                    annotations={api.ANNOTATION_RESTORE_FROM: "box-1-preempt"})
+    kube = FakeKube([restoring], [ckpt("box-1-preempt", reason="Preemption", status={
+        "phase": "Completed", "manifestDigest": DIGEST, "nodeName": "node-b"})])
+    engine = FakeEngine()
+    agent = make_agent(tmp_path, kube, engine)
+    agent.reconcile_once()
+    agent.shutdown()
+    [(target, _)] = engine.calls
+    assert (target.checkpoint, target.expect_manifest_digest, target.init_pid,
+            target.sandbox) == ("box-1-preempt", DIGEST, 420, "box")
+    assert [a[api.ANNOTATION_RESTORE_PHASE] for _, a in kube.annotations] == [
+        "Restoring", "Restored"]
+
+
+def test_refused_restore_is_failed_with_its_message(tmp_path: Path) -> None:
+    restoring = pod("box-2", incarnation=2, annotations={api.ANNOTATION_RESTORE_FROM: "c1"})
+    kube = FakeKube([restoring], [ckpt("c1", status={"phase": "Completed",
+                                                      "manifestDigest": DIGEST})])
+    engine = FakeEngine(CheckpointRefused("checkpoint agents/c1 needs CPU features this node "
+                                          "lacks: avx512f"))
+    agent = make_agent(tmp_path, kube, engine)
+    agent.reconcile_once()
+    agent.shutdown()
+    phase, message = (kube.annotations[-1][1][api.ANNOTATION_RESTORE_PHASE],
+                      kube.annotations[-1][1][api.ANNOTATION_RESTORE_MESSAGE])
+    assert phase == "Failed" and message is not None and "avx512f" in message
+
+
+def test_restart_fails_what_an_earlier_run_left_half_done(tmp_path: Path) -> None:
+    stuck = pod("box-2", incarnation=2, annotations={
+        api.ANNOTATION_RESTORE_FROM: "c1", api.ANNOTATION_RESTORE_PHASE: "Restoring"})
+    kube = FakeKube([stuck], [ckpt("c0", status={"phase": "Dumping", "nodeName": NODE})])
+    engine = FakeEngine()
+    agent = make_agent(tmp_path, kube, engine)
+    agent.reconcile_once()
+    agent.shutdown()
+    assert kube.checkpoints["c0"]["status"]["phase"] == "Failed"
+    assert kube.annotations[0][1][api.ANNOTATION_RESTORE_PHASE] == "Failed"
+    assert engine.calls == []
