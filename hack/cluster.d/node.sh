@@ -10,7 +10,7 @@ node_index() { cat "$(node_dir "$1")/index"; }
 node_ip() { echo "$NODE_NET_PREFIX.$((10 + $(node_index "$1")))"; }
 node_capacity() { cat "$(node_dir "$1")/capacity"; }
 node_imds_url() { echo "http://$(node_ip "$1"):$AEMM_PORT"; }
-node_sock() { echo "$CLUSTER_RUN/$1/containerd.sock"; }
+node_sock() { echo "$CLUSTER_RUN/$1/containerd/containerd.sock"; }  # host view
 
 node_alloc() {  # node_alloc NAME CAPACITY: reserves an index (1..200) for NAME
   local name=$1 cap=$2 dir i used
@@ -85,6 +85,41 @@ node_cgroups_down() {
   return 0
 }
 
+# Paths that are per node inside the node's mount namespace: "standard path:host dir".
+node_bind_map() {
+  local var=$CLUSTER_VAR/$1 run=$CLUSTER_RUN/$1
+  echo "/var/lib/kubelet:$var/kubelet /var/lib/containerd:$var/containerd /run/containerd:$run/containerd"
+  echo "/var/lib/hermit:$var/hermit /var/log/pods:$var/pod-logs /var/log/containers:$var/container-logs"
+  echo "/var/lib/cni:$var/cni"
+}
+
+# node_mntns_up NAME: a persistent mount namespace (file $CLUSTER_RUN/mntns/NAME)
+# with the node's directories bound over the standard paths. Mounts made in it
+# (container roots, volumes, pod netns) stay in it and vanish with it; the binds
+# are shared mounts (as on a systemd host) so HostToContainer propagation works.
+node_mntns_up() {
+  local name=$1 nsdir=$CLUSTER_RUN/mntns pair dst src binds=""
+  [ -e "$nsdir/$name" ] && mountpoint -q "$nsdir/$name" && return 0
+  mkdir -p "$nsdir"
+  if ! mountpoint -q "$nsdir"; then mount --bind "$nsdir" "$nsdir"; fi
+  mount --make-private "$nsdir"
+  for pair in $(node_bind_map "$name"); do
+    dst=${pair%%:*}; src=${pair#*:}
+    mkdir -p "$dst" "$src"
+    binds+="mount --bind '$src' '$dst'; "
+  done
+  touch "$nsdir/$name"
+  # inside: drop the copies of other nodes' namespace files, then bind
+  unshare --mount="$nsdir/$name" --propagation slave \
+    sh -c "umount -l '$nsdir' 2>/dev/null || true; $binds mount --make-rshared /" \
+    || die "creating the mount namespace of $name failed"
+}
+
+node_mntns_down() {
+  local f=$CLUSTER_RUN/mntns/$1
+  if [ -e "$f" ]; then umount "$f" 2>/dev/null || umount -l "$f" 2>/dev/null || true; rm -f "$f"; fi
+}
+
 node_write_configs() {
   local name=$1 i ip dir var run
   i=$(node_index "$name"); ip=$(node_ip "$name"); dir=$(node_dir "$name")
@@ -92,18 +127,19 @@ node_write_configs() {
   mkdir -p "$dir/cni" "$var" "$run"
   cat >"$dir/containerd.toml" <<TOML
 version = 2
-root = "$var/containerd"
-state = "$run/containerd"
+# paths as seen in the node's mount namespace (node_bind_map)
+root = "/var/lib/containerd"
+state = "/run/containerd"
 disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs", "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
 
 [grpc]
-  address = "$run/containerd.sock"
+  address = "/run/containerd/containerd.sock"
 
 [ttrpc]
-  address = "$run/containerd.sock.ttrpc"
+  address = "/run/containerd/containerd.sock.ttrpc"
 
 [plugins."io.containerd.internal.v1.opt"]
-  path = "$var/opt"
+  path = "/var/lib/containerd/opt"
 
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "hermit.local/pause:3.10"
@@ -118,7 +154,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
       runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
-        Root = "$run/runc"
+        Root = "/run/containerd/runc"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
     conf_dir = "$dir/cni"
@@ -132,7 +168,7 @@ TOML
     {
       "type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false, "hairpinMode": true,
       "ipam": {
-        "type": "host-local", "dataDir": "$run/cni-ipam",
+        "type": "host-local",
         "ranges": [[{"subnet": "$POD_NET_PREFIX.$i.0/24"}]],
         "routes": [{"dst": "0.0.0.0/0"}]
       }
@@ -156,7 +192,7 @@ authentication:
 authorization: {mode: Webhook}
 tlsCertFile: $PKI/node-$name-serving.crt
 tlsPrivateKeyFile: $PKI/node-$name-serving.key
-containerRuntimeEndpoint: unix://$run/containerd.sock
+containerRuntimeEndpoint: unix:///run/containerd/containerd.sock
 # cgroup v1 with several kubelets on one host: cgroupfs driver, one cgroup root per node
 cgroupDriver: cgroupfs
 cgroupsPerQOS: true
@@ -165,7 +201,6 @@ failCgroupV1: false
 failSwapOn: false
 enforceNodeAllocatable: [pods]
 podCIDR: $POD_NET_PREFIX.$i.0/24
-podLogsDir: $var/pod-logs
 resolvConf: /etc/resolv.conf
 maxPods: 60
 # locally built images cannot be pulled again: never garbage-collect them
@@ -199,12 +234,13 @@ YAML
 }
 
 # node_aemm NAME [AEMM ARGS...]: (re)starts the node's metadata mock on IP:1338.
-# Normal mode serves every path with the spot notice held back for ten years.
+# Normal mode serves every path with the spot notice and rebalance recommendation
+# held back for ten years.
 node_aemm() {
   local name=$1; shift
   stop_daemon "$name-aemm"
   local args=("$@")
-  [ ${#args[@]} -gt 0 ] || args=(--mock-delay-sec 315360000)
+  [ ${#args[@]} -gt 0 ] || args=(--mock-delay-sec 315360000 --rebalance-delay-sec 315360000)
   start_daemon "$name-aemm" "$CLUSTER_DIR/logs/$name/aemm.log" \
     nsenter --net="/run/netns/hermit-$name" -- \
     env HOME="$(node_dir "$name")" "$HERMIT_BIN/ec2-metadata-mock" "${args[@]}" \
@@ -233,6 +269,7 @@ node_prepare() {
   mkdir -p "$CLUSTER_DIR/logs/$name"
   node_net_up "$name"
   node_cgroups_up "$name"
+  node_mntns_up "$name"
   pki_node "$name" "$(node_ip "$name")"
   node_write_configs "$name"
 }
@@ -249,7 +286,7 @@ node_start() {
   pid_alive "$CLUSTER_DIR/pids/$name-aemm.pid" || node_aemm "$name"
   start_daemon "$name-kubelet" "$logs/kubelet.log" "${innode[@]}" \
     "$HERMIT_BIN/kubelet" --config "$dir/kubelet.yaml" --kubeconfig "$dir/kubelet.kubeconfig" \
-    --root-dir "$CLUSTER_VAR/$name/kubelet" --hostname-override "$name" \
+    --root-dir /var/lib/kubelet --hostname-override "$name" \
     --node-ip "$(node_ip "$name")" --node-labels "$(cat "$dir/labels")" --v=1
   start_daemon "$name-kube-proxy" "$logs/kube-proxy.log" "${innode[@]}" \
     "$HERMIT_BIN/kube-proxy" --config "$dir/kube-proxy.yaml" --v=1
@@ -278,6 +315,7 @@ node_kill() {
     tries=$((tries + 1)); [ $tries -lt 100 ] || { log "warning: processes of $name survive: $pids"; break; }
     sleep 0.1
   done
+  node_mntns_down "$name"
   local m
   for m in $(findmnt -rn -o TARGET | grep -E "^($CLUSTER_VAR|$CLUSTER_RUN)/$name(/|$)" | sort -r); do
     umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || log "warning: cannot unmount $m"

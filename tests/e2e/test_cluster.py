@@ -81,7 +81,8 @@ def test_pods_on_two_nodes_reach_each_other_and_the_apiserver(
         "sh",
         "-c",
         # pod -> pod on another node, then pod -> kube-apiserver through the kubernetes Service
-        f"for i in $(seq 30); do wget -q -T 2 -O - http://{ip}:8080/ && break; sleep 1; done;"
+        # (busybox 1.35 wget -T segfaults: bound it with timeout instead)
+        f"for i in $(seq 30); do timeout 3 wget -q -O - http://{ip}:8080/ && break; sleep 1; done;"
         ' nc -w 3 "$KUBERNETES_SERVICE_HOST" "$KUBERNETES_SERVICE_PORT" </dev/null'
         " && echo apiserver-ok",
     ]
