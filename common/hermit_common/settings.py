@@ -217,7 +217,7 @@ class OperatorSettings:
     metrics_port: int = 9102
     log_level: str = "INFO"
     init_image: str = DEFAULT_HERMIT_IMAGE  # the image holding the static hermit-init
-    init_path: str = "/hermit/bin/hermit-init"  # hermit-init's path inside init_image
+    init_path: str = "/usr/local/bin/hermit-init"  # hermit-init's path inside init_image
     store: StoreSettings | None = None  # None: no default checkpoint store configured
 
     @property
@@ -229,7 +229,7 @@ class OperatorSettings:
         env = Env(environ)
         raw_ns = env.optional_str("HERMIT_WATCH_NAMESPACE") or ""
         namespaces = tuple(dict.fromkeys(n.strip() for n in raw_ns.split(",") if n.strip()))
-        init_path = env.text("HERMIT_INIT_PATH", "/hermit/bin/hermit-init")
+        init_path = env.text("HERMIT_INIT_PATH", "/usr/local/bin/hermit-init")
         if not init_path.startswith("/"):
             raise SettingsError(f"HERMIT_INIT_PATH={init_path!r} is not an absolute path")
         store = (StoreSettings.from_env(environ)

@@ -14,7 +14,7 @@ from hermit_operator.podspec import InvalidSpec, build_sandbox_pod
 
 SAMPLES = Path(__file__).resolve().parents[2] / "crds" / "samples"
 SETTINGS = OperatorSettings(init_image="registry.example/hermit:1.0",
-                            init_path="/hermit/bin/hermit-init")
+                            init_path="/usr/local/bin/hermit-init")
 
 
 def sample(name: str) -> dict[str, Any]:
@@ -38,7 +38,7 @@ def test_minimal_sample_runs_under_hermit_init() -> None:
                                "8000"]
     init = spec["initContainers"][0]
     assert init["image"] == "registry.example/hermit:1.0"
-    assert init["command"] == ["cp", "/hermit/bin/hermit-init", "/.hermit/hermit-init"]
+    assert init["command"] == ["cp", "/usr/local/bin/hermit-init", "/.hermit/hermit-init"]
     assert {"name": "hermit-init", "mountPath": "/.hermit"} in init["volumeMounts"]
     assert {"name": "hermit-init", "mountPath": "/.hermit", "readOnly": True} in main[
         "volumeMounts"]

@@ -14,7 +14,7 @@ def test_defaults_need_no_environment() -> None:
     assert s.clusterwide and s.watch_namespaces == () and s.peering_name is None
     assert (s.metrics_port, s.log_level) == (9102, "INFO")
     assert s.init_image == "hermit.local/hermit:dev"
-    assert s.init_path == "/hermit/bin/hermit-init" and s.store is None
+    assert s.init_path == "/usr/local/bin/hermit-init" and s.store is None
 
 
 def test_values_from_the_environment() -> None:
