@@ -100,6 +100,10 @@ class Criu:
                 opts.freeze_cgroup = str(req.freeze_cgroup)
             if req.timeout_seconds:
                 opts.timeout = req.timeout_seconds
+            # Kubelet bind mounts are slaves of host mounts (rslave); their masters live
+            # outside the container and are recreated by the new container's runtime.
+            opts.ext_masters = True
+            opts.ext_sharing = True
             opts.external.extend(req.externals)
             os.set_inheritable(images_fd, True)
             try:
@@ -131,6 +135,8 @@ class Criu:
             opts.manage_cgroups = True
             opts.manage_cgroups_mode = rpc.IGNORE
             _skip_network_lock(opts, rpc)
+            opts.ext_masters = True
+            opts.ext_sharing = True
             opts.external.extend(req.externals)
             for key, fd in req.inherit_fds:
                 os.set_inheritable(fd, True)

@@ -37,9 +37,9 @@ def minio_binary() -> Path:
     raise TestbedError(INSTALL_HINT)
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
 
@@ -83,16 +83,20 @@ class MinioServer:
             return ""
 
 
-def start_minio(workdir: Path, port: int | None = None) -> MinioServer:
+def start_minio(
+    workdir: Path, port: int | None = None, host: str = "127.0.0.1",
+) -> MinioServer:
     """Starts MinIO in ``workdir`` and waits (with a deadline) until it is live.
 
     Reusing a ``workdir`` (and ``port``) restarts a stopped server with its data.
+    ``host`` is the address to listen on: loopback, or the local cluster's host bridge
+    so that pods reach it.
     """
     binary = minio_binary()
     data = workdir / "data"
     data.mkdir(parents=True, exist_ok=True)
-    port, console_port = port or free_port(), free_port()
-    endpoint = f"http://127.0.0.1:{port}"
+    port, console_port = port or free_port(host), free_port()
+    endpoint = f"http://{host}:{port}"
     access, secret = "hermit-test", "hermit-test-secret-key"
     env = dict(os.environ)
     env.update(MINIO_ROOT_USER=access, MINIO_ROOT_PASSWORD=secret,
@@ -100,7 +104,7 @@ def start_minio(workdir: Path, port: int | None = None) -> MinioServer:
     log_path = workdir / "minio.log"
     with log_path.open("ab") as log:
         process = subprocess.Popen(
-            [os.fspath(binary), "server", "--quiet", "--address", f"127.0.0.1:{port}",
+            [os.fspath(binary), "server", "--quiet", "--address", f"{host}:{port}",
              "--console-address", f"127.0.0.1:{console_port}", os.fspath(data)],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
