@@ -63,7 +63,8 @@ class CheckpointResult:
 
 
 def restore_info(view: container.ContainerView, workspace_path: str | None,
-                 mount_keys: dict[str, str]) -> dict[str, Any]:
+                 mount_keys: dict[str, str],
+                 cgroup_keys: dict[str, list[str]] | None = None) -> dict[str, Any]:
     """What a restore needs to rebuild the container's wiring; stored in the manifest."""
     stdio: dict[str, int] = {}
     for fd in (1, 2):
@@ -74,6 +75,7 @@ def restore_info(view: container.ContainerView, workspace_path: str | None,
         "engine": 1,
         "netnsKey": NETNS_KEY,
         "mounts": mount_keys,  # external mount key -> mount point in the container
+        "cgroupMounts": cgroup_keys or {},  # external mount key -> cgroup v1 controllers
         "workspace": workspace_path if workspace_path and view.bind_source(workspace_path)
         else None,
         "stdio": stdio,  # pipe id -> fd of the container init that carries it
@@ -84,6 +86,12 @@ def restore_info(view: container.ContainerView, workspace_path: str | None,
 def external_mounts(view: container.ContainerView) -> dict[str, str]:
     """Every bind mount from the host is external: key -> mount point in the container."""
     return {f"m{i}": m.destination for i, m in enumerate(view.bind_mounts)}
+
+
+def external_cgroup_mounts(view: container.ContainerView) -> dict[str, list[str]]:
+    """cgroup v1 mounts are binds of the container's own groups, so external too (as runc
+    does): key -> the hierarchy's controllers, to find the new container's group."""
+    return {f"cg{i}": sorted(m.controllers) for i, m in enumerate(view.cgroup_mounts)}
 
 
 def _copy_tree(source: Path, dest: Path) -> None:
@@ -131,8 +139,11 @@ class CheckpointEngine:
                                      local / SECTION_WORKSPACE)
         images.mkdir(parents=True)
         mount_keys = external_mounts(view)
+        cgroup_keys = external_cgroup_mounts(view)
+        cgroup_points = {f"cg{i}": m.mountpoint for i, m in enumerate(view.cgroup_mounts)}
         externals = (f"net[{view.netns_inode}]:{NETNS_KEY}",
-                     *(f"mnt[{dest}]:{key}" for key, dest in mount_keys.items()))
+                     *(f"mnt[{dest}]:{key}" for key, dest in mount_keys.items()),
+                     *(f"mnt[{point}]:{key}" for key, point in cgroup_points.items()))
         workspace_source = (view.bind_source(target.workspace_path)
                             if target.workspace_path else None)
         criu_version = self._criu.version()
@@ -171,7 +182,7 @@ class CheckpointEngine:
                 on_uploading(_ms(frozen_at), dump_ms)
             started = time.monotonic()
             uploaded = self._store.upload(
-                binding, sections, restore_info(view, target.workspace_path, mount_keys),
+                binding, sections, restore_info(view, target.workspace_path, mount_keys, cgroup_keys),
                 deadline=deadline)
             upload_ms = _ms(started)
             if stop:

@@ -23,6 +23,14 @@ class BindMount:
 
 
 @dataclass(frozen=True)
+class CgroupMount:
+    """A cgroup v1 hierarchy mounted in the container (runc binds the container's own group)."""
+
+    mountpoint: str  # e.g. /sys/fs/cgroup/cpu
+    controllers: frozenset[str]  # e.g. {"cpu"} or {"name=systemd"}
+
+
+@dataclass(frozen=True)
 class Cgroup:
     hierarchy: str  # "" for the v2 unified hierarchy, else the controller list e.g. "cpu,cpuacct"
     path: str  # path relative to the hierarchy's root
@@ -60,11 +68,19 @@ class ContainerView:
     stdio: tuple[str, str, str]  # readlink of fd 0, 1, 2 of the init
     bind_mounts: tuple[BindMount, ...]
     cgroups: tuple[Cgroup, ...] = field(default=())
+    cgroup_mounts: tuple[CgroupMount, ...] = field(default=())
 
     def bind_source(self, destination: str) -> str | None:
         for m in self.bind_mounts:
             if m.destination.rstrip("/") == destination.rstrip("/"):
                 return m.source
+        return None
+
+    def cgroup_host_path(self, controllers: frozenset[str]) -> Path | None:
+        """Host directory of this container's group in the hierarchy with ``controllers``."""
+        for cg in self.cgroups:
+            if cg.hierarchy and frozenset(cg.hierarchy.split(",")) == controllers:
+                return cg.host_path()
         return None
 
     def freezer_cgroup(self) -> Path | None:
@@ -103,6 +119,26 @@ def parse_root_upperdir(mountinfo: str) -> Path | None:
             if option.startswith("upperdir="):
                 return Path(option.removeprefix("upperdir="))
     return None
+
+
+_MOUNT_OPTIONS = {"rw", "ro", "xattr", "noprefix", "clone_children", "cpuset_v2_mode"}
+
+
+def parse_cgroup_mounts(mountinfo: str) -> tuple[CgroupMount, ...]:
+    """The cgroup v1 mounts of a /proc/<pid>/mountinfo text."""
+    mounts = []
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if "-" not in fields:
+            continue
+        sep = fields.index("-")
+        if fields[sep + 1] != "cgroup":
+            continue
+        controllers = frozenset(
+            o for o in fields[sep + 3].split(",")
+            if o not in _MOUNT_OPTIONS and not o.startswith("release_agent="))
+        mounts.append(CgroupMount(fields[4], controllers))
+    return tuple(mounts)
 
 
 def parse_bind_mounts(oci_config: dict[str, object]) -> tuple[BindMount, ...]:
@@ -147,15 +183,17 @@ def inspect(init_pid: int, bundle: Path | None = None) -> ContainerView:
     if not rootfs.is_absolute():
         rootfs = bundle / rootfs
     stdio = tuple(_readlink_or_empty(f"/proc/{init_pid}/fd/{n}") for n in range(3))
+    mountinfo = Path(f"/proc/{init_pid}/mountinfo").read_text()
     return ContainerView(
         init_pid=init_pid,
         bundle=bundle,
         rootfs=rootfs,
-        upperdir=parse_root_upperdir(Path(f"/proc/{init_pid}/mountinfo").read_text()),
+        upperdir=parse_root_upperdir(mountinfo),
         netns_inode=os.stat(f"/proc/{init_pid}/ns/net").st_ino,
         stdio=(stdio[0], stdio[1], stdio[2]),
         bind_mounts=parse_bind_mounts(config),
         cgroups=parse_cgroups(Path(f"/proc/{init_pid}/cgroup").read_text()),
+        cgroup_mounts=parse_cgroup_mounts(mountinfo),
     )
 
 

@@ -112,6 +112,13 @@ class RestoreEngine:
                     f"the new container has no mount at {destination}, which the checkpoint "
                     "had; give the new pod the same volumes")
             externals.append(f"mnt[{key}]:{source}")
+        for key, controllers in dict(info.get("cgroupMounts", {})).items():
+            group = view.cgroup_host_path(frozenset(str(c) for c in controllers))
+            if group is None:
+                raise RestoreFailed(
+                    f"the new container has no cgroup v1 hierarchy {','.join(controllers)}, "
+                    "which the checkpoint had mounted")
+            externals.append(f"mnt[{key}]:{group}")
         stdio_keys = {str(k): int(v) for k, v in dict(info.get("stdio", {})).items()}
         for key, fd in stdio_keys.items():
             if not view.stdio[fd].startswith("pipe:"):
