@@ -156,15 +156,29 @@ def parse_bind_mounts(oci_config: dict[str, object]) -> tuple[BindMount, ...]:
 
 
 def find_bundle(init_pid: int) -> Path:
-    """The OCI bundle of the container whose init is ``init_pid``: the runtime shim's cwd."""
+    """The OCI bundle of the container whose init is ``init_pid``.
+
+    The runtime shim's working directory is a bundle in the runtime's task directory;
+    one shim may serve every container of a pod (containerd's runc v2 shim does), so
+    the bundle is the sibling whose ``init.pid`` names this process.
+    """
     ppid = _parent_pid(init_pid)
     cwd = Path(os.readlink(f"/proc/{ppid}/cwd"))
-    if not (cwd / "config.json").is_file():
-        raise HermitError(
-            f"cannot find the OCI bundle of pid {init_pid}: its parent {ppid} is not a runtime "
-            "shim (no config.json in its working directory); pass the bundle explicitly"
-        )
-    return cwd
+    candidates = [cwd]
+    try:
+        candidates += sorted(p for p in cwd.parent.iterdir() if p != cwd)
+    except OSError:
+        pass
+    for bundle in candidates:
+        try:
+            if (bundle / "init.pid").read_text().strip() == str(init_pid) and \
+                    (bundle / "config.json").is_file():
+                return bundle
+        except OSError:
+            continue
+    raise HermitError(
+        f"cannot find the OCI bundle of pid {init_pid}: no bundle next to its runtime "
+        f"shim's working directory {cwd} has init.pid {init_pid}; pass the bundle explicitly")
 
 
 def _parent_pid(pid: int) -> int:
