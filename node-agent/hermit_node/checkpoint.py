@@ -182,7 +182,8 @@ class CheckpointEngine:
                 on_uploading(_ms(frozen_at), dump_ms)
             started = time.monotonic()
             uploaded = self._store.upload(
-                binding, sections, restore_info(view, target.workspace_path, mount_keys, cgroup_keys),
+                binding, sections,
+                restore_info(view, target.workspace_path, mount_keys, cgroup_keys),
                 deadline=deadline)
             upload_ms = _ms(started)
             if stop:

@@ -6,6 +6,7 @@ runc shim is); a caller may also name the bundle explicitly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -165,10 +166,8 @@ def find_bundle(init_pid: int) -> Path:
     ppid = _parent_pid(init_pid)
     cwd = Path(os.readlink(f"/proc/{ppid}/cwd"))
     candidates = [cwd]
-    try:
+    with contextlib.suppress(OSError):
         candidates += sorted(p for p in cwd.parent.iterdir() if p != cwd)
-    except OSError:
-        pass
     for bundle in candidates:
         try:
             if (bundle / "init.pid").read_text().strip() == str(init_pid) and \

@@ -8,8 +8,10 @@ import os
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
+MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
+MS_SLAVE = 1 << 19
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
@@ -46,6 +48,18 @@ def enter_private_mount_namespace() -> None:
     """Unshare the mount namespace and stop mount events leaking back to the host."""
     unshare(CLONE_NEWNS)
     mount("none", "/", None, MS_REC | MS_PRIVATE)
+
+
+def enter_slave_mount_namespace() -> None:
+    """Unshare the mount namespace as a slave: nothing leaks back to the host, but mounts
+    keep their masters, which CRIU copies onto restored mounts that had external masters."""
+    unshare(CLONE_NEWNS)
+    mount("none", "/", None, MS_REC | MS_SLAVE)
+
+
+def bind_self(path: str) -> None:
+    """Make ``path`` the root of a mount (a bind onto itself), keeping its propagation."""
+    mount(path, path, None, MS_BIND)
 
 
 def ns_inode(pid: int, ns: str) -> int:

@@ -112,6 +112,7 @@ class RestoreEngine:
                     f"the new container has no mount at {destination}, which the checkpoint "
                     "had; give the new pod the same volumes")
             externals.append(f"mnt[{key}]:{source}")
+        cgroup_sources = []
         for key, controllers in dict(info.get("cgroupMounts", {})).items():
             group = view.cgroup_host_path(frozenset(str(c) for c in controllers))
             if group is None:
@@ -119,6 +120,7 @@ class RestoreEngine:
                     f"the new container has no cgroup v1 hierarchy {','.join(controllers)}, "
                     "which the checkpoint had mounted")
             externals.append(f"mnt[{key}]:{group}")
+            cgroup_sources.append(str(group))
         stdio_keys = {str(k): int(v) for k, v in dict(info.get("stdio", {})).items()}
         for key, fd in stdio_keys.items():
             if not view.stdio[fd].startswith("pipe:"):
@@ -148,6 +150,7 @@ class RestoreEngine:
             netns_key=str(info.get("netnsKey", "extnet")),
             stdio_keys=stdio_keys,
             cgroup_dirs=[str(p) for cg in view.cgroups if (p := cg.host_path()).is_dir()],
+            bind_self=cgroup_sources,
         )
         pid = _run_worker(request, timeout)
         _wait_for_child(target.init_pid, timeout)

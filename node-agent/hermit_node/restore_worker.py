@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ class WorkerRequest:
     netns_key: str
     stdio_keys: dict[str, int]  # inherit key ("pipe:[N]") -> fd number of the target's PID 1
     cgroup_dirs: list[str]  # host cgroup directories of the new container
+    bind_self: list[str] = field(default_factory=list)  # external sources to make mount roots
     join_uts_ipc: bool = True
 
     @classmethod
@@ -45,7 +46,11 @@ def _child(req: WorkerRequest, netns_fd: int, stdio_fds: dict[str, int]) -> int:
     for cgroup_dir in req.cgroup_dirs:
         # "0" is the writing process itself, whatever pid namespace it is in.
         Path(cgroup_dir, "cgroup.procs").write_text("0")
-    nsutil.enter_private_mount_namespace()
+    nsutil.enter_slave_mount_namespace()
+    # A restored mount whose master was outside the container (kubelet's rslave cgroup
+    # mounts) copies its sharing from its external source, which must be a mount root.
+    for path in req.bind_self:
+        nsutil.bind_self(path)
     nsutil.mount("proc", "/proc", "proc")
     join = (("uts", "/proc/1/ns/uts"), ("ipc", "/proc/1/ns/ipc")) if req.join_uts_ipc else ()
     pid = Criu(req.criu_binary).restore(RestoreRequest(
