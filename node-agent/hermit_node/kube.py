@@ -7,65 +7,29 @@ every API failure becomes ``KubeError`` with a one-line message.
 
 from __future__ import annotations
 
-import json
-import os
 from datetime import UTC, datetime
 from typing import Any
 
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-from kubernetes.config.config_exception import ConfigException
 
 from hermit_common import api
 from hermit_common.errors import HermitError
+from hermit_common.kubeclient import (
+    MERGE_PATCH,
+    REQUEST_TIMEOUT,
+    api_message,
+    load_configuration,
+    one_line,
+)
 
 Manifest = dict[str, Any]
 
-REQUEST_TIMEOUT = (5.0, 30.0)  # connect, read seconds
-MERGE_PATCH = "application/merge-patch+json"
 COMPONENT = "hermit-node"
 
 
 class KubeError(HermitError):
     """A Kubernetes API call failed (network, refusal, conflict); the loop retries later."""
-
-
-class KubeUnavailable(HermitError):
-    """No credentials for the Kubernetes API."""
-
-
-def load_configuration() -> client.Configuration:
-    """In-cluster service account first, then $KUBECONFIG or ~/.kube/config."""
-    cfg = client.Configuration()
-    try:
-        config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-        return cfg
-    except ConfigException:
-        pass
-    path = os.path.expanduser(os.environ.get("KUBECONFIG", "~/.kube/config"))
-    try:
-        config.load_kube_config(  # type: ignore[no-untyped-call]
-            config_file=path, client_configuration=cfg)
-    except (ConfigException, OSError) as exc:
-        raise KubeUnavailable(
-            f"no Kubernetes credentials: no service account and no usable kubeconfig at "
-            f"{path} ({one_line(exc)})") from None
-    return cfg
-
-
-def one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:300] or type(exc).__name__
-
-
-def api_message(exc: ApiException) -> str:
-    """The API server's own message from an error response, else the HTTP status."""
-    try:
-        body = json.loads(exc.body or "")
-        if isinstance(body, dict) and body.get("message"):
-            return str(body["message"])
-    except ValueError:
-        pass
-    return f"HTTP {exc.status} {exc.reason or ''}".strip()
 
 
 class Kube:

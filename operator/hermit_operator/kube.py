@@ -7,64 +7,28 @@ API rejected the pod we built from the sandbox's spec).
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-from kubernetes.config.config_exception import ConfigException
 
 from hermit_common import api
 from hermit_common.errors import HermitError
+from hermit_common.kubeclient import (
+    MERGE_PATCH,
+    REQUEST_TIMEOUT,
+    KubeUnavailable,
+    api_message,
+    load_configuration,
+    one_line,
+)
 from hermit_operator.podspec import InvalidSpec
 
 Manifest = dict[str, Any]
 
-REQUEST_TIMEOUT = (5.0, 30.0)  # connect, read seconds
-MERGE_PATCH = "application/merge-patch+json"
-
-
-class KubeUnavailable(HermitError):
-    """No credentials for, or no answer from, the Kubernetes API."""
-
 
 class KubeTransient(HermitError):
     """An API call failed in a way that may succeed later (network, 5xx, 429, conflicts)."""
-
-
-def load_configuration() -> client.Configuration:
-    """In-cluster service account first, then $KUBECONFIG or ~/.kube/config."""
-    cfg = client.Configuration()
-    try:
-        config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-        return cfg
-    except ConfigException:
-        pass
-    path = os.path.expanduser(os.environ.get("KUBECONFIG", "~/.kube/config"))
-    try:
-        config.load_kube_config(  # type: ignore[no-untyped-call]
-            config_file=path, client_configuration=cfg)
-    except (ConfigException, OSError) as exc:
-        raise KubeUnavailable(
-            f"no Kubernetes credentials: not in a pod with a service account, and no usable "
-            f"kubeconfig at {path} ({_one_line(exc)})") from None
-    return cfg
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:300] or type(exc).__name__
-
-
-def api_message(exc: ApiException) -> str:
-    """The API server's own message from an error response, else the HTTP reason."""
-    try:
-        body = json.loads(exc.body or "")
-        if isinstance(body, dict) and body.get("message"):
-            return str(body["message"])
-    except ValueError:
-        pass
-    return f"HTTP {exc.status} {exc.reason or ''}".strip()
 
 
 class Kube:
@@ -94,7 +58,7 @@ class Kube:
         except Exception as exc:  # urllib3 / socket errors: many types, one meaning
             cause = getattr(exc, "reason", None) or exc  # urllib3's MaxRetryError wraps it
             raise KubeUnavailable(
-                f"cannot reach the Kubernetes API at {self.host}: {_one_line(cause)}") from None
+                f"cannot reach the Kubernetes API at {self.host}: {one_line(cause)}") from None
         return str(info.git_version)
 
     def _dict(self, obj: object) -> Manifest:
@@ -107,7 +71,7 @@ class Kube:
         except ApiException:
             raise
         except Exception as exc:  # network trouble: retry later
-            raise KubeTransient(f"{what} failed: {_one_line(exc)}") from None
+            raise KubeTransient(f"{what} failed: {one_line(exc)}") from None
 
     @staticmethod
     def _transient(what: str, exc: ApiException) -> KubeTransient:
