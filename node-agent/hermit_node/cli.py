@@ -20,12 +20,18 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hermit_common.errors import HermitError
 from hermit_common.settings import Env, StoreSettings, WatcherSettings
 
+if TYPE_CHECKING:
+    from hermit_common.store import CheckpointStore
+    from hermit_node.criu import Criu
 
-def _engine_parts() -> tuple[object, object, Path]:
+
+def _engine_parts() -> tuple[Criu, CheckpointStore, Path]:
+    # Imported here: `watch` and `run` need neither boto3 nor pycriu at start-up.
     from hermit_common.store import CheckpointStore
     from hermit_node.criu import Criu
 
@@ -50,7 +56,7 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
     from hermit_node.checkpoint import CheckpointEngine, CheckpointTarget
 
     criu, store, work_dir = _engine_parts()
-    engine = CheckpointEngine(criu, store, work_dir)  # type: ignore[arg-type]
+    engine = CheckpointEngine(criu, store, work_dir)
     result = engine.checkpoint(CheckpointTarget(
         namespace=args.namespace, sandbox=args.sandbox, sandbox_uid=args.uid,
         checkpoint=args.name, init_pid=args.pid, bundle=args.bundle,
@@ -64,7 +70,7 @@ def _cmd_restore(args: argparse.Namespace) -> int:
     from hermit_node.restore import RestoreEngine, RestoreTarget
 
     criu, store, work_dir = _engine_parts()
-    engine = RestoreEngine(criu, store, work_dir)  # type: ignore[arg-type]
+    engine = RestoreEngine(criu, store, work_dir)
     result = engine.restore(RestoreTarget(
         namespace=args.namespace, sandbox=args.sandbox, sandbox_uid=args.uid,
         checkpoint=args.name, init_pid=args.pid, bundle=args.bundle,

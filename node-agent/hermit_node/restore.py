@@ -76,10 +76,6 @@ def _major_minor(version: str) -> tuple[int, int]:
         return (0, 0)
 
 
-def _dir_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
-
-
 def _ms(start: float) -> int:
     return int((time.monotonic() - start) * 1000)
 
@@ -158,7 +154,7 @@ class RestoreEngine:
         result = RestoreResult(
             download_ms=download_ms, apply_ms=apply_ms, restore_ms=restore_ms,
             total_ms=_ms(began), restored_pid=pid,
-            downloaded_bytes=_dir_bytes(local),
+            downloaded_bytes=manifest.totals.image_bytes,
         )
         # The restored tree holds nothing open in the staging dir; CRIU's log stays
         # only when the restore failed.

@@ -67,25 +67,23 @@ def sandbox_deleted(namespace: str | None, name: str, **_: Any) -> None:
 @kopf.on.event("", "v1", "pods", labels={api.LABEL_SANDBOX: kopf.PRESENT})
 def pod_event(body: kopf.Body, namespace: str | None, memo: kopf.Memo,
               logger: kopf.Logger, **_: Any) -> None:
-    sandbox = driver.owner_sandbox(dict(body))
-    if sandbox is None or namespace is None:
-        return
-    try:
-        driver.reconcile_sandbox(memo.kube, memo.settings, namespace, sandbox, _post)
-    except (InvalidSpec, KubeTransient) as exc:
-        # Event handlers are not retried; the sandbox's own handlers retry.
-        logger.warning("reconciling AgentSandbox %s after a pod event: %s", sandbox, exc)
+    _reconcile_after_event(driver.owner_sandbox(dict(body)), namespace, memo, logger, "pod")
 
 
 @kopf.on.event(api.GROUP, api.VERSION, api.CHECKPOINT_PLURAL)
 def checkpoint_event(body: kopf.Body, namespace: str | None, memo: kopf.Memo,
                      logger: kopf.Logger, **_: Any) -> None:
     """A Checkpoint appeared, progressed, finished or went away: reconcile its sandbox."""
-    sandbox = driver.checkpoint_sandbox(dict(body))
+    _reconcile_after_event(driver.checkpoint_sandbox(dict(body)), namespace, memo, logger,
+                           "Checkpoint")
+
+
+def _reconcile_after_event(sandbox: str | None, namespace: str | None, memo: kopf.Memo,
+                           logger: kopf.Logger, what: str) -> None:
     if sandbox is None or namespace is None:
         return
     try:
         driver.reconcile_sandbox(memo.kube, memo.settings, namespace, sandbox, _post)
     except (InvalidSpec, KubeTransient) as exc:
         # Event handlers are not retried; the sandbox's resync timer is the safety net.
-        logger.warning("reconciling AgentSandbox %s after a Checkpoint event: %s", sandbox, exc)
+        logger.warning("reconciling AgentSandbox %s after a %s event: %s", sandbox, what, exc)
