@@ -116,7 +116,7 @@ def main() -> int:
     minio = start_minio(base / "minio")
     rows = []
     try:
-        store = CheckpointStore(minio.settings("hermit-bench", upload_concurrency=8))
+        store = CheckpointStore(minio.settings("hermit-bench", transfer_concurrency=8))
         store.ensure_bucket()
         image_tar = build_sandbox_image(base)
         with Containerd(base / "node-a") as cd_a, Containerd(base / "node-b") as cd_b, \

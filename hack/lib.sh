@@ -7,7 +7,7 @@ HERMIT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 HERMIT_CACHE="${HERMIT_CACHE:-$HOME/.cache/hermit}"
 HERMIT_BIN="$HERMIT_CACHE/bin"
 HERMIT_VENV="${HERMIT_VENV:-$HERMIT_ROOT/.venv}"
-mkdir -p "$HERMIT_CACHE" "$HERMIT_BIN"
+mkdir -p "$HERMIT_CACHE" "$HERMIT_BIN" "$HERMIT_CACHE/locks"
 export PATH="$HERMIT_BIN:$PATH"
 
 log() { printf '[hermit %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }

@@ -11,23 +11,11 @@ SANDBOX_PLURAL: Final = "agentsandboxes"
 CHECKPOINT_KIND: Final = "Checkpoint"
 CHECKPOINT_PLURAL: Final = "checkpoints"
 
-# Checkpoint.spec.reason
-REASONS: Final = ("Preemption", "Eviction", "Interval", "Turn", "Manual", "Suspend")
-
-# Checkpoint.status.phase
-CHECKPOINT_PHASES: Final = ("Pending", "Dumping", "Uploading", "Completed", "Failed")
-
 # AgentSandbox.status.phase, derived from conditions by the operator.
 SANDBOX_PHASES: Final = (
     "Pending", "Running", "Checkpointing", "Migrating", "Restoring",
     "Suspended", "Succeeded", "Failed",
 )
-
-# Labels and annotations the components agree on.
-LABEL_SANDBOX: Final = f"{GROUP}/sandbox"
-ANNOTATION_RESTORE_FROM: Final = f"{GROUP}/restore-from"
-TAINT_INTERRUPTION: Final = f"{GROUP}/interruption"
-LABEL_INCARNATION: Final = f"{GROUP}/incarnation"
 
 # AgentSandbox.status.conditions[].type, written by the operator only.
 COND_ACCEPTED: Final = "Accepted"  # the spec is valid and can be run
@@ -57,13 +45,16 @@ REASON_RESTORE_STARTED: Final = "RestoreStarted"
 REASON_RESTORE_COMPLETED: Final = "RestoreCompleted"
 REASON_RUNNING: Final = "Running"  # Succeeded/Failed=False while the sandbox is alive
 
-# --- The operator <-> node-agent protocol (see docs/protocol.md) ---------------
-# Pods: the operator sets these; the node-agent reads them.
-ANNOTATION_WORKSPACE_PATH: Final = f"{GROUP}/workspace-path"  # mount path of the workspace
-# Restore outcome, written by the node-agent on the restore pod; read by the operator.
-ANNOTATION_RESTORE_PHASE: Final = f"{GROUP}/restore-phase"  # Restoring | Restored | Failed
-ANNOTATION_RESTORE_MESSAGE: Final = f"{GROUP}/restore-message"
-RESTORE_PHASES: Final = ("Restoring", "Restored", "Failed")
-# Checkpoint objects carry the sandbox label (LABEL_SANDBOX) so both sides can select them.
-# Reasons whose checkpoint ends the current incarnation once it is durable.
-STOPPING_REASONS: Final = ("Preemption", "Eviction", "Suspend")
+# The operator <-> node-agent protocol (phases, reasons, labels, annotations) is in
+# hermit_common.protocol.
+
+# operator
+# AgentSandbox condition and Event reasons for restores that need another try or another
+# checkpoint, for losses and for forks whose checkpoint is not usable (yet).
+REASON_RESTORE_RETRYING: Final = "RestoreRetrying"  # transient failure: same checkpoint, later
+REASON_RESTORE_FALLBACK: Final = "RestoreFallback"  # refused: the previous checkpoint instead
+REASON_NO_USABLE_CHECKPOINT: Final = "NoUsableCheckpoint"  # refused, none older: from scratch
+REASON_WORK_LOST: Final = "WorkLost"  # a lost pod's newest checkpoint predates its end
+REASON_CHECKPOINT_NOT_FOUND: Final = "CheckpointNotFound"  # spec.restoreFrom names no Checkpoint
+# Event on a Checkpoint whose spec.sandboxRef names no AgentSandbox (the operator fails it).
+REASON_SANDBOX_NOT_FOUND: Final = "SandboxNotFound"

@@ -1,7 +1,8 @@
 """Connecting to the Kubernetes API, shared by the operator and the node-agent.
 
 Imports the official ``kubernetes`` client, which both components' extras install;
-nothing else in hermit_common needs it.
+nothing else in hermit_common needs it but ``hermit_common.kubeapi`` (the adapter base
+both components' ``Kube`` build on, and the API errors by HTTP meaning).
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ class StoreSettings:
     region: str = "us-east-1"
     access_key_id: str | None = None  # None: boto3's default credential chain
     secret_access_key: str | None = None
-    upload_concurrency: int = 8
+    transfer_concurrency: int = 8
     chunk_size_bytes: int = 4 * 1024 * 1024
     max_attempts: int = 5
     connect_timeout_seconds: float = 5.0
@@ -137,7 +137,7 @@ class StoreSettings:
             region=env.text("HERMIT_S3_REGION", "us-east-1"),
             access_key_id=access,
             secret_access_key=secret,
-            upload_concurrency=env.integer("HERMIT_S3_CONCURRENCY", 8, minimum=1, maximum=64),
+            transfer_concurrency=env.integer("HERMIT_S3_CONCURRENCY", 8, minimum=1, maximum=64),
             chunk_size_bytes=env.integer(
                 "HERMIT_CHUNK_SIZE_BYTES", 4 * 1024 * 1024, minimum=64 * 1024,
                 maximum=64 * 1024 * 1024,
@@ -187,6 +187,7 @@ class NodeSettings:
     metrics_port: int = 9101
     log_level: str = "INFO"
     reconcile_interval_seconds: float = 2.0  # how often pods and Checkpoints are listed
+    max_frozen_seconds: float = 60.0  # a routine checkpoint thaws the sandbox by then
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> NodeSettings:
@@ -202,6 +203,8 @@ class NodeSettings:
                 "HERMIT_LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR")),
             reconcile_interval_seconds=env.number(
                 "HERMIT_RECONCILE_INTERVAL_SECONDS", 2.0, minimum=0.1, maximum=300.0),
+            max_frozen_seconds=env.number(
+                "HERMIT_MAX_FROZEN_SECONDS", 60.0, minimum=1.0, maximum=3600.0),
         )
 
 

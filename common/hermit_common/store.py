@@ -28,11 +28,12 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import zstandard
 
@@ -75,6 +76,8 @@ _BACKOFF_BASE_SECONDS: Final = 0.25
 _BACKOFF_CAP_SECONDS: Final = 4.0
 _DELETE_BATCH: Final = 1000
 
+_T = TypeVar("_T")
+
 
 @dataclass(frozen=True)
 class UploadProgress:
@@ -114,7 +117,7 @@ def make_s3_client(settings: StoreSettings) -> Any:
         retries={"mode": "standard", "max_attempts": settings.max_attempts},
         connect_timeout=settings.connect_timeout_seconds,
         read_timeout=settings.read_timeout_seconds,
-        max_pool_connections=max(10, settings.upload_concurrency + 4),
+        max_pool_connections=max(10, settings.transfer_concurrency + 4),
         s3={"addressing_style": "path" if settings.endpoint_url else "auto"},
         user_agent_extra="hermit",
     )
@@ -160,6 +163,112 @@ class _UploadState:
         self.sizes: dict[str, int] = dict(existing)  # digest -> compressed size
         self.claimed: set[str] = set(existing)
         self.stop = threading.Event()
+
+
+class _Tally:
+    """Collects finished chunks (the file each belongs to, the counters) and reports progress."""
+
+    def __init__(self, chunks_total: int, bytes_total: int,
+                 on_progress: ProgressCallback | None) -> None:
+        self.digests: dict[tuple[str, int], list[str]] = {}  # (section, entry) -> chunks
+        self.chunks_total, self.bytes_total = chunks_total, bytes_total
+        self.done = self.bytes = self.uploaded = self.new = 0
+        self._on_progress = on_progress
+
+    def record(self, done: _ChunkDone) -> None:
+        t = done.task
+        slot = self.digests.setdefault((t.section, t.entry_index), [])
+        slot.extend([""] * (t.chunk_index + 1 - len(slot)))
+        slot[t.chunk_index] = done.digest
+        self.done += 1
+        self.bytes += t.length
+        if done.uploaded_bytes:
+            self.uploaded += done.uploaded_bytes
+            self.new += 1
+        if self._on_progress is not None:
+            self._on_progress(UploadProgress(self.done, self.chunks_total, self.bytes,
+                                             self.bytes_total, self.uploaded))
+
+
+def _scan_sections(sections: Mapping[str, Path]) -> dict[str, list[Entry]]:
+    """Every section's tree, scanned; a bad section name fails the checkpoint."""
+    scanned: dict[str, list[Entry]] = {}
+    for name, root in sections.items():
+        try:
+            check_section_name(name)
+        except CheckpointRefused as exc:
+            raise CheckpointFailed(str(exc)) from None
+        scanned[name] = scan_tree(Path(root))
+    return scanned
+
+
+def _chunk_tasks(sections: Mapping[str, Path], scanned: Mapping[str, list[Entry]],
+                 chunk_size: int) -> tuple[list[_ChunkTask], int]:
+    """One task per chunk of every regular file, and the files' total size in bytes."""
+    tasks: list[_ChunkTask] = []
+    image_bytes = 0
+    for name, entries in scanned.items():
+        top = os.fspath(sections[name])
+        for index, entry in enumerate(entries):
+            if entry.kind != KIND_FILE:
+                continue
+            image_bytes += entry.size
+            path = os.path.join(top, entry.path)
+            for ci, offset in enumerate(range(0, entry.size, chunk_size)):
+                tasks.append(_ChunkTask(name, index, ci, path, offset,
+                                        min(chunk_size, entry.size - offset)))
+    return tasks, image_bytes
+
+
+def _with_chunks(scanned: Mapping[str, list[Entry]],
+                 digests: Mapping[tuple[str, int], list[str]],
+                 ) -> tuple[dict[str, tuple[Entry, ...]], set[str], int]:
+    """The manifest's sections: each file entry with its chunk digests.
+
+    Also returns the distinct digests referenced and the number of files.
+    """
+    final: dict[str, tuple[Entry, ...]] = {}
+    referenced: set[str] = set()
+    files = 0
+    for name, entries in scanned.items():
+        out = []
+        for index, entry in enumerate(entries):
+            if entry.kind == KIND_FILE:
+                files += 1
+                chunks = tuple(digests.get((name, index), []))
+                referenced.update(chunks)
+                entry = dataclasses.replace(entry, chunks=chunks)
+            out.append(entry)
+        final[name] = tuple(out)
+    return final, referenced, files
+
+
+def _run_parallel(max_workers: int, thread_name: str, jobs: Sequence[Callable[[], _T]],
+                  on_done: Callable[[_T], None], stop: threading.Event) -> None:
+    """Runs ``jobs`` on up to ``max_workers`` threads, each result to ``on_done`` as it comes.
+
+    The first failure (of a job or of ``on_done``) sets ``stop``, cancels the jobs
+    not started yet and is raised once the running ones have finished.
+    """
+    if not jobs:
+        return
+    workers = max(1, min(max_workers, len(jobs)))
+    with ThreadPoolExecutor(workers, thread_name_prefix=thread_name) as pool:
+        pending: set[Future[_T]] = {pool.submit(job) for job in jobs}
+        try:
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    on_done(future.result())
+        except BaseException:
+            stop.set()
+            for future in pending:
+                future.cancel()
+            raise
+
+
+def _ignore(_result: object) -> None:
+    pass
 
 
 class _Location:
@@ -428,60 +537,13 @@ class CheckpointStore:
         ns, sandbox = binding.namespace, binding.sandbox
         manifest_key = self.manifest_key(ns, sandbox, binding.checkpoint)
         chunk_size = self.settings.chunk_size_bytes
-        scanned: dict[str, list[Entry]] = {}
-        for name, root in sections.items():
-            try:
-                check_section_name(name)
-            except CheckpointRefused as exc:
-                raise CheckpointFailed(str(exc)) from None
-            scanned[name] = scan_tree(Path(root))
-        tasks: list[_ChunkTask] = []
-        image_bytes = 0
-        for name, entries in scanned.items():
-            top = os.fspath(sections[name])
-            for index, entry in enumerate(entries):
-                if entry.kind != KIND_FILE:
-                    continue
-                image_bytes += entry.size
-                path = os.path.join(top, entry.path)
-                for ci, offset in enumerate(range(0, entry.size, chunk_size)):
-                    tasks.append(_ChunkTask(name, index, ci, path, offset,
-                                            min(chunk_size, entry.size - offset)))
+        scanned = _scan_sections(sections)
+        tasks, image_bytes = _chunk_tasks(sections, scanned, chunk_size)
         state = _UploadState(self.list_chunks(ns, sandbox))
-        digests: dict[tuple[str, int], list[str]] = {}
-        counters = {"done": 0, "bytes": 0, "uploaded": 0, "new": 0}
+        tally = _Tally(len(tasks), image_bytes, on_progress)
+        self._run_upload(tasks, state, ns, sandbox, deadline, tally.record)
 
-        def record(done: _ChunkDone) -> None:
-            t = done.task
-            slot = digests.setdefault((t.section, t.entry_index), [])
-            slot.extend([""] * (t.chunk_index + 1 - len(slot)))
-            slot[t.chunk_index] = done.digest
-            counters["done"] += 1
-            counters["bytes"] += t.length
-            if done.uploaded_bytes:
-                counters["uploaded"] += done.uploaded_bytes
-                counters["new"] += 1
-            if on_progress is not None:
-                on_progress(UploadProgress(counters["done"], len(tasks), counters["bytes"],
-                                           image_bytes, counters["uploaded"]))
-
-        self._run_upload(tasks, state, ns, sandbox, deadline, record)
-        uploaded_bytes = counters["uploaded"]
-        chunks_uploaded = counters["new"]
-
-        final: dict[str, tuple[Entry, ...]] = {}
-        referenced: set[str] = set()
-        files = 0
-        for name, entries in scanned.items():
-            out = []
-            for index, entry in enumerate(entries):
-                if entry.kind == KIND_FILE:
-                    files += 1
-                    chunks = tuple(digests.get((name, index), []))
-                    referenced.update(chunks)
-                    entry = dataclasses.replace(entry, chunks=chunks)
-                out.append(entry)
-            final[name] = tuple(out)
+        final, referenced, files = _with_chunks(scanned, tally.digests)
         stored_bytes = sum(state.sizes[d] for d in referenced)
         manifest = Manifest(
             binding=binding, created_at=utc_now(), chunk_size=chunk_size, sections=final,
@@ -489,39 +551,31 @@ class CheckpointStore:
             totals=Totals(files=files, image_bytes=image_bytes, chunks=len(tasks),
                           unique_chunks=len(referenced), stored_bytes=stored_bytes),
         )
-        raw = manifest.to_json()
-        self._put(manifest_key, raw, "application/json", "write manifest", deadline=deadline)
-        uploaded_bytes += len(raw)
+        raw = self._write_manifest(manifest_key, manifest, deadline)
         result = UploadResult(
             manifest_uri=f"s3://{self.settings.bucket}/{manifest_key}",
             manifest_digest=digest_bytes(raw), manifest=manifest, image_bytes=image_bytes,
-            uploaded_bytes=uploaded_bytes, stored_bytes=stored_bytes, chunks_total=len(tasks),
-            chunks_uploaded=chunks_uploaded, duration=time.monotonic() - started,
+            uploaded_bytes=tally.uploaded + len(raw), stored_bytes=stored_bytes,
+            chunks_total=len(tasks), chunks_uploaded=tally.new,
+            duration=time.monotonic() - started,
         )
         log.info("checkpoint %s/%s/%s uploaded: %d bytes, %d/%d chunks new, %.2fs",
-                 ns, sandbox, binding.checkpoint, image_bytes, chunks_uploaded, len(tasks),
+                 ns, sandbox, binding.checkpoint, image_bytes, tally.new, len(tasks),
                  result.duration)
         return result
 
     def _run_upload(self, tasks: list[_ChunkTask], state: _UploadState, ns: str, sandbox: str,
                     deadline: float | None, on_done: Callable[[_ChunkDone], None]) -> None:
         """Runs the chunk tasks in the pool; the first failure stops the rest and is raised."""
-        if not tasks:
-            return
-        workers = max(1, min(self.settings.upload_concurrency, len(tasks)))
-        with ThreadPoolExecutor(workers, thread_name_prefix="hermit-upload") as pool:
-            pending: set[Future[_ChunkDone]] = {
-                pool.submit(self._upload_chunk, t, state, ns, sandbox, deadline) for t in tasks}
-            try:
-                while pending:
-                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    for future in done:
-                        on_done(future.result())
-            except BaseException:
-                state.stop.set()
-                for future in pending:
-                    future.cancel()
-                raise
+        jobs = [partial(self._upload_chunk, t, state, ns, sandbox, deadline) for t in tasks]
+        _run_parallel(self.settings.transfer_concurrency, "hermit-upload", jobs, on_done,
+                      state.stop)
+
+    def _write_manifest(self, key: str, manifest: Manifest, deadline: float | None) -> bytes:
+        """PUTs the manifest, the last object of a checkpoint; returns its bytes."""
+        raw = manifest.to_json()
+        self._put(key, raw, "application/json", "write manifest", deadline=deadline)
+        return raw
 
     def _upload_chunk(self, task: _ChunkTask, state: _UploadState, ns: str, sandbox: str,
                       deadline: float | None) -> _ChunkDone:
@@ -639,24 +693,11 @@ class CheckpointStore:
 
     def _fetch_chunks(self, locations: Mapping[str, list[_Location]], chunk_size: int,
                       ns: str, sandbox: str, checkpoint: str) -> None:
-        if not locations:
-            return
         stop = threading.Event()
-        workers = max(1, min(self.settings.upload_concurrency, len(locations)))
-        with ThreadPoolExecutor(workers, thread_name_prefix="hermit-download") as pool:
-            pending = {pool.submit(self._fetch_chunk, digest, locs, chunk_size, ns, sandbox,
-                                   checkpoint, stop)
-                       for digest, locs in locations.items()}
-            try:
-                while pending:
-                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    for future in done:
-                        future.result()
-            except BaseException:
-                stop.set()
-                for future in pending:
-                    future.cancel()
-                raise
+        jobs = [partial(self._fetch_chunk, digest, locs, chunk_size, ns, sandbox, checkpoint,
+                        stop)
+                for digest, locs in locations.items()]
+        _run_parallel(self.settings.transfer_concurrency, "hermit-download", jobs, _ignore, stop)
 
     def _fetch_chunk(self, digest: str, locs: list[_Location], chunk_size: int, ns: str,
                      sandbox: str, checkpoint: str, stop: threading.Event) -> None:

@@ -24,12 +24,15 @@ from typing import Protocol
 
 from prometheus_client import start_http_server
 
-from hermit_common.errors import HermitError, RestoreFailed
+from hermit_common import protocol
+from hermit_common.errors import CheckpointRefused, HermitError, RestoreFailed
+from hermit_common.manifest import Manifest as StoredManifest
+from hermit_common.s3errors import CheckpointNotFound
 from hermit_common.settings import NodeSettings, redacted
-from hermit_node import locate, metrics, planner
+from hermit_node import freezer, locate, metrics, planner
 from hermit_node.checkpoint import CheckpointResult, CheckpointTarget
-from hermit_node.kube import Kube, KubeError
-from hermit_node.planner import Manifest, SandboxPod
+from hermit_node.kube import Kube, KubeError, KubeTransient
+from hermit_node.planner import KubeObject, SandboxPod
 from hermit_node.restore import RestoreResult, RestoreTarget
 from hermit_node.watchers import Notice
 
@@ -44,11 +47,27 @@ class Checkpointer(Protocol):
     def checkpoint(self, target: CheckpointTarget, *, stop: bool = False,
                    keep_local: bool = False, deadline: float | None = None,
                    on_uploading: Callable[[int, int], None] | None = None,
+                   on_durable: Callable[[CheckpointResult], None] | None = None,
                    ) -> CheckpointResult: ...
 
 
 class Restorer(Protocol):
     def restore(self, target: RestoreTarget, *, timeout: float = 120.0) -> RestoreResult: ...
+
+
+class ManifestReader(Protocol):
+    """The store, as far as recovering a durable but unrecorded checkpoint needs it."""
+
+    def read_manifest(self, namespace: str, sandbox: str,
+                      checkpoint: str) -> tuple[StoredManifest, str]: ...
+
+    def manifest_uri(self, namespace: str, sandbox: str, checkpoint: str) -> str: ...
+
+
+class TreeControl(Protocol):
+    """Thaws or ends a container's frozen tree (the cgroup freezer)."""
+
+    def settle(self, init_pid: int, *, kill: bool) -> bool: ...
 
 
 def utc_now() -> datetime:
@@ -94,18 +113,24 @@ class NodeAgent:
     """Applies the planner's decisions for one node."""
 
     def __init__(self, node: str, kube: Kube, checkpointer: Checkpointer, restorer: Restorer,
-                 *, jobs: Jobs | None = None, proc_root: Path = Path("/proc"),
-                 clock: Callable[[], datetime] = utc_now) -> None:
+                 *, manifests: ManifestReader | None = None, trees: TreeControl | None = None,
+                 jobs: Jobs | None = None, proc_root: Path = Path("/proc"),
+                 clock: Callable[[], datetime] = utc_now,
+                 stopping: threading.Event | None = None) -> None:
         self.node = node
         self._kube = kube
         self._checkpointer = checkpointer
         self._restorer = restorer
+        self._manifests = manifests
+        self._trees = trees
+        self._stopping = stopping or threading.Event()
         self._jobs = jobs or Jobs()
         self._proc_root = proc_root
         self._clock = clock
         self._notice: Notice | None = None
         self._tainted = False
-        self._recovered = False
+        self._recovered = False  # every checkpoint an earlier run left behind is decided
+        self._settled = False  # frozen trees and cut-short restores were dealt with
         self._lock = threading.Lock()
         self._reconciling = threading.Lock()  # the watcher thread and the loop both reconcile
         self._taken: set[str] = set()  # uids of Checkpoints and pods this process took up
@@ -126,24 +151,34 @@ class NodeAgent:
                 self._notice = notice
         self.reconcile_once()
 
-    def _drain(self, notice: Notice, pods: list[SandboxPod]) -> None:
-        """Taint and cordon the node; make sure every sandbox on it has a Preemption request."""
-        if not self._tainted:
+    def _drain(self, node: KubeObject | None, pods: list[SandboxPod],
+               checkpoints: list[KubeObject] | None) -> list[KubeObject]:
+        """A cloud notice: taint and cordon. A notice or a drain: make sure every sandbox
+        on the node has a stopping checkpoint request (Preemption or Eviction); returns
+        the requests it made."""
+        with self._lock:
+            notice = self._notice
+        if notice is not None and not self._tainted and node is not None:
             try:
-                patch = planner.node_taint_patch(self._kube.get_node(), notice.kind)
+                patch = planner.node_taint_patch(node, notice.kind)
                 if patch is not None:
                     self._kube.patch_node(patch)
                 self._tainted = True
                 log.info("node %s tainted %s and cordoned", self.node, notice.kind)
             except KubeError as exc:
                 log.warning("cannot taint node %s yet: %s", self.node, exc)
-        for sp in planner.pods_to_checkpoint_on_notice(pods):
-            name = planner.preempt_checkpoint_name(sp.sandbox, sp.incarnation)
+        reason = protocol.PREEMPTION if notice is not None else (
+            planner.node_disruption(node) if node is not None else None)
+        if reason is None:
+            return []
+        made = []
+        for sp, name in planner.stop_requests(pods, reason, checkpoints):
             try:
-                self._kube.create_checkpoint(sp.namespace, planner.checkpoint_object(
-                    sp.sandbox, name, "Preemption", sp.incarnation))
+                made.append(self._kube.create_checkpoint(protocol.checkpoint_object(
+                    sp.sandbox, name, reason, sp.incarnation), sp.namespace))
             except KubeError as exc:
                 log.warning("cannot request checkpoint %s/%s yet: %s", sp.namespace, name, exc)
+        return made
 
     # -- the reconcile loop -------------------------------------------------------------
 
@@ -158,18 +193,21 @@ class NodeAgent:
         except KubeError as exc:
             log.warning("%s", exc)
             return
-        with self._lock:
-            notice = self._notice
-        if notice is not None:
-            self._drain(notice, pods)
         try:
-            checkpoints = self._kube.list_checkpoints()
+            node: KubeObject | None = self._kube.get_node()
+        except KubeError as exc:
+            log.warning("%s", exc)
+            node = None
+        try:
+            checkpoints: list[KubeObject] | None = self._kube.list_checkpoints()
         except KubeError as exc:
             log.warning("%s", exc)
             checkpoints = None
         if not self._recovered and checkpoints is not None:
-            self._recover(checkpoints, pods)
-            self._recovered = True
+            self._recovered = self._recover(checkpoints, pods)
+        made = self._drain(node, pods, checkpoints)
+        if checkpoints is not None:
+            checkpoints = [*checkpoints, *made]
         if checkpoints is not None:
             for ckpt, sp in planner.checkpoints_to_serve(checkpoints, pods):
                 uid = str((ckpt.get("metadata") or {}).get("uid") or "")
@@ -191,26 +229,89 @@ class NodeAgent:
         with self._lock:
             self._taken.discard(uid)
 
-    def _recover(self, checkpoints: list[Manifest], pods: list[SandboxPod]) -> None:
-        """At start-up: fail what an earlier run of this agent left half done."""
-        for ckpt in planner.stale_checkpoints(checkpoints, self.node, set()):
-            meta = ckpt.get("metadata") or {}
-            message = "the node-agent restarted while taking this checkpoint"
-            self._write_status(str(meta.get("namespace")), str(meta.get("name")),
-                               planner.status_failed(message, self._clock(), self.node))
-            self._event(ckpt, message)
-        for sp in planner.stale_restores(pods, set()):
-            self._annotate(sp, planner.restore_annotations(
-                "Failed", "the node-agent restarted while restoring this pod"))
+    def _recover(self, checkpoints: list[KubeObject], pods: list[SandboxPod]) -> bool:
+        """At start-up: finish what an earlier run of this agent left half done.
+
+        A checkpoint whose manifest reached the store is Completed (durable means kept);
+        one whose manifest did not is Failed. A tree left frozen is thawed, or ended
+        when a stopping checkpoint of its incarnation is Completed. A restore cut short
+        is Failed as retryable, so the operator tries again on a fresh pod. False when a
+        checkpoint could not be decided (the store did not answer): the next loop retries.
+        """
+        stale = planner.stale_checkpoints(checkpoints, self.node, set())
+        decided = all([self._finish_stale_checkpoint(ckpt) for ckpt in stale])
+        if not self._settled:
+            fresh = self._list_checkpoints_or(checkpoints) if stale else checkpoints
+            for sp in pods:
+                if sp.running and sp.container_id:
+                    self._settle_tree(sp, planner.completed_stop_of(fresh, sp))
+            for sp in planner.stale_restores(pods, set()):
+                self._annotate(sp, planner.restore_annotations(
+                    protocol.RESTORE_FAILED, "the node-agent restarted while restoring this pod",
+                    retryable=True))
+            self._settled = True
+        return decided
+
+    def _finish_stale_checkpoint(self, ckpt: KubeObject) -> bool:
+        """Completed when its manifest is durable, else Failed; False when undecided."""
+        meta = ckpt.get("metadata") or {}
+        namespace, name = str(meta.get("namespace")), str(meta.get("name"))
+        sandbox = str(((ckpt.get("spec") or {}).get("sandboxRef") or {}).get("name") or "")
+        if self._manifests is not None and sandbox:
+            try:
+                stored, digest = self._manifests.read_manifest(namespace, sandbox, name)
+            except CheckpointNotFound:
+                pass
+            except HermitError as exc:
+                # The store is unreachable: we cannot tell, so leave it for the next start
+                # rather than fail a checkpoint that may be durable.
+                log.warning("cannot tell whether checkpoint %s/%s is durable: %s",
+                            namespace, name, exc)
+                return False
+            else:
+                log.warning("checkpoint %s/%s was durable before the agent restarted: "
+                            "recording it Completed", namespace, name)
+                self._write_status(namespace, name, planner.status_recovered(
+                    stored.totals.to_dict(), self._manifests.manifest_uri(
+                        namespace, sandbox, name), digest, stored.binding.to_dict(),
+                    self._clock()), forever=True)
+                return True
+        message = "the node-agent restarted while taking this checkpoint"
+        self._write_status(namespace, name,
+                           planner.status_failed(message, self._clock(), self.node))
+        self._event(ckpt, message)
+        return True
+
+    def _list_checkpoints_or(self, fallback: list[KubeObject]) -> list[KubeObject]:
+        try:
+            return self._kube.list_checkpoints()
+        except KubeError as exc:
+            log.warning("%s", exc)
+            return fallback
+
+    def _settle_tree(self, sp: SandboxPod, completed_stop: str | None) -> None:
+        """Thaw a tree an earlier run of the agent left frozen (or end it, when its
+        stopping checkpoint is durable: its history continues elsewhere)."""
+        if self._trees is None or sp.container_id is None:
+            return
+        try:
+            pid = locate.find_init_pid(sp.container_id, self._proc_root)
+            if self._trees.settle(pid, kill=completed_stop is not None):
+                log.warning("pod %s/%s was left frozen by an earlier run: %s", sp.namespace,
+                            sp.pod, f"ended (checkpoint {completed_stop} is Completed)"
+                            if completed_stop else "thawed")
+        except (HermitError, OSError) as exc:
+            log.warning("cannot check whether pod %s/%s is frozen: %s", sp.namespace, sp.pod,
+                        exc)
 
     # -- checkpoint -------------------------------------------------------------------
 
-    def run_checkpoint(self, ckpt: Manifest, sp: SandboxPod) -> None:
+    def run_checkpoint(self, ckpt: KubeObject, sp: SandboxPod) -> None:
         meta = ckpt.get("metadata") or {}
         namespace, name, uid = str(meta.get("namespace")), str(meta.get("name")), \
             str(meta.get("uid") or "")
-        reason = planner.checkpoint_reason(ckpt)
-        stop = planner.is_stopping(reason)
+        reason = protocol.reason_of(ckpt)
+        stop = protocol.is_stopping(reason)
         began = time.monotonic()
         try:
             self._kube.patch_checkpoint_status(
@@ -221,6 +322,15 @@ class NodeAgent:
             return
         log.info("checkpoint %s/%s of %s (%s, stop=%s) started%s", namespace, name, sp.pod,
                  reason, stop, self._time_left())
+        recorded = threading.Event()
+
+        def record(result: CheckpointResult) -> None:
+            # Before a migrating checkpoint kills the old tree: durable must mean kept.
+            self._write_status(namespace, name,
+                               planner.status_completed(result, self._clock(), stopped=stop),
+                               forever=True)
+            recorded.set()
+
         try:
             if sp.container_id is None:
                 raise HermitError(f"pod {sp.namespace}/{sp.pod} has no container id")
@@ -230,25 +340,27 @@ class NodeAgent:
                 checkpoint=name, init_pid=pid, workspace_path=sp.workspace_path,
                 image_digest=sp.image_digest), stop=stop, deadline=self._deadline(),
                 on_uploading=lambda frozen_ms, dump_ms: self._write_status(
-                    namespace, name, planner.status_uploading(frozen_ms, dump_ms)))
+                    namespace, name, planner.status_uploading(frozen_ms, dump_ms)),
+                on_durable=record)
         except Exception as exc:
+            if recorded.is_set():  # durable and Completed: only what came after it failed
+                log.exception("checkpoint %s/%s: after it was durable", namespace, name)
+                return
             message = str(exc) if isinstance(exc, HermitError) else \
                 f"unexpected {type(exc).__name__}: {exc}"
             if not isinstance(exc, HermitError):
                 log.exception("checkpoint %s/%s", namespace, name)
             metrics.record_checkpoint_failure(time.monotonic() - began)
-            log.error("checkpoint %s/%s failed: %s", namespace, name, planner.one_line(message))
+            log.error("checkpoint %s/%s failed: %s", namespace, name, protocol.one_line(message))
             self._write_status(namespace, name,
                                planner.status_failed(message, self._clock(), self.node))
-            self._event(ckpt, planner.one_line(message))
+            self._event(ckpt, protocol.one_line(message))
             return
         metrics.record_checkpoint(
             frozen_ms=result.frozen_ms, dump_ms=result.dump_ms, capture_ms=result.capture_ms,
             upload_ms=result.upload_ms, total_seconds=time.monotonic() - began,
             image_bytes=result.image_bytes, uploaded_bytes=result.uploaded_bytes,
             stored_bytes=result.stored_bytes)
-        self._write_status(namespace, name,
-                           planner.status_completed(result, self._clock(), stopped=stop))
         log.info("checkpoint %s/%s Completed in %.1f s%s", namespace, name,
                  time.monotonic() - began, self._time_left())
 
@@ -267,23 +379,32 @@ class NodeAgent:
             return ""
         return f"; {notice.seconds_left(self._clock()):.0f} s left before the node goes"
 
-    def _write_status(self, namespace: str, name: str, status: Manifest) -> None:
-        """Status writes matter (the operator waits on them): retry a few times."""
+    def _write_status(self, namespace: str, name: str, status: KubeObject, *,
+                      forever: bool = False) -> None:
+        """Status writes matter (the operator waits on them): retry a few times, or with
+        ``forever`` until it lands or the agent stops (a durable checkpoint's Completed)."""
+        self._retry(f"the status of Checkpoint {namespace}/{name}", forever,
+                    lambda: self._kube.patch_checkpoint_status(namespace, name, status))
+
+    def _retry(self, what: str, forever: bool, call: Callable[[], None]) -> None:
         delay = 0.2
-        for attempt in range(1, STATUS_ATTEMPTS + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             try:
-                self._kube.patch_checkpoint_status(namespace, name, status)
+                call()
                 return
             except KubeError as exc:
-                if attempt == STATUS_ATTEMPTS:
-                    log.error("giving up on the status of Checkpoint %s/%s: %s",
-                              namespace, name, exc)
+                # Only a transient error may pass: a deleted object or a refusal will not.
+                if (not forever and attempt >= STATUS_ATTEMPTS) or self._stopping.is_set() \
+                        or not isinstance(exc, KubeTransient):
+                    log.error("giving up on %s: %s", what, exc)
                     return
                 log.warning("%s (attempt %d)", exc, attempt)
-                time.sleep(delay)
+                self._stopping.wait(delay)
                 delay = min(delay * 2, 5.0)
 
-    def _event(self, ckpt: Manifest, message: str) -> None:
+    def _event(self, ckpt: KubeObject, message: str) -> None:
         try:
             self._kube.checkpoint_event(ckpt, "Warning", EVENT_CHECKPOINT_FAILED, message)
         except KubeError as exc:
@@ -294,7 +415,8 @@ class NodeAgent:
     def run_restore(self, sp: SandboxPod) -> None:
         name = str(sp.restore_from)
         try:
-            self._kube.annotate_pod(sp.namespace, sp.pod, planner.restore_annotations("Restoring"))
+            self._kube.annotate_pod(sp.namespace, sp.pod,
+                                    planner.restore_annotations(protocol.RESTORING))
         except KubeError as exc:
             log.warning("%s", exc)
             self._release(sp.uid)
@@ -310,45 +432,41 @@ class NodeAgent:
                 log.exception("restore of %s/%s", sp.namespace, sp.pod)
             metrics.record_restore(time.monotonic() - began, ok=False)
             log.error("restore of %s/%s failed: %s", sp.namespace, sp.pod,
-                      planner.one_line(message))
-            self._annotate(sp, planner.restore_annotations("Failed", message))
+                      protocol.one_line(message))
+            # Refused (corrupt, foreign, incompatible): the same checkpoint never restores.
+            self._annotate(sp, planner.restore_annotations(
+                protocol.RESTORE_FAILED, message,
+                retryable=not isinstance(exc, CheckpointRefused)))
             return
         metrics.record_restore(time.monotonic() - began, ok=True)
         self._annotate(sp, planner.restore_annotations(
-            "Restored", f"restored from {name} in {result.total_ms} ms "
+            protocol.RESTORED, f"restored from {name} in {result.total_ms} ms "
                         f"({result.downloaded_bytes} bytes downloaded)"))
 
     def _restore(self, sp: SandboxPod, name: str) -> RestoreResult:
-        source = planner.restore_source(self._kube.get_checkpoint(sp.namespace, name), name)
-        if isinstance(source, str):
-            raise RestoreFailed(source)
+        ckpt = self._kube.get_checkpoint(sp.namespace, name)
+        origin = planner.restore_origin(ckpt, name)
+        if isinstance(origin, str):
+            # Gone for good, or not Completed yet (the same restore may work later).
+            raise (CheckpointRefused if ckpt is None else RestoreFailed)(origin)
         sandbox_uid = sp.sandbox_uid
-        if source.sandbox != sp.sandbox:  # a fork: the checkpoint is bound to its own sandbox
-            other = self._kube.get_sandbox(sp.namespace, source.sandbox)
+        if origin.sandbox != sp.sandbox:  # a fork: the checkpoint is bound to its own sandbox
+            other = self._kube.get_sandbox(sp.namespace, origin.sandbox)
             if other is None:
-                raise RestoreFailed(
-                    f"Checkpoint {name} belongs to AgentSandbox {source.sandbox}, which is gone")
+                raise CheckpointRefused(
+                    f"Checkpoint {name} belongs to AgentSandbox {origin.sandbox}, which is gone")
             sandbox_uid = str((other.get("metadata") or {}).get("uid"))
         if sp.container_id is None:
             raise RestoreFailed(f"pod {sp.namespace}/{sp.pod} has no container id")
         pid = locate.find_init_pid(sp.container_id, self._proc_root)
         return self._restorer.restore(RestoreTarget(
-            namespace=sp.namespace, sandbox=source.sandbox, sandbox_uid=sandbox_uid,
+            namespace=sp.namespace, sandbox=origin.sandbox, sandbox_uid=sandbox_uid,
             checkpoint=name, init_pid=pid, image_digest=sp.image_digest,
-            expect_manifest_digest=source.manifest_digest))
+            expect_manifest_digest=origin.manifest_digest))
 
     def _annotate(self, sp: SandboxPod, annotations: dict[str, str | None]) -> None:
-        delay = 0.2
-        for attempt in range(1, STATUS_ATTEMPTS + 1):
-            try:
-                self._kube.annotate_pod(sp.namespace, sp.pod, annotations)
-                return
-            except KubeError as exc:
-                if attempt == STATUS_ATTEMPTS:
-                    log.error("giving up on annotating pod %s/%s: %s", sp.namespace, sp.pod, exc)
-                    return
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        self._retry(f"annotating pod {sp.namespace}/{sp.pod}", False,
+                    lambda: self._kube.annotate_pod(sp.namespace, sp.pod, annotations))
 
     def shutdown(self) -> None:
         self._jobs.shutdown()
@@ -367,7 +485,7 @@ def _watch(agent: NodeAgent, settings: NodeSettings, stop: threading.Event) -> N
             stop.wait(5.0)
 
 
-def build_agent(settings: NodeSettings) -> NodeAgent:
+def build_agent(settings: NodeSettings, stop: threading.Event) -> NodeAgent:
     """Everything built once at start-up; HermitError when a piece cannot be built."""
     from hermit_common.store import CheckpointStore
     from hermit_node.checkpoint import CheckpointEngine
@@ -378,8 +496,11 @@ def build_agent(settings: NodeSettings) -> NodeAgent:
     criu = Criu(settings.criu_path)
     store = CheckpointStore(settings.store)
     work_dir = Path(settings.work_dir)
-    return NodeAgent(settings.node_name, kube, CheckpointEngine(criu, store, work_dir),
-                     RestoreEngine(criu, store, work_dir))
+    return NodeAgent(settings.node_name, kube,
+                     CheckpointEngine(criu, store, work_dir,
+                                      max_frozen_seconds=settings.max_frozen_seconds),
+                     RestoreEngine(criu, store, work_dir), manifests=store,
+                     trees=freezer.Trees(), stopping=stop)
 
 
 def run_agent(environ: Mapping[str, str], *, stop: threading.Event | None = None,
@@ -387,8 +508,8 @@ def run_agent(environ: Mapping[str, str], *, stop: threading.Event | None = None
     settings = NodeSettings.from_env(environ)
     logging.getLogger().setLevel(settings.log_level)
     log.info("starting with settings %s", redacted(settings))
-    agent = build_agent(settings)
     stop = stop or threading.Event()
+    agent = build_agent(settings, stop)
     if install_signals:
         signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(stop))
     start_http_server(settings.metrics_port)

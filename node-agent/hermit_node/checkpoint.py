@@ -14,16 +14,17 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hermit_common.errors import CheckpointFailed, HermitError
 from hermit_common.manifest import Binding
-from hermit_common.store import CheckpointStore
-from hermit_node import container, freezer, sysinfo
+from hermit_common.store import CheckpointStore, UploadResult
+from hermit_node import container, freezer, locate, sysinfo
 from hermit_node.criu import Criu, DumpRequest
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,8 @@ NETNS_KEY = "extnet"
 SECTION_IMAGES = "criu"
 SECTION_ROOTFS = "rootfs"
 SECTION_WORKSPACE = "workspace"
+# A routine checkpoint never keeps a sandbox frozen longer than this (dump + file copy).
+DEFAULT_MAX_FROZEN_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,9 @@ class CheckpointTarget:
     sandbox: str
     sandbox_uid: str
     checkpoint: str
-    init_pid: int  # host pid of the container's PID 1 (the sandbox init)
+    # Host pid of the container's PID 1 (the sandbox init). Its bundle, mounts and
+    # cgroups describe the container; CRIU dumps locate.dump_root() of it.
+    init_pid: int
     bundle: Path | None = None  # OCI bundle; found from the runtime shim when None
     workspace_path: str | None = "/workspace"  # mount point inside the container
     image_digest: str | None = None
@@ -109,110 +114,171 @@ def _ms(start: float) -> int:
     return int((time.monotonic() - start) * 1000)
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """Everything decided before the tree is frozen."""
+
+    view: container.ContainerView
+    cgroup: Path
+    root_pid: int  # what CRIU dumps: the init, or the tree a restore made it adopt
+    local: Path
+    externals: tuple[str, ...]
+    restore: dict[str, Any]
+    workspace_source: str | None
+    binding: Binding
+
+
+@dataclass
+class _Capture:
+    frozen_at: float
+    dump_ms: int = 0
+    capture_ms: int = 0
+    sections: dict[str, Path] = field(default_factory=dict)
+
+
 class CheckpointEngine:
-    def __init__(self, criu: Criu, store: CheckpointStore, work_dir: Path) -> None:
+    def __init__(self, criu: Criu, store: CheckpointStore, work_dir: Path, *,
+                 max_frozen_seconds: float = DEFAULT_MAX_FROZEN_SECONDS) -> None:
         self._criu = criu
         self._store = store
         self._work_dir = work_dir
+        self._max_frozen = max_frozen_seconds
 
     def local_dir(self, t: CheckpointTarget) -> Path:
         return self._work_dir / "checkpoints" / t.namespace / t.sandbox / t.checkpoint
 
     def checkpoint(self, target: CheckpointTarget, *, stop: bool = False,
                    keep_local: bool = False, deadline: float | None = None,
-                   on_uploading: Callable[[int, int], None] | None = None) -> CheckpointResult:
+                   on_uploading: Callable[[int, int], None] | None = None,
+                   on_durable: Callable[[CheckpointResult], None] | None = None,
+                   ) -> CheckpointResult:
         """Take one checkpoint. ``stop=True``: the sandbox ends once it is durable (migration).
 
         On failure the sandbox is thawed and keeps running; CheckpointFailed says why.
         The local copy of the images is removed once the store has them, unless
         ``keep_local`` (for debugging). ``deadline`` (a ``time.monotonic()`` value, e.g.
         the node's termination time) bounds the upload; ``on_uploading(frozen_ms, dump_ms)``
-        is called once the tree's state is captured and the upload starts.
+        is called once the tree's state is captured and the upload starts;
+        ``on_durable(result)`` once the manifest is in the store and, with ``stop``,
+        before the old tree is killed: it records the checkpoint so nothing can lose it.
         """
+        plan = self._plan(target)
+        cap = _Capture(frozen_at=time.monotonic())
+        freezer.freeze(plan.cgroup)
+        thawed = False
+        try:
+            self._capture(plan, cap, routine=not stop)
+            if not stop:
+                freezer.thaw(plan.cgroup)
+                thawed = True
+                frozen_ms = _ms(cap.frozen_at)
+            if on_uploading is not None:
+                on_uploading(_ms(cap.frozen_at), cap.dump_ms)
+            started = time.monotonic()
+            uploaded = self._store.upload(plan.binding, cap.sections, plan.restore,
+                                          deadline=deadline)
+            result = _result(plan, cap, uploaded, upload_ms=_ms(started),
+                             frozen_ms=frozen_ms if not stop else _ms(cap.frozen_at))
+            if on_durable is not None:
+                on_durable(result)
+            if stop:
+                # Durable and recorded: end the old incarnation. SIGKILL to a pid
+                # namespace's init kills the whole namespace; it lands as the tree thaws.
+                os.kill(target.init_pid, signal.SIGKILL)
+                freezer.thaw(plan.cgroup)
+                thawed = True
+        except HermitError as exc:
+            shutil.rmtree(plan.local, ignore_errors=True)
+            if not thawed:
+                freezer.thaw(plan.cgroup)
+            raise CheckpointFailed(
+                f"checkpoint {target.namespace}/{target.checkpoint} failed, "
+                f"sandbox left running: {exc}") from exc
+        except BaseException:
+            if not thawed:
+                freezer.thaw(plan.cgroup)
+            raise
+        if not keep_local:
+            shutil.rmtree(plan.local, ignore_errors=True)
+        log.info("checkpoint %s/%s: frozen %d ms, dump %d ms, upload %d ms, %d bytes stored",
+                 target.namespace, target.checkpoint, result.frozen_ms, result.dump_ms,
+                 result.upload_ms, result.stored_bytes)
+        return result
+
+    def _plan(self, target: CheckpointTarget) -> _Plan:
+        """Read the container and decide the dump's externals, before anything is frozen."""
         view = container.inspect(target.init_pid, target.bundle)
         cgroup = view.freezer_cgroup()
         if cgroup is None:
             raise CheckpointFailed(f"pid {target.init_pid} has no freezer cgroup")
         local = self.local_dir(target)
         shutil.rmtree(local, ignore_errors=True)
-        images, rootfs, workspace = (local / SECTION_IMAGES, local / SECTION_ROOTFS,
-                                     local / SECTION_WORKSPACE)
-        images.mkdir(parents=True)
+        (local / SECTION_IMAGES).mkdir(parents=True)
         mount_keys = external_mounts(view)
-        cgroup_keys = external_cgroup_mounts(view)
         cgroup_points = {f"cg{i}": m.mountpoint for i, m in enumerate(view.cgroup_mounts)}
         externals = (f"net[{view.netns_inode}]:{NETNS_KEY}",
                      *(f"mnt[{dest}]:{key}" for key, dest in mount_keys.items()),
                      *(f"mnt[{point}]:{key}" for key, point in cgroup_points.items()))
-        workspace_source = (view.bind_source(target.workspace_path)
-                            if target.workspace_path else None)
-        criu_version = self._criu.version()
         binding = Binding(
             namespace=target.namespace, sandbox=target.sandbox,
             sandbox_uid=target.sandbox_uid, checkpoint=target.checkpoint,
-            criu_version=criu_version, kernel=sysinfo.kernel_release(),
+            criu_version=self._criu.version(), kernel=sysinfo.kernel_release(),
             cpu_flags=sysinfo.cpu_flags(), image_digest=target.image_digest,
         )
-        frozen_at = time.monotonic()
-        freezer.freeze(cgroup)
-        thawed = False
+        return _Plan(
+            view=view, cgroup=cgroup, root_pid=locate.dump_root(target.init_pid), local=local,
+            externals=externals,
+            restore=restore_info(view, target.workspace_path, mount_keys,
+                                 external_cgroup_mounts(view)),
+            workspace_source=(view.bind_source(target.workspace_path)
+                              if target.workspace_path else None),
+            binding=binding)
+
+    def _capture(self, plan: _Plan, cap: _Capture, *, routine: bool) -> None:
+        """Dump memory and copy the writable layer and workspace while the tree is frozen.
+
+        A routine checkpoint may keep the sandbox frozen for at most ``max_frozen_seconds``:
+        past that a watchdog thaws it and the checkpoint fails (the sandbox runs on).
+        """
+        watchdog = threading.Timer(self._max_frozen, freezer.thaw, (plan.cgroup,)) \
+            if routine else None
+        if watchdog is not None:
+            watchdog.daemon = True
+            watchdog.start()
         try:
             started = time.monotonic()
+            images = plan.local / SECTION_IMAGES
             self._criu.dump(DumpRequest(
-                pid=target.init_pid, images_dir=images, externals=externals,
-                leave_running=True, freeze_cgroup=cgroup,
+                pid=plan.root_pid, images_dir=images, externals=plan.externals,
+                leave_running=True, freeze_cgroup=plan.cgroup,
             ))
-            dump_ms = _ms(started)
-            if not freezer.is_frozen(cgroup):
-                raise CheckpointFailed("CRIU thawed the container before its files were captured")
+            cap.dump_ms = _ms(started)
             started = time.monotonic()
-            sections = {SECTION_IMAGES: images}
-            if view.upperdir is not None:
-                _copy_tree(view.upperdir, rootfs)
-                sections[SECTION_ROOTFS] = rootfs
-            if workspace_source is not None:
-                _copy_tree(Path(workspace_source), workspace)
-                sections[SECTION_WORKSPACE] = workspace
-            capture_ms = _ms(started)
-            if not stop:
-                freezer.thaw(cgroup)
-                thawed = True
-                frozen_ms = _ms(frozen_at)
-            if on_uploading is not None:
-                on_uploading(_ms(frozen_at), dump_ms)
-            started = time.monotonic()
-            uploaded = self._store.upload(
-                binding, sections,
-                restore_info(view, target.workspace_path, mount_keys, cgroup_keys),
-                deadline=deadline)
-            upload_ms = _ms(started)
-            if stop:
-                # Durable: end the old incarnation. SIGKILL to a pid namespace's init
-                # kills the whole namespace; it takes effect as the tree thaws.
-                os.kill(target.init_pid, signal.SIGKILL)
-                freezer.thaw(cgroup)
-                thawed = True
-                frozen_ms = _ms(frozen_at)
-        except HermitError as exc:
-            shutil.rmtree(local, ignore_errors=True)
-            if not thawed:
-                freezer.thaw(cgroup)
-            raise CheckpointFailed(
-                f"checkpoint {target.namespace}/{target.checkpoint} failed, "
-                f"sandbox left running: {exc}") from exc
-        except BaseException:
-            if not thawed:
-                freezer.thaw(cgroup)
-            raise
-        if not keep_local:
-            shutil.rmtree(local, ignore_errors=True)
-        log.info("checkpoint %s/%s: frozen %d ms, dump %d ms, upload %d ms, %d bytes stored",
-                 target.namespace, target.checkpoint, frozen_ms, dump_ms, upload_ms,
-                 uploaded.stored_bytes)
-        return CheckpointResult(
-            frozen_ms=frozen_ms, dump_ms=dump_ms, capture_ms=capture_ms, upload_ms=upload_ms,
-            image_bytes=uploaded.image_bytes, uploaded_bytes=uploaded.uploaded_bytes,
-            stored_bytes=uploaded.stored_bytes, manifest_uri=uploaded.manifest_uri,
-            manifest_digest=uploaded.manifest_digest, criu_version=criu_version,
-            kernel=binding.kernel, cpu_flags=binding.cpu_flags,
-        )
+            cap.sections[SECTION_IMAGES] = images
+            if plan.view.upperdir is not None:
+                cap.sections[SECTION_ROOTFS] = plan.local / SECTION_ROOTFS
+                _copy_tree(plan.view.upperdir, cap.sections[SECTION_ROOTFS])
+            if plan.workspace_source is not None:
+                cap.sections[SECTION_WORKSPACE] = plan.local / SECTION_WORKSPACE
+                _copy_tree(Path(plan.workspace_source), cap.sections[SECTION_WORKSPACE])
+            cap.capture_ms = _ms(started)
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+        if not freezer.is_frozen(plan.cgroup):
+            why = (f"it stayed frozen longer than {self._max_frozen:g} s"
+                   if routine and _ms(cap.frozen_at) >= self._max_frozen * 1000
+                   else "CRIU thawed the container")
+            raise CheckpointFailed(f"{why} before its files were captured")
+
+
+def _result(plan: _Plan, cap: _Capture, uploaded: UploadResult, *, upload_ms: int,
+            frozen_ms: int) -> CheckpointResult:
+    return CheckpointResult(
+        frozen_ms=frozen_ms, dump_ms=cap.dump_ms, capture_ms=cap.capture_ms,
+        upload_ms=upload_ms, image_bytes=uploaded.image_bytes,
+        uploaded_bytes=uploaded.uploaded_bytes, stored_bytes=uploaded.stored_bytes,
+        manifest_uri=uploaded.manifest_uri, manifest_digest=uploaded.manifest_digest,
+        criu_version=plan.binding.criu_version, kernel=plan.binding.kernel,
+        cpu_flags=plan.binding.cpu_flags,
+    )

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hermit_common.errors import HermitError
-from hermit_common.settings import Env, StoreSettings, WatcherSettings
+from hermit_common.settings import Env, NodeSettings, StoreSettings, WatcherSettings
 
 if TYPE_CHECKING:
     from hermit_common.store import CheckpointStore
@@ -37,8 +37,10 @@ def _engine_parts() -> tuple[Criu, CheckpointStore, Path]:
 
     env = Env(os.environ)
     store = CheckpointStore(StoreSettings.from_env(os.environ))
-    criu = Criu(env.text("HERMIT_CRIU_PATH", "criu"))
-    work_dir = Path(env.text("HERMIT_WORK_DIR", "/var/lib/hermit"))
+    # NodeSettings.from_env needs HERMIT_NODE_NAME, which only `run` requires; the
+    # defaults come from its fields.
+    criu = Criu(env.text("HERMIT_CRIU_PATH", NodeSettings.criu_path))
+    work_dir = Path(env.text("HERMIT_WORK_DIR", NodeSettings.work_dir))
     return criu, store, work_dir
 
 

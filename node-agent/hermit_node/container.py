@@ -86,13 +86,18 @@ class ContainerView:
 
     def freezer_cgroup(self) -> Path | None:
         """The cgroup directory whose freezer controls the whole container."""
-        for cg in self.cgroups:
-            if "freezer" in cg.hierarchy.split(","):
-                return cg.host_path()
-        for cg in self.cgroups:
-            if cg.hierarchy == "":
-                return cg.host_path()
-        return None
+        return freezer_cgroup(self.cgroups)
+
+
+def freezer_cgroup(cgroups: tuple[Cgroup, ...]) -> Path | None:
+    """Of a process's cgroups, the directory whose freezer controls it (v1, else v2)."""
+    for cg in cgroups:
+        if "freezer" in cg.hierarchy.split(","):
+            return cg.host_path()
+    for cg in cgroups:
+        if cg.hierarchy == "":
+            return cg.host_path()
+    return None
 
 
 def parse_cgroups(text: str) -> tuple[Cgroup, ...]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -41,3 +43,25 @@ def is_frozen(cgroup: Path) -> bool:
     if _is_v1(cgroup):
         return (cgroup / "freezer.state").read_text().strip() == "FROZEN"
     return "frozen 1" in (cgroup / "cgroup.events").read_text()
+
+
+def settle(init_pid: int, *, kill: bool) -> bool:
+    """After a restart of the node-agent: thaw the container of ``init_pid`` if an earlier
+    run left it frozen, first ending its tree (SIGKILL to the pid namespace's init) when
+    ``kill``. True when it was frozen."""
+    from hermit_node.container import freezer_cgroup, parse_cgroups
+
+    cgroup = freezer_cgroup(parse_cgroups(Path(f"/proc/{init_pid}/cgroup").read_text()))
+    if cgroup is None or not is_frozen(cgroup):
+        return False
+    if kill:
+        os.kill(init_pid, signal.SIGKILL)  # lands as the tree thaws
+    thaw(cgroup)
+    return True
+
+
+class Trees:
+    """The node-agent's adapter for settling frozen trees at start-up."""
+
+    def settle(self, init_pid: int, *, kill: bool) -> bool:
+        return settle(init_pid, kill=kill)

@@ -97,6 +97,60 @@ def container_processes(cid: str, proc_root: Path = Path("/proc")) -> list[ProcI
     return found
 
 
+def pick_adopted_root(init: ProcInfo, children: list[ProcInfo]) -> int | None:
+    """The root of a tree that a restore made a child of the container's init (pure).
+
+    A restore re-creates the checkpointed tree in a pid namespace of its own, nested one
+    level under the new container's, and the tree is reparented to the container's
+    init. So the adopted root is the child that is PID 1 of a pid namespace one level
+    deeper than the init's. Nothing else can be such a child: what the init forks lives
+    in the init's own pid namespace, and ``kubectl exec`` processes are children of the
+    runtime shim. None when the init adopted nothing (a fresh sandbox).
+    """
+    depth = len(init.nspid)
+    adopted = [c.pid for c in children if c.ppid == init.pid and depth > 0
+               and len(c.nspid) == depth + 1 and c.nspid[-1] == 1]
+    if len(adopted) > 1:
+        raise HermitError(f"pid {init.pid} adopted {len(adopted)} restored trees "
+                          f"({', '.join(map(str, sorted(adopted)))}); expected at most one")
+    return adopted[0] if adopted else None
+
+
+def proc_info(pid: int, proc_root: Path = Path("/proc")) -> ProcInfo | None:
+    """The pid, parent and NSpid of one process; None when it is gone."""
+    stat = _read(proc_root / str(pid) / "stat")
+    if stat is None:
+        return None
+    return ProcInfo(pid, parse_ppid(stat), parse_nspid(_read(proc_root / str(pid) / "status")
+                                                       or ""))
+
+
+def children_of(pid: int, proc_root: Path = Path("/proc")) -> list[ProcInfo]:
+    """The direct children of ``pid`` (every thread's children list)."""
+    kids: set[int] = set()
+    try:
+        tasks = list((proc_root / str(pid) / "task").iterdir())
+    except OSError:
+        return []
+    for task in tasks:
+        kids.update(int(k) for k in (_read(task / "children") or "").split())
+    return [info for k in sorted(kids) if (info := proc_info(k, proc_root)) is not None]
+
+
+def dump_root(init_pid: int, proc_root: Path = Path("/proc")) -> int:
+    """The process CRIU must dump for the container whose init is ``init_pid``.
+
+    A fresh sandbox: the init itself. A restored one: the tree the init adopted, since
+    CRIU cannot dump the nested pid namespace the restore put it in; dumping its root
+    keeps the nesting at one level however often the sandbox moves.
+    """
+    init = proc_info(init_pid, proc_root)
+    if init is None:
+        raise ContainerNotFound(f"no process with pid {init_pid}")
+    adopted = pick_adopted_root(init, children_of(init_pid, proc_root))
+    return adopted if adopted is not None else init_pid
+
+
 def find_init_pid(container_id: str, proc_root: Path = Path("/proc")) -> int:
     """Host pid of the init of the container ``<runtime>://<id>``; ContainerNotFound if none."""
     cid = parse_container_id(container_id)

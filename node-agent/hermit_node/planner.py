@@ -8,19 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from hermit_common import api
+from hermit_common import api, protocol
 
 if TYPE_CHECKING:
     from hermit_node.checkpoint import CheckpointResult
 
-Manifest = dict[str, Any]
+KubeObject = dict[str, Any]
 
-DEFAULT_WORKSPACE_PATH = "/workspace"
-MESSAGE_LIMIT = 1024  # status.message and restore-message stay short and on one line
-NAME_LIMIT = 253
 
 
 @dataclass(frozen=True)
@@ -40,6 +37,7 @@ class SandboxPod:
     workspace_path: str
     restore_from: str | None
     restore_phase: str | None
+    on_preemption: bool = True  # false: no checkpoint on a notice or a drain
 
     @property
     def key(self) -> tuple[str, str]:
@@ -49,18 +47,15 @@ class SandboxPod:
     @property
     def has_live_tree(self) -> bool:
         """Its processes are the sandbox's (not an init still waiting for a restore)."""
-        return self.running and (self.restore_from is None or self.restore_phase == "Restored")
-
-
-def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
-    return obj.get("metadata") or {}
+        return self.running and (self.restore_from is None
+                                 or self.restore_phase == protocol.RESTORED)
 
 
 def sandbox_pod(pod: Mapping[str, Any]) -> SandboxPod | None:
     """The sandbox view of ``pod``; None when it is not a sandbox pod."""
-    meta = _meta(pod)
+    meta = protocol.meta(pod)
     labels = meta.get("labels") or {}
-    sandbox = labels.get(api.LABEL_SANDBOX)
+    sandbox = labels.get(protocol.LABEL_SANDBOX)
     owner_uid = next((o.get("uid") for o in meta.get("ownerReferences") or []
                       if o.get("kind") == api.SANDBOX_KIND and o.get("uid")), None)
     if not sandbox or not owner_uid:
@@ -69,7 +64,7 @@ def sandbox_pod(pod: Mapping[str, Any]) -> SandboxPod | None:
     status = pod.get("status") or {}
     first = _first_container_status(pod)
     try:
-        incarnation = int(labels.get(api.LABEL_INCARNATION, "0"))
+        incarnation = int(labels.get(protocol.LABEL_INCARNATION, "0"))
     except ValueError:
         incarnation = 0
     running = (status.get("phase") == "Running" and not meta.get("deletionTimestamp")
@@ -86,9 +81,11 @@ def sandbox_pod(pod: Mapping[str, Any]) -> SandboxPod | None:
         container_id=first.get("containerID") or None,
         running=running,
         image_digest=image_digest(first.get("imageID") or ""),
-        workspace_path=annotations.get(api.ANNOTATION_WORKSPACE_PATH) or DEFAULT_WORKSPACE_PATH,
-        restore_from=annotations.get(api.ANNOTATION_RESTORE_FROM) or None,
-        restore_phase=annotations.get(api.ANNOTATION_RESTORE_PHASE) or None,
+        workspace_path=(annotations.get(protocol.ANNOTATION_WORKSPACE_PATH)
+                        or protocol.DEFAULT_WORKSPACE_PATH),
+        restore_from=annotations.get(protocol.ANNOTATION_RESTORE_FROM) or None,
+        restore_phase=annotations.get(protocol.ANNOTATION_RESTORE_PHASE) or None,
+        on_preemption=annotations.get(protocol.ANNOTATION_ON_PREEMPTION) != "false",
     )
 
 
@@ -128,33 +125,72 @@ def current_pods(pods: Iterable[SandboxPod]) -> dict[tuple[str, str], SandboxPod
 
 # -- notices --------------------------------------------------------------------------
 
-def preempt_checkpoint_name(sandbox: str, incarnation: int) -> str:
-    return f"{sandbox}-{incarnation}-preempt"[:NAME_LIMIT]
+# Taints other tools put on a node they are about to empty: Karpenter's disruption
+# taints, aws-node-termination-handler's and the cluster autoscaler's.
+DISRUPTION_TAINTS: frozenset[str] = frozenset({
+    "karpenter.sh/disrupted",
+    "karpenter.sh/disruption",
+    "aws-node-termination-handler/spot-itn",
+    "aws-node-termination-handler/scheduled-maintenance",
+    "aws-node-termination-handler/asg-lifecycle-termination",
+    "ToBeDeletedByClusterAutoscaler",
+})
+STOP_ATTEMPTS = 3  # stopping requests per pod while its node stays disrupted
+
+
+def stop_requests(pods: Iterable[SandboxPod], reason: str,
+                  checkpoints: Iterable[Mapping[str, Any]] | None
+                  ) -> list[tuple[SandboxPod, str]]:
+    """(pod, Checkpoint name) for each sandbox pod that needs a stopping request now.
+
+    The first request is named by incarnation; when it Failed (the sandbox was left
+    running) and the node is still going away, another is made, up to STOP_ATTEMPTS.
+    With no list of checkpoints (the API did not answer), only first requests."""
+    by_name = {str(protocol.meta(c).get("name")): c for c in checkpoints or []}
+    out = []
+    for sp in pods_to_checkpoint_on_notice(pods):
+        names = [protocol.checkpoint_name(sp.sandbox, sp.incarnation, reason,
+                                          f"-r{n}" if n > 1 else "")
+                 for n in range(1, STOP_ATTEMPTS + 1)]
+        for name in names:
+            existing = by_name.get(name)
+            if existing is None:
+                out.append((sp, name))
+                break
+            if protocol.phase_of(existing) != protocol.FAILED:
+                break  # in flight or done: nothing to add
+            if checkpoints is None:
+                break
+    return out
+
+
+def node_disruption(node: Mapping[str, Any]) -> str | None:
+    """Why sandboxes must leave ``node`` now, as a checkpoint reason; None when they need not.
+
+    Hermit's own interruption taint means a cloud notice (Preemption, also after the
+    agent restarted and forgot the notice). A cordon or another tool's disruption
+    taint means the node is being drained (Eviction): ``kubectl drain``, Karpenter,
+    aws-node-termination-handler, the cluster autoscaler.
+    """
+    spec = node.get("spec") or {}
+    keys = {str(t.get("key")) for t in spec.get("taints") or []}
+    if protocol.TAINT_INTERRUPTION in keys:
+        return protocol.PREEMPTION
+    if spec.get("unschedulable") or keys & DISRUPTION_TAINTS:
+        return protocol.EVICTION
+    return None
 
 
 def pods_to_checkpoint_on_notice(pods: Iterable[SandboxPod]) -> list[SandboxPod]:
-    """The sandbox pods to checkpoint when this node is going away, sorted by name."""
-    return sorted(current_pods(pods).values(), key=lambda sp: (sp.namespace, sp.pod))
+    """The sandbox pods to checkpoint when this node is going away, sorted by name.
+
+    Pods whose sandbox turned ``onPreemption`` off are left alone."""
+    return sorted((sp for sp in current_pods(pods).values() if sp.on_preemption),
+                  key=lambda sp: (sp.namespace, sp.pod))
 
 
-def checkpoint_object(sandbox: str, name: str, reason: str,
-                      incarnation: int | None = None) -> Manifest:
-    """A Checkpoint to create (status empty: Pending), labelled with its sandbox."""
-    if reason not in api.REASONS:
-        raise ValueError(f"unknown checkpoint reason {reason!r}")
-    labels = {api.LABEL_SANDBOX: sandbox}
-    if incarnation is not None:
-        labels[api.LABEL_INCARNATION] = str(incarnation)
-    return {
-        "apiVersion": api.API_VERSION,
-        "kind": api.CHECKPOINT_KIND,
-        "metadata": {"name": name, "labels": labels},
-        "spec": {"sandboxRef": {"name": sandbox}, "reason": reason},
-    }
-
-
-def interruption_taint(kind: str) -> Manifest:
-    return {"key": api.TAINT_INTERRUPTION, "value": _label_value(kind), "effect": "NoSchedule"}
+def interruption_taint(kind: str) -> KubeObject:
+    return {"key": protocol.TAINT_INTERRUPTION, "value": _label_value(kind), "effect": "NoSchedule"}
 
 
 def _label_value(text: str) -> str:
@@ -162,7 +198,7 @@ def _label_value(text: str) -> str:
     return cleaned.strip("-_.")
 
 
-def node_taint_patch(node: Mapping[str, Any], kind: str) -> Manifest | None:
+def node_taint_patch(node: Mapping[str, Any], kind: str) -> KubeObject | None:
     """The merge patch that taints and cordons ``node``; None when it already is.
 
     Taints are a list the API replaces whole, so the patch carries the full list and
@@ -170,35 +206,22 @@ def node_taint_patch(node: Mapping[str, Any], kind: str) -> Manifest | None:
     """
     spec = node.get("spec") or {}
     taint = interruption_taint(kind)
-    taints = [t for t in spec.get("taints") or [] if t.get("key") != api.TAINT_INTERRUPTION
+    taints = [t for t in spec.get("taints") or [] if t.get("key") != protocol.TAINT_INTERRUPTION
               or t.get("effect") != "NoSchedule"]
-    current = [t for t in spec.get("taints") or [] if t.get("key") == api.TAINT_INTERRUPTION
+    current = [t for t in spec.get("taints") or [] if t.get("key") == protocol.TAINT_INTERRUPTION
                and t.get("effect") == "NoSchedule"]
     if spec.get("unschedulable") and current:
         return None
     return {
-        "metadata": {"resourceVersion": _meta(node).get("resourceVersion")},
+        "metadata": {"resourceVersion": protocol.meta(node).get("resourceVersion")},
         "spec": {"unschedulable": True, "taints": [*taints, current[0] if current else taint]},
     }
 
 
 # -- checkpoint requests ----------------------------------------------------------------
 
-def checkpoint_phase(ckpt: Mapping[str, Any]) -> str | None:
-    return (ckpt.get("status") or {}).get("phase") or None
-
-
-def checkpoint_reason(ckpt: Mapping[str, Any]) -> str:
-    return str((ckpt.get("spec") or {}).get("reason") or "")
-
-
-def is_stopping(reason: str) -> bool:
-    """Whether this checkpoint ends the current incarnation once durable."""
-    return reason in api.STOPPING_REASONS
-
-
 def checkpoints_to_serve(checkpoints: Iterable[Mapping[str, Any]],
-                         pods: Iterable[SandboxPod]) -> list[tuple[Manifest, SandboxPod]]:
+                         pods: Iterable[SandboxPod]) -> list[tuple[KubeObject, SandboxPod]]:
     """Pending Checkpoints (empty status) whose sandbox's current pod is on this node.
 
     ``pods`` are this node's sandbox pods. At most one request per sandbox is
@@ -206,28 +229,51 @@ def checkpoints_to_serve(checkpoints: Iterable[Mapping[str, Any]],
     (Preemption, Eviction, Suspend) first, else the oldest.
     """
     current = current_pods(pods)
-    chosen: dict[tuple[str, str], tuple[Manifest, SandboxPod]] = {}
+    chosen: dict[tuple[str, str], tuple[KubeObject, SandboxPod]] = {}
     pending = sorted(
-        (c for c in checkpoints if checkpoint_phase(c) is None and not _meta(c).get(
+        (c for c in checkpoints if not (c.get("status") or {}).get("phase")
+         and not protocol.meta(c).get(
             "deletionTimestamp")),
-        key=lambda c: (not is_stopping(checkpoint_reason(c)),
-                       str(_meta(c).get("creationTimestamp") or ""), str(_meta(c).get("name"))))
+        key=lambda c: (not protocol.is_stopping(protocol.reason_of(c)),
+                       str(protocol.meta(c).get("creationTimestamp") or ""),
+                       protocol.name_of(c)))
     for ckpt in pending:
         ref = ((ckpt.get("spec") or {}).get("sandboxRef") or {}).get("name")
-        key = (str(_meta(ckpt).get("namespace") or "default"), str(ref))
+        key = (str(protocol.meta(ckpt).get("namespace") or "default"), str(ref))
         sp = current.get(key)
-        if ref and sp is not None and key not in chosen:
+        if ref and sp is not None and key not in chosen and _for_incarnation(ckpt, sp):
             chosen[key] = (dict(ckpt), sp)
     return list(chosen.values())
 
 
+def _for_incarnation(ckpt: Mapping[str, Any], sp: SandboxPod) -> bool:
+    """A request labelled with an incarnation is for that pod only: a preemption request
+    of incarnation N must never stop incarnation N+1 on another node."""
+    label = (protocol.meta(ckpt).get("labels") or {}).get(protocol.LABEL_INCARNATION)
+    return label is None or label == str(sp.incarnation)
+
+
+def completed_stop_of(checkpoints: Iterable[Mapping[str, Any]], sp: SandboxPod) -> str | None:
+    """The name of a Completed stopping checkpoint of this pod's incarnation, if any: the
+    pod's tree must not run on (it would fork the sandbox's history)."""
+    for c in checkpoints:
+        ref = ((c.get("spec") or {}).get("sandboxRef") or {}).get("name")
+        if (protocol.phase_of(c) == protocol.COMPLETED
+                and protocol.is_stopping(protocol.reason_of(c))
+                and ref == sp.sandbox and str(protocol.meta(c).get("namespace")) == sp.namespace
+                and (protocol.meta(c).get("labels") or {}).get(protocol.LABEL_INCARNATION)
+                == str(sp.incarnation)):
+            return str(protocol.meta(c).get("name"))
+    return None
+
+
 def stale_checkpoints(checkpoints: Iterable[Mapping[str, Any]], node: str,
-                      in_flight: set[tuple[str, str]]) -> list[Manifest]:
+                      in_flight: set[tuple[str, str]]) -> list[KubeObject]:
     """Checkpoints this node left Dumping/Uploading with no job running (the agent restarted)."""
     return [dict(c) for c in checkpoints
-            if checkpoint_phase(c) in ("Dumping", "Uploading")
+            if (c.get("status") or {}).get("phase") in protocol.ACTIVE
             and (c.get("status") or {}).get("nodeName") == node
-            and (str(_meta(c).get("namespace")), str(_meta(c).get("name"))) not in in_flight]
+            and (str(protocol.meta(c).get("namespace")), protocol.name_of(c)) not in in_flight]
 
 
 # -- restores -------------------------------------------------------------------------
@@ -240,64 +286,60 @@ def pods_to_restore(pods: Iterable[SandboxPod]) -> list[SandboxPod]:
 
 def stale_restores(pods: Iterable[SandboxPod], in_flight: set[tuple[str, str]]) -> list[SandboxPod]:
     """Pods this node left Restoring with no job running (the agent restarted)."""
-    return [sp for sp in pods if sp.restore_phase == "Restoring" and sp.key not in in_flight]
+    return [sp for sp in pods if sp.restore_phase == protocol.RESTORING and sp.key not in in_flight]
 
 
 @dataclass(frozen=True)
-class RestoreSource:
+class RestoreOrigin:
     """Where a restore reads from and what it must match."""
 
     sandbox: str  # the sandbox the checkpoint was taken of (differs for a fork)
     manifest_digest: str
 
 
-def restore_source(ckpt: Mapping[str, Any] | None, name: str) -> RestoreSource | str:
+def restore_origin(ckpt: Mapping[str, Any] | None, name: str) -> RestoreOrigin | str:
     """The source of a restore from Checkpoint ``name``, or why it cannot be used."""
     if ckpt is None:
         return f"Checkpoint {name} does not exist"
     status = ckpt.get("status") or {}
-    phase = status.get("phase") or "Pending"
-    if phase != "Completed":
+    phase = protocol.phase_of(ckpt)
+    if phase != protocol.COMPLETED:
         return f"Checkpoint {name} is {phase}, not Completed"
     digest = status.get("manifestDigest")
     sandbox = ((ckpt.get("spec") or {}).get("sandboxRef") or {}).get("name")
     if not digest or not sandbox:
         return f"Checkpoint {name} records no manifestDigest or sandboxRef"
-    return RestoreSource(sandbox=str(sandbox), manifest_digest=str(digest))
+    return RestoreOrigin(sandbox=str(sandbox), manifest_digest=str(digest))
 
 
-def restore_annotations(phase: str, message: str | None = None) -> dict[str, str | None]:
-    """The pod annotations for a restore phase (a None value removes the annotation)."""
-    if phase not in api.RESTORE_PHASES:
+def restore_annotations(phase: str, message: str | None = None, *,
+                        retryable: bool | None = None) -> dict[str, str | None]:
+    """The pod annotations for a restore phase (a None value removes the annotation).
+
+    ``retryable`` goes with Failed: whether the same checkpoint may restore on a new pod."""
+    if phase not in protocol.RESTORE_PHASES:
         raise ValueError(f"unknown restore phase {phase!r}")
-    return {api.ANNOTATION_RESTORE_PHASE: phase,
-            api.ANNOTATION_RESTORE_MESSAGE: one_line(message) if message else None}
+    return {protocol.ANNOTATION_RESTORE_PHASE: phase,
+            protocol.ANNOTATION_RESTORE_MESSAGE: protocol.one_line(message) if message else None,
+            protocol.ANNOTATION_RESTORE_RETRYABLE: None if retryable is None
+            else str(retryable).lower()}
 
 
 # -- Checkpoint status ----------------------------------------------------------------
 
-def rfc3339(moment: datetime) -> str:
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def status_dumping(node: str, now: datetime) -> KubeObject:
+    return {"phase": protocol.DUMPING, "nodeName": node, "startedAt": protocol.rfc3339(now)}
 
 
-def one_line(message: str, limit: int = MESSAGE_LIMIT) -> str:
-    text = " ".join(message.split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+def status_uploading(frozen_ms: int, dump_ms: int) -> KubeObject:
+    return {"phase": protocol.UPLOADING, "frozenMs": frozen_ms, "dumpMs": dump_ms}
 
 
-def status_dumping(node: str, now: datetime) -> Manifest:
-    return {"phase": "Dumping", "nodeName": node, "startedAt": rfc3339(now)}
-
-
-def status_uploading(frozen_ms: int, dump_ms: int) -> Manifest:
-    return {"phase": "Uploading", "frozenMs": frozen_ms, "dumpMs": dump_ms}
-
-
-def status_completed(result: CheckpointResult, now: datetime, *, stopped: bool) -> Manifest:
+def status_completed(result: CheckpointResult, now: datetime, *, stopped: bool) -> KubeObject:
     """From a ``CheckpointResult``: every field the CRD's Completed rule and columns want."""
     end = "the sandbox ended on this node" if stopped else "the sandbox kept running"
     return {
-        "phase": "Completed",
+        "phase": protocol.COMPLETED,
         "frozenMs": result.frozen_ms,
         "dumpMs": result.dump_ms,
         "uploadMs": result.upload_ms,
@@ -311,10 +353,29 @@ def status_completed(result: CheckpointResult, now: datetime, *, stopped: bool) 
         "cpuFeatures": list(result.cpu_flags),
         "message": (f"durable in {result.frozen_ms} ms frozen, {result.uploaded_bytes} bytes "
                     f"uploaded; {end}"),
-        "completedAt": rfc3339(now),
+        "completedAt": protocol.rfc3339(now),
     }
 
 
-def status_failed(message: str, now: datetime, node: str) -> Manifest:
-    return {"phase": "Failed", "nodeName": node, "message": one_line(message),
-            "completedAt": rfc3339(now)}
+def status_recovered(totals: Mapping[str, int], manifest_uri: str, manifest_digest: str,
+                     binding: Mapping[str, Any], now: datetime) -> KubeObject:
+    """Completed, for a checkpoint whose manifest an earlier run of the agent made durable
+    but could not record (it was killed, or the API was down)."""
+    return {
+        "phase": protocol.COMPLETED,
+        "imageBytes": int(totals.get("image_bytes", 0)),
+        "storedBytes": int(totals.get("stored_bytes", 0)),
+        "manifestURI": manifest_uri,
+        "manifestDigest": manifest_digest,
+        "criuVersion": str(binding.get("criu_version") or ""),
+        "kernel": str(binding.get("kernel") or ""),
+        "cpuFeatures": list(binding.get("cpu_flags") or []),
+        "message": "durable: its manifest was found in the store after the node-agent "
+                   "restarted",
+        "completedAt": protocol.rfc3339(now),
+    }
+
+
+def status_failed(message: str, now: datetime, node: str) -> KubeObject:
+    return {"phase": protocol.FAILED, "nodeName": node, "message": protocol.one_line(message),
+            "completedAt": protocol.rfc3339(now)}

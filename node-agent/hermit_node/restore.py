@@ -12,14 +12,16 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from hermit_common.errors import CheckpointRefused, RestoreFailed
 from hermit_common.manifest import Manifest
 from hermit_common.store import CheckpointStore
 from hermit_node import container, sysinfo
-from hermit_node.checkpoint import SECTION_IMAGES, SECTION_ROOTFS, SECTION_WORKSPACE
+from hermit_node.checkpoint import NETNS_KEY, SECTION_IMAGES, SECTION_ROOTFS, SECTION_WORKSPACE
 from hermit_node.criu import Criu
 from hermit_node.fsapply import apply_tree
 from hermit_node.restore_worker import WorkerRequest
@@ -80,6 +82,59 @@ def _ms(start: float) -> int:
     return int((time.monotonic() - start) * 1000)
 
 
+@dataclass(frozen=True)
+class _Externals:
+    """The checkpoint's external resources, mapped onto the new container."""
+
+    externals: list[str]  # CRIU --external mnt[key]:host-path
+    cgroup_sources: list[str]  # host cgroup dirs bind-mounted into the restored tree
+    stdio_keys: dict[str, int]  # CRIU inherit-fd key -> fd of the container's init
+
+
+def _map_externals(info: Mapping[str, Any], view: container.ContainerView) -> _Externals:
+    """Maps the checkpoint's bind mounts, cgroup v1 mounts and stdio pipes onto ``view``.
+
+    Raises RestoreFailed when the new container lacks one of them.
+    """
+    externals = []
+    for key, destination in dict(info.get("mounts", {})).items():
+        source = view.bind_source(str(destination))
+        if source is None:
+            raise RestoreFailed(
+                f"the new container has no mount at {destination}, which the checkpoint "
+                "had; give the new pod the same volumes")
+        externals.append(f"mnt[{key}]:{source}")
+    cgroup_sources = []
+    for key, controllers in dict(info.get("cgroupMounts", {})).items():
+        group = view.cgroup_host_path(frozenset(str(c) for c in controllers))
+        if group is None:
+            raise RestoreFailed(
+                f"the new container has no cgroup v1 hierarchy {','.join(controllers)}, "
+                "which the checkpoint had mounted")
+        externals.append(f"mnt[{key}]:{group}")
+        cgroup_sources.append(str(group))
+    stdio_keys = {str(k): int(v) for k, v in dict(info.get("stdio", {})).items()}
+    for key, fd in stdio_keys.items():
+        if not view.stdio[fd].startswith("pipe:"):
+            raise RestoreFailed(
+                f"fd {fd} of the new container's init is {view.stdio[fd]!r}, not a pipe; "
+                f"cannot reconnect the checkpoint's {key}")
+    return _Externals(externals, cgroup_sources, stdio_keys)
+
+
+def _apply_files(manifest: Manifest, local: Path, view: container.ContainerView) -> None:
+    """Applies the checkpoint's writable layer and workspace onto the new container."""
+    if SECTION_ROOTFS in manifest.sections:
+        apply_tree(manifest.sections[SECTION_ROOTFS], local / SECTION_ROOTFS, view.rootfs)
+    workspace = manifest.restore.get("workspace")
+    if SECTION_WORKSPACE in manifest.sections and workspace:
+        source = view.bind_source(str(workspace))
+        if source is None:
+            raise RestoreFailed(f"the new container has no workspace mount at {workspace}")
+        apply_tree(manifest.sections[SECTION_WORKSPACE], local / SECTION_WORKSPACE,
+                   Path(source), replace=True)
+
+
 class RestoreEngine:
     def __init__(self, criu: Criu, store: CheckpointStore, work_dir: Path) -> None:
         self._criu = criu
@@ -92,64 +147,15 @@ class RestoreEngine:
         local = self._work_dir / "restores" / target.namespace / target.sandbox / target.checkpoint
         shutil.rmtree(local, ignore_errors=True)
         local.mkdir(parents=True)
-        started = time.monotonic()
-        manifest = self._store.download(
-            target.namespace, target.sandbox, target.checkpoint, local,
-            expect_uid=target.sandbox_uid, expect_digest=target.expect_manifest_digest)
-        download_ms = _ms(started)
-        check_compatible(manifest, criu_version=self._criu.version(),
-                         cpu_flags=sysinfo.cpu_flags(), image_digest=target.image_digest)
-        info = manifest.restore
-        externals = []
-        for key, destination in dict(info.get("mounts", {})).items():
-            source = view.bind_source(str(destination))
-            if source is None:
-                raise RestoreFailed(
-                    f"the new container has no mount at {destination}, which the checkpoint "
-                    "had; give the new pod the same volumes")
-            externals.append(f"mnt[{key}]:{source}")
-        cgroup_sources = []
-        for key, controllers in dict(info.get("cgroupMounts", {})).items():
-            group = view.cgroup_host_path(frozenset(str(c) for c in controllers))
-            if group is None:
-                raise RestoreFailed(
-                    f"the new container has no cgroup v1 hierarchy {','.join(controllers)}, "
-                    "which the checkpoint had mounted")
-            externals.append(f"mnt[{key}]:{group}")
-            cgroup_sources.append(str(group))
-        stdio_keys = {str(k): int(v) for k, v in dict(info.get("stdio", {})).items()}
-        for key, fd in stdio_keys.items():
-            if not view.stdio[fd].startswith("pipe:"):
-                raise RestoreFailed(
-                    f"fd {fd} of the new container's init is {view.stdio[fd]!r}, not a pipe; "
-                    f"cannot reconnect the checkpoint's {key}")
+        manifest, download_ms = self._download(target, local)
+        mapped = _map_externals(manifest.restore, view)
 
         started = time.monotonic()
-        if SECTION_ROOTFS in manifest.sections:
-            apply_tree(manifest.sections[SECTION_ROOTFS], local / SECTION_ROOTFS, view.rootfs)
-        workspace = info.get("workspace")
-        if SECTION_WORKSPACE in manifest.sections and workspace:
-            source = view.bind_source(str(workspace))
-            if source is None:
-                raise RestoreFailed(f"the new container has no workspace mount at {workspace}")
-            apply_tree(manifest.sections[SECTION_WORKSPACE], local / SECTION_WORKSPACE,
-                       Path(source), replace=True)
+        _apply_files(manifest, local, view)
         apply_ms = _ms(started)
 
         started = time.monotonic()
-        request = WorkerRequest(
-            criu_binary=self._criu.binary,
-            images_dir=str(local / SECTION_IMAGES),
-            root=str(view.rootfs),
-            target_pid=target.init_pid,
-            externals=externals,
-            netns_key=str(info.get("netnsKey", "extnet")),
-            stdio_keys=stdio_keys,
-            cgroup_dirs=[str(p) for cg in view.cgroups if (p := cg.host_path()).is_dir()],
-            bind_self=cgroup_sources,
-        )
-        pid = _run_worker(request, timeout)
-        _wait_for_child(target.init_pid, timeout)
+        pid = self._run_criu(target, manifest, local, view, mapped, timeout)
         restore_ms = _ms(started)
         result = RestoreResult(
             download_ms=download_ms, apply_ms=apply_ms, restore_ms=restore_ms,
@@ -162,6 +168,38 @@ class RestoreEngine:
         log.info("restored %s/%s into pid %d: %s", target.namespace, target.checkpoint,
                  target.init_pid, result)
         return result
+
+    def _download(self, target: RestoreTarget, local: Path) -> tuple[Manifest, int]:
+        """Fetches and verifies the checkpoint into ``local``, then checks this node can run it.
+
+        Returns the manifest and the download's duration in milliseconds.
+        """
+        started = time.monotonic()
+        manifest = self._store.download(
+            target.namespace, target.sandbox, target.checkpoint, local,
+            expect_uid=target.sandbox_uid, expect_digest=target.expect_manifest_digest)
+        download_ms = _ms(started)
+        check_compatible(manifest, criu_version=self._criu.version(),
+                         cpu_flags=sysinfo.cpu_flags(), image_digest=target.image_digest)
+        return manifest, download_ms
+
+    def _run_criu(self, target: RestoreTarget, manifest: Manifest, local: Path,
+                  view: container.ContainerView, mapped: _Externals, timeout: float) -> int:
+        """Restores the tree into the container; returns its root's pid in the container."""
+        request = WorkerRequest(
+            criu_binary=self._criu.binary,
+            images_dir=str(local / SECTION_IMAGES),
+            root=str(view.rootfs),
+            target_pid=target.init_pid,
+            externals=mapped.externals,
+            netns_key=str(manifest.restore.get("netnsKey", NETNS_KEY)),
+            stdio_keys=mapped.stdio_keys,
+            cgroup_dirs=[str(p) for cg in view.cgroups if (p := cg.host_path()).is_dir()],
+            bind_self=mapped.cgroup_sources,
+        )
+        pid = _run_worker(request, timeout)
+        _wait_for_child(target.init_pid, timeout)
+        return pid
 
 
 def _run_worker(request: WorkerRequest, timeout: float) -> int:

@@ -3,7 +3,7 @@
 Started by ``restore.py`` as ``python -m hermit_node.restore_worker`` (a fresh,
 single-threaded interpreter, so forking is safe) with a JSON request on stdin.
 
-The dance, from DESIGN.md: join the container's pid namespace for children, fork;
+The dance (docs/criu.md): join the container's pid namespace for children, fork;
 the child moves itself into the container's cgroups, takes a private mount
 namespace with a fresh /proc of that pid namespace (CRIU's vDSO probe needs it),
 and runs CRIU with the container's netns and stdout/stderr pipes as inherited

@@ -1,8 +1,10 @@
 """A sandbox's Checkpoint objects, read by the operator: pure functions.
 
 Which checkpoints belong to a sandbox, the newest Completed one, whether one is in
-flight, which stopping checkpoint ends the current pod, which ones retention deletes
-and which ones still need an owner reference. Nothing here talks to the API.
+flight, which stopping checkpoint ends the current pod, when an interval checkpoint is
+due, which checkpoint a refused restore falls back to, how stale a restored one is,
+which ones retention deletes and which ones still need an owner reference. Nothing
+here talks to the API.
 """
 
 from __future__ import annotations
@@ -11,55 +13,44 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
-from hermit_common import api
+from hermit_common import api, protocol
+from hermit_common.protocol import (  # the shared vocabulary, re-exported for the operator
+    ACTIVE,
+    COMPLETED,
+    FAILED,
+    IN_FLIGHT,
+    MIGRATING_REASONS,
+    PENDING,
+    KubeObject,
+    incarnation_of,
+    name_of,
+    owner_reference,
+    parse_time,
+    phase_of,
+    reason_of,
+    sandbox_of,
+)
+from hermit_common.protocol import meta as _meta
+from hermit_operator.conditions import TRUE, format_time, get_condition
 
-Manifest = dict[str, Any]
+__all__ = ["ACTIVE", "COMPLETED", "FAILED", "IN_FLIGHT", "MIGRATING_REASONS", "PENDING",
+           "incarnation_of", "name_of", "owner_reference", "parse_time", "phase_of",
+           "reason_of", "sandbox_of"]
 
-PENDING: Final = "Pending"
-COMPLETED: Final = "Completed"
-FAILED: Final = "Failed"
-IN_FLIGHT: Final = ("Pending", "Dumping", "Uploading")
-ACTIVE: Final = ("Dumping", "Uploading")
-MIGRATING_REASONS: Final = ("Preemption", "Eviction")
 DEFAULT_RETAIN: Final = 3
 # A pod that is gone while a stopping checkpoint of it is in flight is replaced only
 # once that checkpoint finishes, or once it has been in flight this long.
 STOPPING_WAIT: Final = timedelta(seconds=300)
+# An in-flight checkpoint older than this no longer holds back interval checkpoints
+# (its node-agent is gone); CRD minimum of spec.checkpoint.intervalSeconds.
+IN_FLIGHT_LIMIT: Final = timedelta(hours=1)
+MIN_INTERVAL_SECONDS: Final = 30
+# A restore that failed in a way that may pass (restore-retryable not "false") is retried
+# with the same checkpoint after 5 s, 10 s, 20 s ... (at most 300 s), this many times in all.
+RESTORE_BACKOFF_SECONDS: Final = 5.0
+RESTORE_BACKOFF_MAX_SECONDS: Final = 300.0
+MAX_RESTORE_ATTEMPTS: Final = 10
 _EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
-
-
-def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
-    return obj.get("metadata") or {}
-
-
-def name_of(ckpt: Mapping[str, Any]) -> str:
-    return str(_meta(ckpt).get("name") or "")
-
-
-def sandbox_of(ckpt: Mapping[str, Any]) -> str | None:
-    """The AgentSandbox a Checkpoint is of (spec.sandboxRef.name), or None."""
-    ref = ((ckpt.get("spec") or {}).get("sandboxRef") or {}).get("name")
-    return str(ref) if ref else None
-
-
-def phase_of(ckpt: Mapping[str, Any]) -> str:
-    """status.phase; an empty status is Pending."""
-    return str((ckpt.get("status") or {}).get("phase") or PENDING)
-
-
-def reason_of(ckpt: Mapping[str, Any]) -> str:
-    return str((ckpt.get("spec") or {}).get("reason") or "")
-
-
-def parse_time(value: object) -> datetime | None:
-    """An RFC 3339 timestamp as an aware datetime; None when absent or malformed."""
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
 def created_at(obj: Mapping[str, Any]) -> datetime | None:
@@ -78,7 +69,7 @@ def _order(ckpt: Mapping[str, Any]) -> tuple[datetime, datetime, str]:
 
 
 def of_sandbox(sandbox: Mapping[str, Any], checkpoints: Iterable[Mapping[str, Any]]
-               ) -> list[Manifest]:
+               ) -> list[KubeObject]:
     """The sandbox's checkpoints, oldest first (by completion, then creation, then name).
 
     A checkpoint owned by another AgentSandbox (an earlier one of the same name), or an
@@ -88,7 +79,7 @@ def of_sandbox(sandbox: Mapping[str, Any], checkpoints: Iterable[Mapping[str, An
     meta = _meta(sandbox)
     name, uid = meta.get("name"), meta.get("uid")
     born = created_at(sandbox)
-    out: list[Manifest] = []
+    out: list[KubeObject] = []
     for ckpt in checkpoints:
         cmeta = _meta(ckpt)
         if sandbox_of(ckpt) != name or cmeta.get("deletionTimestamp"):
@@ -104,36 +95,36 @@ def of_sandbox(sandbox: Mapping[str, Any], checkpoints: Iterable[Mapping[str, An
     return sorted(out, key=_order)
 
 
-def completed(ckpts: Sequence[Manifest]) -> list[Manifest]:
+def completed(ckpts: Sequence[KubeObject]) -> list[KubeObject]:
     return [c for c in ckpts if phase_of(c) == COMPLETED]
 
 
-def last_completed(ckpts: Sequence[Manifest]) -> Manifest | None:
+def last_completed(ckpts: Sequence[KubeObject]) -> KubeObject | None:
     """The newest Completed checkpoint of an ``of_sandbox`` list."""
     done = completed(ckpts)
     return done[-1] if done else None
 
 
-def last_checkpoint_status(ckpt: Manifest) -> Manifest:
+def last_checkpoint_status(ckpt: KubeObject) -> KubeObject:
     """status.lastCheckpoint of the sandbox for this Completed checkpoint."""
-    out: Manifest = {"name": name_of(ckpt), "reason": reason_of(ckpt) or None}
+    out: KubeObject = {"name": name_of(ckpt), "reason": reason_of(ckpt) or None}
     when = (ckpt.get("status") or {}).get("completedAt") or _meta(ckpt).get("creationTimestamp")
     out["time"] = when or None
     return {k: v for k, v in out.items() if v is not None}
 
 
-def newest_finished(ckpts: Sequence[Manifest]) -> Manifest | None:
+def newest_finished(ckpts: Sequence[KubeObject]) -> KubeObject | None:
     done = [c for c in ckpts if phase_of(c) in (COMPLETED, FAILED)]
     return done[-1] if done else None
 
 
-def active(ckpts: Sequence[Manifest]) -> Manifest | None:
+def active(ckpts: Sequence[KubeObject]) -> KubeObject | None:
     """A checkpoint being dumped or uploaded now (the newest such), or None."""
     busy = [c for c in ckpts if phase_of(c) in ACTIVE]
     return busy[-1] if busy else None
 
 
-def failure_message(ckpt: Manifest) -> str:
+def failure_message(ckpt: KubeObject) -> str:
     message = " ".join(str((ckpt.get("status") or {}).get("message") or "").split())[:512]
     head = f"checkpoint {name_of(ckpt)} failed"
     return f"{head}: {message}" if message else head
@@ -144,7 +135,7 @@ def _pod_node(pod: Mapping[str, Any]) -> str | None:
 
 
 def _restore_from(pod: Mapping[str, Any]) -> str | None:
-    return (_meta(pod).get("annotations") or {}).get(api.ANNOTATION_RESTORE_FROM) or None
+    return (_meta(pod).get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_FROM) or None
 
 
 def taken_from(ckpt: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
@@ -160,19 +151,19 @@ def taken_from(ckpt: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
     return not (ck_node and pod_node and ck_node != pod_node)
 
 
-def stopping_completed(ckpts: Sequence[Manifest], pod: Mapping[str, Any],
-                       reasons: Sequence[str] = api.STOPPING_REASONS) -> Manifest | None:
+def stopping_completed(ckpts: Sequence[KubeObject], pod: Mapping[str, Any],
+                       reasons: Sequence[str] = protocol.STOPPING_REASONS) -> KubeObject | None:
     """The newest Completed checkpoint with a stopping reason taken from ``pod``, or None."""
     found = [c for c in completed(ckpts) if reason_of(c) in reasons and taken_from(c, pod)]
     return found[-1] if found else None
 
 
-def stopping_in_flight(ckpts: Sequence[Manifest], pod: Mapping[str, Any] | None,
-                       now: datetime) -> Manifest | None:
+def stopping_in_flight(ckpts: Sequence[KubeObject], pod: Mapping[str, Any] | None,
+                       now: datetime) -> KubeObject | None:
     """A stopping checkpoint still in flight (of ``pod`` when known) and not older than
     STOPPING_WAIT, or None: the pod's state is not final until it finishes."""
     for ckpt in reversed(ckpts):
-        if phase_of(ckpt) not in IN_FLIGHT or reason_of(ckpt) not in api.STOPPING_REASONS:
+        if phase_of(ckpt) not in IN_FLIGHT or reason_of(ckpt) not in protocol.STOPPING_REASONS:
             continue
         created = created_at(ckpt)
         if created is not None and now - created > STOPPING_WAIT:
@@ -182,36 +173,158 @@ def stopping_in_flight(ckpts: Sequence[Manifest], pod: Mapping[str, Any] | None,
     return None
 
 
+def find(ckpts: Iterable[Mapping[str, Any]], name: str | None) -> KubeObject | None:
+    """The checkpoint called ``name``, or None."""
+    if not name:
+        return None
+    return next((dict(c) for c in ckpts if name_of(c) == name), None)
+
+
+def ended(ckpt: Mapping[str, Any], incarnation: int) -> bool:
+    """Whether ``ckpt`` is a stopping checkpoint of incarnation ``incarnation``: the state
+    that incarnation's pod ended in, so restoring it loses nothing."""
+    return reason_of(ckpt) in protocol.STOPPING_REASONS and incarnation_of(ckpt) == incarnation
+
+
 def suspend_checkpoint_name(sandbox: str, incarnation: int) -> str:
-    return f"{sandbox}-{incarnation}-suspend"[:253]
+    return protocol.checkpoint_name(sandbox, incarnation, protocol.SUSPEND)
 
 
-def suspend_checkpoint(sandbox: Mapping[str, Any], incarnation: int) -> Manifest:
+def interval_checkpoint_name(sandbox: str, incarnation: int, now: datetime) -> str:
+    return protocol.checkpoint_name(sandbox, incarnation, protocol.INTERVAL,
+                                    str(int(now.timestamp())))
+
+
+def _request(sandbox: Mapping[str, Any], incarnation: int, name: str, reason: str
+             ) -> KubeObject:
+    """A Checkpoint request (status empty: Pending) of incarnation N, owned by the sandbox."""
+    return protocol.checkpoint_object(
+        str(_meta(sandbox).get("name")), name, reason, incarnation,
+        namespace=_meta(sandbox).get("namespace"), owner=sandbox)
+
+
+def suspend_checkpoint(sandbox: Mapping[str, Any], incarnation: int) -> KubeObject:
     """The Suspend Checkpoint the operator requests before it releases incarnation N."""
-    meta = _meta(sandbox)
-    name = str(meta.get("name"))
-    return {
-        "apiVersion": api.API_VERSION,
-        "kind": api.CHECKPOINT_KIND,
-        "metadata": {
-            "name": suspend_checkpoint_name(name, incarnation),
-            "namespace": meta.get("namespace"),
-            "labels": {api.LABEL_SANDBOX: name, api.LABEL_INCARNATION: str(incarnation)},
-            "ownerReferences": [owner_reference(sandbox)],
-        },
-        "spec": {"sandboxRef": {"name": name}, "reason": "Suspend"},
-    }
+    name = suspend_checkpoint_name(str(_meta(sandbox).get("name")), incarnation)
+    return _request(sandbox, incarnation, name, protocol.SUSPEND)
 
 
-def owner_reference(sandbox: Mapping[str, Any]) -> Manifest:
-    meta = _meta(sandbox)
-    return {"apiVersion": sandbox.get("apiVersion", api.API_VERSION),
-            "kind": sandbox.get("kind", api.SANDBOX_KIND), "name": meta.get("name"),
-            "uid": meta.get("uid"), "controller": True, "blockOwnerDeletion": True}
+def interval_checkpoint(sandbox: Mapping[str, Any], incarnation: int, now: datetime
+                        ) -> KubeObject:
+    """The routine (Interval) Checkpoint of incarnation N requested at ``now``."""
+    name = interval_checkpoint_name(str(_meta(sandbox).get("name")), incarnation, now)
+    return _request(sandbox, incarnation, name, protocol.INTERVAL)
 
 
-def adoption_patches(sandbox: Mapping[str, Any], ckpts: Sequence[Manifest]
-                     ) -> list[tuple[str, Manifest]]:
+def interval_seconds(sandbox: Mapping[str, Any]) -> int | None:
+    """spec.checkpoint.intervalSeconds (at least MIN_INTERVAL_SECONDS), or None when unset."""
+    value = ((sandbox.get("spec") or {}).get("checkpoint") or {}).get("intervalSeconds")
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return max(MIN_INTERVAL_SECONDS, int(value))
+    except (TypeError, ValueError):
+        return None
+
+
+def ready_since(pod: Mapping[str, Any]) -> datetime | None:
+    """When the pod became Ready (its Ready condition), else when it started."""
+    status = pod.get("status") or {}
+    ready = get_condition(status.get("conditions") or [], "Ready") or {}
+    since = parse_time(ready.get("lastTransitionTime")) if ready.get("status") == TRUE else None
+    return since or parse_time(status.get("startTime"))
+
+
+def blocking_in_flight(ckpts: Sequence[KubeObject], pod: Mapping[str, Any], now: datetime
+                       ) -> KubeObject | None:
+    """A checkpoint of the sandbox still in flight that a new request would queue behind:
+    Pending (whoever serves it takes the current pod), or Dumping/Uploading from ``pod``;
+    not older than IN_FLIGHT_LIMIT (its node-agent is gone by then)."""
+    for ckpt in reversed(ckpts):
+        phase = phase_of(ckpt)
+        if phase not in IN_FLIGHT or (phase != PENDING and not taken_from(ckpt, pod)):
+            continue
+        created = created_at(ckpt)
+        if created is None or now - created <= IN_FLIGHT_LIMIT:
+            return ckpt
+    return None
+
+
+def interval_due(ckpts: Sequence[KubeObject], pod: Mapping[str, Any], interval: int,
+                 now: datetime) -> bool:
+    """Whether a routine checkpoint of the running, ready ``pod`` is due: nothing in flight,
+    and both the newest finished checkpoint (Completed or Failed: a failure waits a whole
+    interval too) and the pod's readiness are at least ``interval`` seconds old."""
+    if blocking_in_flight(ckpts, pod, now) is not None:
+        return False
+    since = [t for t in (ready_since(pod),) if t is not None]
+    newest = newest_finished(ckpts)
+    if newest is not None:
+        since.append(finished_at(newest))
+    if not since:
+        return False
+    return now - max(since) >= timedelta(seconds=interval)
+
+
+def restore_backoff(attempts: int) -> float:
+    """Seconds to wait after the ``attempts``-th failed restore of the same checkpoint."""
+    exponent = min(max(attempts, 1) - 1, 16)
+    return float(min(RESTORE_BACKOFF_SECONDS * 2 ** exponent, RESTORE_BACKOFF_MAX_SECONDS))
+
+
+def stale_seconds(ckpt: Mapping[str, Any], now: datetime) -> int:
+    """Whole seconds between the checkpoint's completion and ``now`` (0 when unknown)."""
+    done = finished_at(ckpt)
+    return 0 if done == _EPOCH else max(0, int((now - done).total_seconds()))
+
+
+def restore_record(ckpt: Mapping[str, Any], now: datetime, *, clean: bool,
+                   fallback: bool = False) -> KubeObject:
+    """status.restoredFrom for a new incarnation that restores ``ckpt`` at ``now``.
+
+    ``clean``: the checkpoint is the state the previous pod ended in (staleSeconds 0)."""
+    status = ckpt.get("status") or {}
+    when = status.get("completedAt") or _meta(ckpt).get("creationTimestamp")
+    out: KubeObject = {"name": name_of(ckpt), "reason": reason_of(ckpt) or None,
+                     "checkpointTime": when or None,
+                     "staleSeconds": 0 if clean else stale_seconds(ckpt, now),
+                     "fallback": fallback}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def as_checkpoint(record: Mapping[str, Any]) -> KubeObject:
+    """A stand-in Checkpoint for a status record (lastCheckpoint, restoredFrom) whose object
+    is gone: name, reason and completion time."""
+    when = record.get("checkpointTime") or record.get("time")
+    return {"metadata": {"name": record.get("name")},
+            "spec": {"reason": record.get("reason")},
+            "status": {"phase": COMPLETED, "completedAt": when} if when else {}}
+
+
+def fallback_for(ckpts: Sequence[KubeObject], refused: Mapping[str, Any]) -> KubeObject | None:
+    """The newest Completed checkpoint that finished before ``refused`` (a checkpoint, or a
+    stand-in from ``as_checkpoint``), or None. Never ``refused`` itself."""
+    limit = finished_at(refused)
+    if limit == _EPOCH:
+        return None
+    older = [c for c in completed(ckpts)
+             if name_of(c) != name_of(refused) and finished_at(c) < limit]
+    return older[-1] if older else None
+
+
+def orphan_status(ckpt: Mapping[str, Any], now: datetime) -> KubeObject | None:
+    """The status that fails a Pending Checkpoint whose AgentSandbox does not exist; None
+    when the checkpoint is no longer Pending (or is being deleted)."""
+    meta = _meta(ckpt)
+    if meta.get("deletionTimestamp") or phase_of(ckpt) != PENDING:
+        return None
+    namespace = meta.get("namespace") or "default"
+    return {"phase": FAILED, "completedAt": format_time(now),
+            "message": f"AgentSandbox {sandbox_of(ckpt)} does not exist in namespace {namespace}"}
+
+
+def adoption_patches(sandbox: Mapping[str, Any], ckpts: Sequence[KubeObject]
+                     ) -> list[tuple[str, KubeObject]]:
     """(name, merge patch of metadata) for each checkpoint without an owner reference to the
     sandbox or without the sandbox label. The patch carries the full ownerReferences list and
     the resourceVersion it was computed from, so a concurrent change makes it conflict."""
@@ -219,22 +332,22 @@ def adoption_patches(sandbox: Mapping[str, Any], ckpts: Sequence[Manifest]
     name = str(_meta(sandbox).get("name"))
     if not uid:
         return []
-    out: list[tuple[str, Manifest]] = []
+    out: list[tuple[str, KubeObject]] = []
     for ckpt in ckpts:
         cmeta = _meta(ckpt)
         refs = list(cmeta.get("ownerReferences") or [])
         owned = any(r.get("uid") == uid for r in refs)
-        labelled = (cmeta.get("labels") or {}).get(api.LABEL_SANDBOX) == name
+        labelled = (cmeta.get("labels") or {}).get(protocol.LABEL_SANDBOX) == name
         if owned and labelled:
             continue
-        meta: Manifest = {"resourceVersion": cmeta.get("resourceVersion")}
+        meta: KubeObject = {"resourceVersion": cmeta.get("resourceVersion")}
         if not owned:
             ref = owner_reference(sandbox)
             if any(r.get("controller") for r in refs):
                 ref["controller"] = False
             meta["ownerReferences"] = [*refs, ref]
         if not labelled:
-            meta["labels"] = {api.LABEL_SANDBOX: name}
+            meta["labels"] = {protocol.LABEL_SANDBOX: name}
         out.append((name_of(ckpt), {"metadata": {k: v for k, v in meta.items()
                                                  if v is not None}}))
     return out
@@ -248,24 +361,25 @@ def retain_count(sandbox: Mapping[str, Any]) -> int:
         return DEFAULT_RETAIN
 
 
-def to_delete(ckpts: Sequence[Manifest], retain: int, protect: Iterable[str | None] = ()
+def to_delete(ckpts: Sequence[KubeObject], retain: int, protect: Iterable[str | None] = ()
               ) -> list[str]:
     """Names of checkpoints retention removes: Completed ones beyond the newest ``retain``,
-    and Failed ones older than the oldest kept Completed one. In-flight checkpoints and the
-    names in ``protect`` (the one being restored, status.lastCheckpoint) are kept."""
+    Failed ones older than the oldest kept Completed one, and Failed ones beyond the newest
+    ``retain`` Failed ones (a failing interval checkpoint would pile them up otherwise).
+    In-flight checkpoints and the names in ``protect`` (the one being restored or retried,
+    status.lastCheckpoint) are kept, and do not count against ``retain``."""
     keep = {p for p in protect if p}
-    done = completed(ckpts)
-    kept = done[-retain:] if retain > 0 else []
-    if not kept:
-        return []
-    oldest_kept = _order(kept[0])
-    kept_names = {name_of(c) for c in kept}
+    retain = max(1, retain)
+    kept = completed(ckpts)[-retain:]
+    oldest_kept = _order(kept[0]) if kept else None
+    failed = [c for c in ckpts if phase_of(c) == FAILED
+              and (oldest_kept is None or _order(c) >= oldest_kept)]
+    kept_names = {name_of(c) for c in [*kept, *failed[-retain:]]}
     out: list[str] = []
     for ckpt in ckpts:
         name = name_of(ckpt)
         if name in keep or name in kept_names:
             continue
-        phase = phase_of(ckpt)
-        if phase == COMPLETED or (phase == FAILED and _order(ckpt) < oldest_kept):
+        if phase_of(ckpt) in (COMPLETED, FAILED):
             out.append(name)
     return out

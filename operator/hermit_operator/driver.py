@@ -2,7 +2,8 @@
 
 One sandbox is reconciled by one thread at a time (the sandbox handlers and the pod
 event handler may fire together); the sandbox is re-read inside the lock so every
-plan starts from the newest status.
+plan starts from the newest status. A plan that wants another look later (a restore
+retry) ends in ``Requeue``, which the kopf handlers turn into a TemporaryError.
 """
 
 from __future__ import annotations
@@ -13,20 +14,34 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from hermit_common import api
+from hermit_common import api, protocol
+from hermit_common.errors import HermitError
 from hermit_common.settings import OperatorSettings
 from hermit_operator import metrics
-from hermit_operator.checkpoints import sandbox_of
+from hermit_operator.checkpoints import orphan_status, sandbox_of
 from hermit_operator.conditions import FALSE, derive_phase, set_condition
 from hermit_operator.kube import Kube, KubeTransient
 from hermit_operator.podspec import InvalidSpec
 from hermit_operator.reconcile import Event, Plan, plan
 
-Manifest = dict[str, Any]
-Poster = Callable[[Manifest, Event], None]
+KubeObject = dict[str, Any]
+Poster = Callable[[KubeObject, Event], None]
+
+# A sandbox's PodDisruptionBudget is created (or deleted) at most this often; in between
+# the last outcome is trusted. A budget deleted by hand comes back within this time.
+PDB_RECHECK_SECONDS = 60.0
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
 _locks_guard = threading.Lock()
+_pdb_seen: dict[tuple[str, str], tuple[bool, float]] = {}  # -> (exists, time.monotonic())
+
+
+class Requeue(HermitError):
+    """The plan was applied; reconcile the sandbox again after ``delay`` seconds."""
+
+    def __init__(self, message: str, delay: float) -> None:
+        super().__init__(message)
+        self.delay = delay
 
 
 def _lock(namespace: str, name: str) -> threading.Lock:
@@ -38,14 +53,15 @@ def forget(namespace: str, name: str) -> None:
     """Drop the lock of a deleted sandbox."""
     with _locks_guard:
         _locks.pop((namespace, name), None)
+        _pdb_seen.pop((namespace, name), None)
 
 
-def checkpoint_sandbox(ckpt: Manifest) -> str | None:
+def checkpoint_sandbox(ckpt: KubeObject) -> str | None:
     """The name of the AgentSandbox a Checkpoint is of (spec.sandboxRef.name), or None."""
     return sandbox_of(ckpt)
 
 
-def owner_sandbox(pod: Manifest) -> str | None:
+def owner_sandbox(pod: KubeObject) -> str | None:
     """The name of the AgentSandbox that controls this pod, or None."""
     for ref in (pod.get("metadata") or {}).get("ownerReferences") or []:
         if (ref.get("controller") and ref.get("kind") == api.SANDBOX_KIND
@@ -58,7 +74,8 @@ def reconcile_sandbox(kube: Kube, settings: OperatorSettings, namespace: str, na
                       post: Poster, now: Callable[[], datetime] | None = None) -> Plan | None:
     """Reconcile one sandbox; None when it no longer exists.
 
-    Raises InvalidSpec after recording it in the status, KubeTransient for retries.
+    Raises InvalidSpec after recording it in the status, KubeTransient for retries, and
+    Requeue (after applying the plan) when the plan asks to be looked at again later.
     """
     started = time.monotonic()
     result = "transient"
@@ -78,6 +95,9 @@ def reconcile_sandbox(kube: Kube, settings: OperatorSettings, namespace: str, na
                 result = "invalid"
                 raise InvalidSpec(p.invalid_spec)
             result = "ok"
+            if p.requeue_after is not None:
+                raise Requeue(f"AgentSandbox {namespace}/{name}: the next restore attempt is "
+                              f"due in {p.requeue_after:.0f}s", p.requeue_after)
             return p
     except InvalidSpec:
         result = "invalid"
@@ -90,9 +110,48 @@ def reconcile_sandbox(kube: Kube, settings: OperatorSettings, namespace: str, na
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
 
 
-def _apply(kube: Kube, sandbox: Manifest, p: Plan, post: Poster) -> None:
+def reconcile_checkpoint(kube: Kube, settings: OperatorSettings, ckpt: KubeObject, post: Poster,
+                         *, deleted: bool = False, now: Callable[[], datetime] | None = None
+                         ) -> Plan | None:
+    """Reconcile the sandbox a Checkpoint is of. When that AgentSandbox does not exist, a
+    Pending Checkpoint is failed (status written by the operator, with a Warning Event):
+    no node-agent would ever take it."""
+    sandbox = sandbox_of(ckpt)
+    meta = ckpt.get("metadata") or {}
+    namespace = meta.get("namespace")
+    if sandbox is None or namespace is None:
+        return None
+    p = reconcile_sandbox(kube, settings, namespace, sandbox, post, now)
+    if p is not None or deleted:
+        return p
+    status = orphan_status(ckpt, (now or (lambda: datetime.now(UTC)))())
+    if status is not None:
+        kube.patch_checkpoint_status(namespace, str(meta.get("name")), status)
+        post(ckpt, Event("Warning", api.REASON_SANDBOX_NOT_FOUND, status["message"]))
+    return None
+
+
+def _apply_pdb(kube: Kube, sandbox: KubeObject, p: Plan) -> None:
+    """Create or delete the sandbox's PodDisruptionBudget, at most every PDB_RECHECK_SECONDS."""
+    meta = sandbox["metadata"]
+    key = (meta["namespace"], meta["name"])
+    if p.pdb is None and p.delete_pdb is None:
+        return
+    want = p.pdb is not None
+    seen = _pdb_seen.get(key)
+    if seen is not None and seen[0] == want and time.monotonic() - seen[1] < PDB_RECHECK_SECONDS:
+        return
+    if p.pdb is not None:
+        kube.ensure_pdb(p.pdb)
+    elif p.delete_pdb is not None:
+        kube.delete_pdb(meta["namespace"], p.delete_pdb, meta.get("uid"))
+    _pdb_seen[key] = (want, time.monotonic())
+
+
+def _apply(kube: Kube, sandbox: KubeObject, p: Plan, post: Poster) -> None:
     meta = sandbox["metadata"]
     namespace, name = meta["namespace"], meta["name"]
+    _apply_pdb(kube, sandbox, p)  # first: the new pod is never without its budget
     if p.delete_pod is not None:
         kube.delete_pod(namespace, p.delete_pod)
     if p.create_pod is not None:
@@ -105,7 +164,7 @@ def _apply(kube: Kube, sandbox: Manifest, p: Plan, post: Poster) -> None:
             kube.patch_sandbox_status(namespace, name, status)
             post(sandbox, Event("Warning", api.REASON_INVALID_SPEC, str(exc)))
             raise
-        restore = api.ANNOTATION_RESTORE_FROM in (p.create_pod["metadata"].get("annotations")
+        restore = protocol.ANNOTATION_RESTORE_FROM in (p.create_pod["metadata"].get("annotations")
                                                   or {})
         metrics.PODS_CREATED.labels(mode="restore" if restore else "fresh").inc()
     if p.create_checkpoint is not None:
@@ -121,7 +180,7 @@ def _apply(kube: Kube, sandbox: Manifest, p: Plan, post: Poster) -> None:
         metrics.CHECKPOINTS_DELETED.inc()
 
 
-def _invalid_status(sandbox: Manifest, p: Plan, message: str) -> Manifest:
+def _invalid_status(sandbox: KubeObject, p: Plan, message: str) -> KubeObject:
     conds = set_condition(p.status_patch.get("conditions") or [], api.COND_ACCEPTED, FALSE,
                           api.REASON_INVALID_SPEC, message,
                           (sandbox.get("metadata") or {}).get("generation"), datetime.now(UTC))

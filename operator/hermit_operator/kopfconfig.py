@@ -14,7 +14,12 @@ WATCH_SERVER_TIMEOUT = 300  # seconds the API server keeps a watch open
 WATCH_CLIENT_TIMEOUT = 330
 WATCH_CONNECT_TIMEOUT = 10
 RETRY_DELAY_SECONDS = 10
+# An API refusal (forbidden, invalid, conflict) is retried too, but less often.
+REFUSED_RETRY_DELAY_SECONDS = 60
 RESYNC_SECONDS = 60.0  # every sandbox is reconciled at least this often
+# Sandboxes with interval checkpoints, a scheduled restore retry or a fork waiting for its
+# checkpoint are reconciled this often; the plan decides whether anything is due.
+TICK_SECONDS = 5.0
 
 
 def configure(kopf_settings: Any, settings: OperatorSettings) -> None:

@@ -1,104 +1,75 @@
 """The operator's narrow window onto the Kubernetes API (the official ``kubernetes`` client).
 
-Everything goes in and out as plain dicts in API (camelCase) form. API failures
-become Hermit errors: ``KubeTransient`` (retry later) or ``InvalidSpec`` (the
-API rejected the pod we built from the sandbox's spec).
+Everything goes in and out as plain dicts in API (camelCase) form. API failures are
+``hermit_common.kubeapi`` errors, classified by HTTP meaning: ``KubeTransient`` (retry
+later: 429, 5xx, network), ``KubeForbidden``, ``KubeConflict``, ``KubeInvalid``,
+``KubeNotFound``, all of them ``KubeApiError`` (also exported as ``KubeError``). A pod the
+API rejects as invalid (400, 422) is ``InvalidSpec`` instead: the sandbox's spec is wrong.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
 
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
 from hermit_common import api
-from hermit_common.errors import HermitError
-from hermit_common.kubeclient import (
-    MERGE_PATCH,
-    REQUEST_TIMEOUT,
-    KubeUnavailable,
-    api_message,
-    load_configuration,
-    one_line,
+from hermit_common.kubeapi import (
+    KubeApi,
+    KubeApiError,
+    KubeConflict,
+    KubeForbidden,
+    KubeInvalid,
+    KubeNotFound,
+    KubeTransient,
+    Manifest,
 )
+from hermit_common.kubeclient import MERGE_PATCH
 from hermit_operator.podspec import InvalidSpec
 
-Manifest = dict[str, Any]
+KubeError = KubeApiError
+
+__all__ = [
+    "Kube",
+    "KubeApiError",
+    "KubeConflict",
+    "KubeError",
+    "KubeForbidden",
+    "KubeInvalid",
+    "KubeNotFound",
+    "KubeTransient",
+    "Manifest",
+]
 
 
-class KubeTransient(HermitError):
-    """An API call failed in a way that may succeed later (network, 5xx, 429, conflicts)."""
-
-
-class Kube:
+class Kube(KubeApi):
     """get/create/delete pods, get sandboxes and patch their status, list/create/patch/delete
-    Checkpoints."""
+    Checkpoints (and fail orphaned ones), create/delete sandboxes' PodDisruptionBudgets."""
 
     def __init__(self, api_client: client.ApiClient) -> None:
-        self._client = api_client
-        self._core = client.CoreV1Api(api_client)
-        self._custom = client.CustomObjectsApi(api_client)
+        super().__init__(api_client)
+        self._policy = client.PolicyV1Api(api_client)
 
-    @classmethod
-    def connect(cls) -> Kube:
-        return cls(client.ApiClient(load_configuration()))
-
-    @property
-    def host(self) -> str:
-        return str(self._client.configuration.host)
-
-    def check(self) -> str:
-        """The server's version; KubeUnavailable when the API does not answer."""
-        try:
-            info = client.VersionApi(self._client).get_code(_request_timeout=REQUEST_TIMEOUT)
-        except ApiException as exc:
-            raise KubeUnavailable(
-                f"the Kubernetes API at {self.host} refused us: {api_message(exc)}") from None
-        except Exception as exc:  # urllib3 / socket errors: many types, one meaning
-            cause = getattr(exc, "reason", None) or exc  # urllib3's MaxRetryError wraps it
-            raise KubeUnavailable(
-                f"cannot reach the Kubernetes API at {self.host}: {one_line(cause)}") from None
-        return str(info.git_version)
-
-    def _dict(self, obj: object) -> Manifest:
-        out = self._client.sanitize_for_serialization(obj)  # type: ignore[no-untyped-call]
-        return out if isinstance(out, dict) else {}
-
-    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
-        except ApiException:
-            raise
-        except Exception as exc:  # network trouble: retry later
-            raise KubeTransient(f"{what} failed: {one_line(exc)}") from None
-
-    @staticmethod
-    def _transient(what: str, exc: ApiException) -> KubeTransient:
-        return KubeTransient(f"{what} failed: {api_message(exc)}")
+    # -- pods -----------------------------------------------------------------------
 
     def get_pod(self, namespace: str, name: str) -> Manifest | None:
-        what = f"reading pod {namespace}/{name}"
-        try:
-            return self._dict(self._call(what, self._core.read_namespaced_pod, name, namespace))
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise self._transient(what, exc) from None
+        out = self._get_or_none(f"reading pod {namespace}/{name}",
+                                self._core.read_namespaced_pod, name, namespace)
+        return None if out is None else self._dict(out)
 
     def create_pod(self, manifest: Manifest) -> Manifest:
-        """Create the pod; when it already exists and belongs to the same owner, return it."""
+        """Create the pod; when it already exists and belongs to the same owner, return it.
+        InvalidSpec when the API rejects it (400, 422) or one of that name is not ours."""
         meta = manifest["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         what = f"creating pod {namespace}/{name}"
         try:
             return self._dict(self._call(what, self._core.create_namespaced_pod, namespace,
                                          manifest))
-        except ApiException as exc:
-            if exc.status in (400, 422):
-                raise InvalidSpec(f"the API rejected pod {name}: {api_message(exc)}") from None
-            if exc.status != 409:
-                raise self._transient(what, exc) from None
+        except KubeInvalid as exc:
+            raise InvalidSpec(f"the API rejected pod {name}: {exc.detail}") from None
+        except KubeConflict:
+            pass
         existing = self.get_pod(namespace, name)
         if existing is None:
             raise KubeTransient(f"{what}: it exists and vanished; retrying")
@@ -111,75 +82,89 @@ class Kube:
         return existing
 
     def delete_pod(self, namespace: str, name: str) -> None:
-        what = f"deleting pod {namespace}/{name}"
-        try:
-            self._call(what, self._core.delete_namespaced_pod, name, namespace)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise self._transient(what, exc) from None
+        with contextlib.suppress(KubeNotFound):
+            self._call(f"deleting pod {namespace}/{name}", self._core.delete_namespaced_pod,
+                       name, namespace)
 
-    def get_sandbox(self, namespace: str, name: str) -> Manifest | None:
-        what = f"reading AgentSandbox {namespace}/{name}"
-        try:
-            out = self._call(what, self._custom.get_namespaced_custom_object, api.GROUP,
-                             api.VERSION, namespace, api.SANDBOX_PLURAL, name)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise self._transient(what, exc) from None
-        return out if isinstance(out, dict) else None
+    # -- AgentSandboxes -------------------------------------------------------------
 
     def patch_sandbox_status(self, namespace: str, name: str, status: Manifest) -> None:
-        """A JSON merge patch of .status (None values remove fields)."""
-        what = f"patching the status of AgentSandbox {namespace}/{name}"
-        try:
-            self._call(what, self._custom.patch_namespaced_custom_object_status, api.GROUP,
+        """A JSON merge patch of .status (None values remove fields); a sandbox that is
+        gone has nothing left to report on."""
+        with contextlib.suppress(KubeNotFound):
+            self._call(f"patching the status of AgentSandbox {namespace}/{name}",
+                       self._custom.patch_namespaced_custom_object_status, api.GROUP,
                        api.VERSION, namespace, api.SANDBOX_PLURAL, name, {"status": status},
                        _content_type=MERGE_PATCH)
-        except ApiException as exc:
-            if exc.status == 404:
-                return  # the sandbox is gone; nothing left to report on
-            raise self._transient(what, exc) from None
 
-    def list_checkpoints(self, namespace: str) -> list[Manifest]:
-        """Every Checkpoint in the namespace (callers pick a sandbox's by spec.sandboxRef)."""
-        what = f"listing Checkpoints in {namespace}"
-        try:
-            out = self._call(what, self._custom.list_namespaced_custom_object, api.GROUP,
-                             api.VERSION, namespace, api.CHECKPOINT_PLURAL)
-        except ApiException as exc:
-            raise self._transient(what, exc) from None
-        items = out.get("items") if isinstance(out, dict) else None
-        return [i for i in items or [] if isinstance(i, dict)]
-
-    def create_checkpoint(self, manifest: Manifest) -> None:
-        """Create a Checkpoint request; one that already exists is left as it is."""
-        meta = manifest["metadata"]
-        namespace, name = meta["namespace"], meta["name"]
-        what = f"creating Checkpoint {namespace}/{name}"
-        try:
-            self._call(what, self._custom.create_namespaced_custom_object, api.GROUP,
-                       api.VERSION, namespace, api.CHECKPOINT_PLURAL, manifest)
-        except ApiException as exc:
-            if exc.status != 409:
-                raise self._transient(what, exc) from None
+    # -- Checkpoints (get, list, create: KubeApi) -----------------------------------
 
     def patch_checkpoint(self, namespace: str, name: str, patch: Manifest) -> None:
         """A JSON merge patch of a Checkpoint (metadata only; its status is the node-agent's)."""
-        what = f"patching Checkpoint {namespace}/{name}"
-        try:
-            self._call(what, self._custom.patch_namespaced_custom_object, api.GROUP,
-                       api.VERSION, namespace, api.CHECKPOINT_PLURAL, name, patch,
-                       _content_type=MERGE_PATCH)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise self._transient(what, exc) from None
+        with contextlib.suppress(KubeNotFound):
+            self._call(f"patching Checkpoint {namespace}/{name}",
+                       self._custom.patch_namespaced_custom_object, api.GROUP, api.VERSION,
+                       namespace, api.CHECKPOINT_PLURAL, name, patch, _content_type=MERGE_PATCH)
 
     def delete_checkpoint(self, namespace: str, name: str) -> None:
-        what = f"deleting Checkpoint {namespace}/{name}"
+        with contextlib.suppress(KubeNotFound):
+            self._call(f"deleting Checkpoint {namespace}/{name}",
+                       self._custom.delete_namespaced_custom_object, api.GROUP, api.VERSION,
+                       namespace, api.CHECKPOINT_PLURAL, name)
+
+    def patch_checkpoint_status(self, namespace: str, name: str, status: Manifest) -> None:
+        """A JSON merge patch of a Checkpoint's status. The node-agent writes it, except for a
+        Checkpoint of an AgentSandbox that does not exist: the operator fails that one (and
+        one that is gone needs no failing)."""
+        with contextlib.suppress(KubeNotFound):
+            super().patch_checkpoint_status(namespace, name, status)
+
+    # -- PodDisruptionBudgets -------------------------------------------------------
+
+    def get_pdb(self, namespace: str, name: str) -> Manifest | None:
+        out = self._get_or_none(f"reading PodDisruptionBudget {namespace}/{name}",
+                                self._policy.read_namespaced_pod_disruption_budget, name,
+                                namespace)
+        return None if out is None else self._dict(out)
+
+    def ensure_pdb(self, manifest: Manifest) -> None:
+        """Create the sandbox's PodDisruptionBudget; one that exists (409) is left as it is,
+        except that the spec of one owned by the same sandbox is brought up to date. One
+        of that name that is not the sandbox's is not touched."""
+        meta = manifest["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
         try:
-            self._call(what, self._custom.delete_namespaced_custom_object, api.GROUP,
-                       api.VERSION, namespace, api.CHECKPOINT_PLURAL, name)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise self._transient(what, exc) from None
+            self._call(f"creating PodDisruptionBudget {namespace}/{name}",
+                       self._policy.create_namespaced_pod_disruption_budget, namespace,
+                       manifest)
+            return
+        except KubeConflict:
+            pass
+        existing = self.get_pdb(namespace, name)
+        if existing is None or not _owned_by(existing, meta["ownerReferences"][0]["uid"]):
+            return
+        if {k: existing.get("spec", {}).get(k) for k in manifest["spec"]} == manifest["spec"]:
+            return
+        with contextlib.suppress(KubeNotFound):
+            self._call(f"patching PodDisruptionBudget {namespace}/{name}",
+                       self._policy.patch_namespaced_pod_disruption_budget, name, namespace,
+                       {"spec": manifest["spec"]}, _content_type=MERGE_PATCH)
+
+    def delete_pdb(self, namespace: str, name: str, owner_uid: str | None) -> None:
+        """Delete the PodDisruptionBudget ``name`` when the sandbox ``owner_uid`` controls it."""
+        existing = self.get_pdb(namespace, name)
+        if existing is None or not _owned_by(existing, owner_uid):
+            return
+        uid = (existing.get("metadata") or {}).get("uid")
+        # Gone, or replaced by another of that name (409: the uid precondition).
+        with contextlib.suppress(KubeNotFound, KubeConflict):
+            self._call(f"deleting PodDisruptionBudget {namespace}/{name}",
+                       self._policy.delete_namespaced_pod_disruption_budget, name, namespace,
+                       body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)))
+
+
+def _owned_by(obj: Manifest, uid: str | None) -> bool:
+    """Whether ``uid`` is the controller owner of ``obj``."""
+    return bool(uid) and any(
+        o.get("uid") == uid and o.get("controller")
+        for o in (obj.get("metadata") or {}).get("ownerReferences") or [])

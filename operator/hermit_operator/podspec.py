@@ -1,4 +1,5 @@
-"""The sandbox pod built from an AgentSandbox: a pure function from the object to a V1Pod dict.
+"""The sandbox pod built from an AgentSandbox: a pure function from the object to a V1Pod dict
+(and the sandbox's PodDisruptionBudget).
 
 The first container runs under hermit-init (the PID 1 that CRIU dumps and restores
 under): an init container copies the static binary from the Hermit image into a
@@ -12,7 +13,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from hermit_common import api
+from hermit_common import api, protocol
 from hermit_common.errors import HermitError
 from hermit_common.settings import OperatorSettings
 
@@ -22,7 +23,7 @@ INIT_VOLUME = "hermit-init"
 INIT_CONTAINER = "hermit-init"
 WORKSPACE_VOLUME = "hermit-workspace"
 DEFAULT_WORKSPACE_SIZE = "1Gi"
-DEFAULT_WORKSPACE_PATH = "/workspace"
+DEFAULT_WORKSPACE_PATH = protocol.DEFAULT_WORKSPACE_PATH
 RESTORE_TIMEOUT_SECONDS = 300
 TERMINATION_GRACE_SECONDS = 10
 
@@ -37,7 +38,7 @@ SPOT_TOLERATIONS: tuple[dict[str, str], ...] = (
      "effect": "NoSchedule"},
 )
 
-Manifest = dict[str, Any]
+KubeObject = dict[str, Any]
 
 
 class InvalidSpec(HermitError):
@@ -56,7 +57,7 @@ def init_command(command: list[str], restore_from: str | None) -> list[str]:
             "--", *command]
 
 
-def validate(sandbox: Manifest) -> None:
+def validate(sandbox: KubeObject) -> None:
     """Raise InvalidSpec when the sandbox's spec cannot be run; the pod builder calls it too."""
     spec = sandbox.get("spec") or {}
     pod_spec = (spec.get("podTemplate") or {}).get("spec") or {}
@@ -83,7 +84,7 @@ def validate(sandbox: Manifest) -> None:
         for tol in tolerations or []:
             if tolerates_interruption(tol):
                 raise InvalidSpec(
-                    f"{where}: {_describe(tol)} tolerates the {api.TAINT_INTERRUPTION} taint, "
+                    f"{where}: {_describe(tol)} tolerates the {protocol.TAINT_INTERRUPTION} taint, "
                     "so a sandbox could be placed on a node that is going away; "
                     "name the taint keys to tolerate")
     mount_path = _workspace(spec)[1]
@@ -94,7 +95,7 @@ def validate(sandbox: Manifest) -> None:
                 "is reserved for Hermit's init and workspace")
 
 
-def tolerates_interruption(toleration: Manifest) -> bool:
+def tolerates_interruption(toleration: KubeObject) -> bool:
     """Whether a core/v1 Toleration tolerates the node-agent's interruption taint
     (key hermit.dev/interruption, effect NoSchedule, any value)."""
     key = toleration.get("key") or ""
@@ -104,33 +105,37 @@ def tolerates_interruption(toleration: Manifest) -> bool:
         return False
     if key == "":
         return bool(operator == "Exists")  # an empty key with Exists matches every taint
-    return bool(key == api.TAINT_INTERRUPTION)
+    return bool(key == protocol.TAINT_INTERRUPTION)
 
 
-def _describe(toleration: Manifest) -> str:
+def _describe(toleration: KubeObject) -> str:
     return "the toleration " + ", ".join(f"{k}={v}" for k, v in sorted(toleration.items()))
 
 
-def build_sandbox_pod(sandbox: Manifest, settings: OperatorSettings, incarnation: int,
-                      restore_from: str | None) -> Manifest:
+def build_sandbox_pod(sandbox: KubeObject, settings: OperatorSettings, incarnation: int,
+                      restore_from: str | None) -> KubeObject:
     """The V1Pod manifest for this incarnation of the sandbox (restoring ``restore_from``)."""
     validate(sandbox)
     meta = sandbox["metadata"]
     spec = sandbox.get("spec") or {}
     template = spec["podTemplate"]
     tmeta = template.get("metadata") or {}
-    pod_spec: Manifest = copy.deepcopy(template["spec"])
+    pod_spec: KubeObject = copy.deepcopy(template["spec"])
 
-    labels = {**(tmeta.get("labels") or {}), api.LABEL_SANDBOX: meta["name"],
-              api.LABEL_INCARNATION: str(incarnation)}
+    labels = {**(tmeta.get("labels") or {}), protocol.LABEL_SANDBOX: meta["name"],
+              protocol.LABEL_INCARNATION: str(incarnation)}
     size, mount_path = _workspace(spec)
     annotations = dict(tmeta.get("annotations") or {})
-    annotations[api.ANNOTATION_WORKSPACE_PATH] = mount_path
-    annotations.pop(api.ANNOTATION_RESTORE_FROM, None)
+    annotations[protocol.ANNOTATION_WORKSPACE_PATH] = mount_path
+    annotations.pop(protocol.ANNOTATION_RESTORE_FROM, None)
     if restore_from is not None:
-        annotations[api.ANNOTATION_RESTORE_FROM] = restore_from
-    for key in (api.ANNOTATION_RESTORE_PHASE, api.ANNOTATION_RESTORE_MESSAGE):
+        annotations[protocol.ANNOTATION_RESTORE_FROM] = restore_from
+    for key in (protocol.ANNOTATION_RESTORE_PHASE, protocol.ANNOTATION_RESTORE_MESSAGE,
+                protocol.ANNOTATION_RESTORE_RETRYABLE):
         annotations.pop(key, None)  # the node-agent's to write
+    annotations.pop(protocol.ANNOTATION_ON_PREEMPTION, None)
+    if not on_preemption(sandbox):
+        annotations[protocol.ANNOTATION_ON_PREEMPTION] = "false"  # the node-agent leaves it alone
 
     main = pod_spec["containers"][0]
     main["command"] = init_command(list(main["command"]), restore_from)
@@ -151,30 +156,63 @@ def build_sandbox_pod(sandbox: Manifest, settings: OperatorSettings, incarnation
     pod_spec.setdefault("hostname", meta["name"])
     _apply_placement(pod_spec, spec.get("placement") or {})
 
-    pod_meta: Manifest = {
+    pod_meta: KubeObject = {
         "name": pod_name(meta["name"], incarnation),
         "namespace": meta.get("namespace"),
         "labels": labels,
-        "ownerReferences": [{
-            "apiVersion": sandbox.get("apiVersion", api.API_VERSION),
-            "kind": sandbox.get("kind", api.SANDBOX_KIND),
-            "name": meta["name"],
-            "uid": meta.get("uid"),
-            "controller": True,
-            "blockOwnerDeletion": True,
-        }],
+        "ownerReferences": [_owner(sandbox)],
     }
     if annotations:
         pod_meta["annotations"] = annotations
     return {"apiVersion": "v1", "kind": "Pod", "metadata": pod_meta, "spec": pod_spec}
 
 
-def _workspace(spec: Manifest) -> tuple[str, str]:
+def _owner(sandbox: KubeObject) -> KubeObject:
+    meta = sandbox["metadata"]
+    return {
+        "apiVersion": sandbox.get("apiVersion", api.API_VERSION),
+        "kind": sandbox.get("kind", api.SANDBOX_KIND),
+        "name": meta["name"],
+        "uid": meta.get("uid"),
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def on_preemption(sandbox: KubeObject) -> bool:
+    """spec.checkpoint.onPreemption (default true): checkpoint on a notice or a drain."""
+    value = ((sandbox.get("spec") or {}).get("checkpoint") or {}).get("onPreemption", True)
+    return value is not False
+
+
+def pdb_name(sandbox_name: str) -> str:
+    return sandbox_name
+
+
+def disruption_budget(sandbox: KubeObject) -> KubeObject | None:
+    """The sandbox's PodDisruptionBudget: maxUnavailable 0 over its pods, so an eviction (a
+    drain) is refused while the node-agent checkpoints the pod and the operator moves it by
+    deleting the pod. None when spec.checkpoint.onPreemption is false."""
+    if not on_preemption(sandbox):
+        return None
+    meta = sandbox["metadata"]
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": pdb_name(meta["name"]), "namespace": meta.get("namespace"),
+                     "labels": {protocol.LABEL_SANDBOX: meta["name"]},
+                     "ownerReferences": [_owner(sandbox)]},
+        "spec": {"maxUnavailable": 0,
+                 "selector": {"matchLabels": {protocol.LABEL_SANDBOX: meta["name"]}}},
+    }
+
+
+def _workspace(spec: KubeObject) -> tuple[str, str]:
     ws = spec.get("workspace") or {}
     return str(ws.get("size", DEFAULT_WORKSPACE_SIZE)), ws.get("mountPath", DEFAULT_WORKSPACE_PATH)
 
 
-def _init_container(settings: OperatorSettings) -> Manifest:
+def _init_container(settings: OperatorSettings) -> KubeObject:
     return {
         "name": INIT_CONTAINER,
         "image": settings.init_image,
@@ -189,7 +227,7 @@ def _init_container(settings: OperatorSettings) -> Manifest:
     }
 
 
-def _apply_placement(pod_spec: Manifest, placement: Manifest) -> None:
+def _apply_placement(pod_spec: KubeObject, placement: KubeObject) -> None:
     """Spot selector and tolerations, merged with what the user asked for."""
     user_selector = pod_spec.get("nodeSelector") or {}
     selector = {**user_selector, **(placement.get("nodeSelector") or {})}
@@ -198,7 +236,7 @@ def _apply_placement(pod_spec: Manifest, placement: Manifest) -> None:
         selector.setdefault(SPOT_SELECTOR_KEY, "spot")
     if selector:
         pod_spec["nodeSelector"] = selector
-    tolerations: list[Manifest] = []
+    tolerations: list[KubeObject] = []
     extra = list(SPOT_TOLERATIONS) if spot else []
     for tol in [*(pod_spec.get("tolerations") or []), *(placement.get("tolerations") or []),
                 *extra]:

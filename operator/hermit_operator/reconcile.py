@@ -2,8 +2,9 @@
 
 ``plan()`` reads the sandbox, its current pod (None when there is none) and the
 Checkpoints of its namespace, and returns a ``Plan``: a pod to create, a pod to
-delete, Checkpoints to create, adopt or delete, the status to patch and the Events to
-emit. The caller (driver.py) applies it; nothing here talks to the API.
+delete, Checkpoints to create, adopt or delete, the sandbox's PodDisruptionBudget, the
+status to patch, the Events to emit and when to look again. The caller (driver.py)
+applies it; nothing here talks to the API.
 
 The checkpoint/restore protocol (docs/protocol.md), seen from the operator:
 - the newest Completed Checkpoint becomes status.lastCheckpoint; Dumping/Uploading
@@ -11,20 +12,28 @@ The checkpoint/restore protocol (docs/protocol.md), seen from the operator:
 - a Completed Preemption/Eviction (or Suspend) Checkpoint taken from the current pod
   ends it: the pod is deleted and incarnation N+1 restores that checkpoint
   (Migrating=True, Restoring=True); with spec.suspend the pod is only released;
+- a pod lost without such a checkpoint is replaced from status.lastCheckpoint (a
+  Warning says how much work was lost) or, with none, from scratch; status.restoredFrom
+  says what the current incarnation restored and how stale it was;
 - spec.suspend on a live pod first requests a Suspend Checkpoint, then releases it;
+- spec.checkpoint.intervalSeconds requests an Interval Checkpoint of a ready pod once
+  the newest checkpoint is that old;
 - the restore pod's hermit.dev/restore-phase annotation ends Restoring: Restored
-  counts one restore (only while Restoring is True, so once per incarnation),
-  Failed fails the sandbox.
+  counts one restore (only while Restoring is True, so once per incarnation); Failed
+  retries the same checkpoint with a backoff when hermit.dev/restore-retryable is not
+  "false", else (or after MAX_RESTORE_ATTEMPTS) falls back to the previous checkpoint,
+  or to a fresh start when there is none;
+- spec.restoreFrom (a fork) waits for its Checkpoint to exist and complete.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Final
 
-from hermit_common import api
+from hermit_common import api, protocol
 from hermit_common.settings import OperatorSettings
 from hermit_operator import checkpoints as ck
 from hermit_operator import podspec
@@ -33,12 +42,13 @@ from hermit_operator.conditions import (
     TRUE,
     Condition,
     derive_phase,
+    format_time,
     get_condition,
     is_true,
     set_condition,
 )
 
-Manifest = dict[str, Any]
+KubeObject = dict[str, Any]
 
 NORMAL = "Normal"
 WARNING = "Warning"
@@ -54,6 +64,7 @@ REASON_RESTORE_FAILED: Final = "RestoreFailed"
 # away from a live sandbox; it is replaced, not reported as the sandbox failing.
 LOST_POD_REASONS = frozenset({"Evicted", "Preempting", "NodeShutdown", "Terminated", "NodeLost",
                               "Shutdown", "UnexpectedAdmissionError"})
+_RETRY_FIELDS: Final = ("restoreAttempts", "nextRestoreAt")
 
 
 @dataclass(frozen=True)
@@ -65,14 +76,17 @@ class Event:
 
 @dataclass(frozen=True)
 class Plan:
-    create_pod: Manifest | None = None
+    create_pod: KubeObject | None = None
     delete_pod: str | None = None
-    status_patch: Manifest = field(default_factory=dict)
+    status_patch: KubeObject = field(default_factory=dict)
     events: tuple[Event, ...] = ()
     invalid_spec: str | None = None  # set: the spec cannot be run (a permanent error)
-    create_checkpoint: Manifest | None = None
-    adopt_checkpoints: tuple[tuple[str, Manifest], ...] = ()  # (name, metadata merge patch)
+    create_checkpoint: KubeObject | None = None
+    adopt_checkpoints: tuple[tuple[str, KubeObject], ...] = ()  # (name, metadata merge patch)
     delete_checkpoints: tuple[str, ...] = ()
+    pdb: KubeObject | None = None  # the sandbox's PodDisruptionBudget (created when missing)
+    delete_pdb: str | None = None  # a PodDisruptionBudget the sandbox must not have
+    requeue_after: float | None = None  # seconds: reconcile again then (a restore retry)
 
 
 @dataclass
@@ -82,19 +96,53 @@ class _State:
     conditions: list[Condition]
     generation: int | None
     now: datetime
+    sandbox: KubeObject = field(default_factory=dict)
+    settings: OperatorSettings = field(default_factory=OperatorSettings)
     events: list[Event] = field(default_factory=list)
-    ckpts: list[Manifest] = field(default_factory=list)  # the sandbox's, oldest first
+    ckpts: list[KubeObject] = field(default_factory=list)  # the sandbox's, oldest first
+    namespace_ckpts: Sequence[KubeObject] = ()  # every Checkpoint of the namespace
     retain: int = ck.DEFAULT_RETAIN
     protect: set[str] = field(default_factory=set)  # checkpoints retention must keep
-    adopt: tuple[tuple[str, Manifest], ...] = ()
-    create_checkpoint: Manifest | None = None
+    adopt: tuple[tuple[str, KubeObject], ...] = ()
+    create_checkpoint: KubeObject | None = None
+    pdb: KubeObject | None = None
+    delete_pdb: str | None = None
+    requeue_after: float | None = None
 
     def set(self, type_: str, status: str, reason: str, message: str) -> None:
         self.conditions = set_condition(self.conditions, type_, status, reason, message,
                                         self.generation, self.now)
 
+    @property
+    def status(self) -> KubeObject:
+        """The sandbox's status as read (before this plan)."""
+        return self.sandbox.get("status") or {}
 
-def pod_is_ready(pod: Manifest) -> bool:
+    @property
+    def name(self) -> str:
+        return str((self.sandbox.get("metadata") or {}).get("name"))
+
+
+@dataclass(frozen=True)
+class _Restore:
+    """What a new incarnation restores, how status.restoredFrom records it and the Event."""
+
+    name: str
+    record: KubeObject
+    event: Event
+    reason: str = api.REASON_RESTORE_STARTED  # of the Restoring condition
+    message: str | None = None  # of the Restoring condition; a default names the pod
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """A restore that did not work: the node-agent said Failed, or the pod ended first."""
+
+    pod: str
+    source: str
+    detail: str
+    retryable: bool
+def pod_is_ready(pod: KubeObject) -> bool:
     """Running, with the Ready condition True (or, without conditions, every container ready)."""
     status = pod.get("status") or {}
     if status.get("phase") != "Running":
@@ -106,7 +154,7 @@ def pod_is_ready(pod: Manifest) -> bool:
     return bool(statuses) and all(s.get("ready") for s in statuses)
 
 
-def pod_is_lost(pod: Manifest) -> bool:
+def pod_is_lost(pod: KubeObject) -> bool:
     """The pod failed because it was evicted, preempted or disrupted, not by its command."""
     status = pod.get("status") or {}
     if status.get("phase") != "Failed":
@@ -116,7 +164,7 @@ def pod_is_lost(pod: Manifest) -> bool:
     return is_true(status.get("conditions") or [], "DisruptionTarget")
 
 
-def container_message(pod: Manifest) -> str:
+def container_message(pod: KubeObject) -> str:
     """One line about the first container that is waiting or terminated, or the pod's message."""
     status = pod.get("status") or {}
     for cs in [*(status.get("initContainerStatuses") or []),
@@ -142,20 +190,22 @@ def _join(head: str, reason: str | None, message: str | None) -> str:
     return ": ".join(parts)
 
 
-def plan(sandbox: Manifest, pod: Manifest | None, now: datetime, *,
-         settings: OperatorSettings, checkpoints: Sequence[Manifest] = ()) -> Plan:
+
+def plan(sandbox: KubeObject, pod: KubeObject | None, now: datetime, *,
+         settings: OperatorSettings, checkpoints: Sequence[KubeObject] = ()) -> Plan:
     """Decide what to do for ``sandbox`` whose current pod is ``pod`` (None: none exists).
 
-    ``checkpoints`` are the Checkpoint objects of the sandbox's namespace (others are ignored).
+    ``checkpoints`` are the Checkpoint objects of the sandbox's namespace (a fork's source
+    may be another sandbox's; only the sandbox's own are tracked and retained).
     """
     meta = sandbox.get("metadata") or {}
     spec = sandbox.get("spec") or {}
     status = sandbox.get("status") or {}
-    st = _State(list(status.get("conditions") or []), meta.get("generation"), now)
+    st = _State(list(status.get("conditions") or []), meta.get("generation"), now,
+                sandbox=sandbox, settings=settings, namespace_ckpts=checkpoints)
     incarnation = int(status.get("incarnation") or 0)
-    restores = int(status.get("restores") or 0)
-    out: Manifest = {"observedGeneration": st.generation, "incarnation": incarnation,
-                     "restores": restores}
+    out: KubeObject = {"observedGeneration": st.generation, "incarnation": incarnation,
+                     "restores": int(status.get("restores") or 0)}
 
     try:
         podspec.validate(sandbox)
@@ -165,64 +215,103 @@ def plan(sandbox: Manifest, pod: Manifest | None, now: datetime, *,
         st.set(api.COND_ACCEPTED, FALSE, api.REASON_INVALID_SPEC, str(exc))
         return _finish(st, out, pod, invalid_spec=str(exc))
     st.set(api.COND_ACCEPTED, TRUE, api.REASON_SPEC_VALID, "the spec can be run")
+    st.pdb = podspec.disruption_budget(sandbox)
+    st.delete_pdb = None if st.pdb is not None else podspec.pdb_name(st.name)
 
     st.ckpts = ck.of_sandbox(sandbox, checkpoints)
     st.retain = ck.retain_count(sandbox)
     st.adopt = tuple(ck.adoption_patches(sandbox, st.ckpts))
-    source = _restore_source(pod)
-    if source and is_true(st.conditions, api.COND_RESTORING):
-        st.protect.add(source)
+    _protect_restore_sources(st, pod)
     _track_checkpoints(st, out, status)
 
-    pod_name = (pod.get("metadata") or {}).get("name") if pod else None
-    delete: str | None = None
-
     if spec.get("suspend"):
-        return _suspend(sandbox, st, out, pod, incarnation)
+        return _suspend(st, out, pod, incarnation)
+    resuming = _not_suspended(st)
+    terminal = is_true(st.conditions, api.COND_SUCCEEDED) or is_true(st.conditions,
+                                                                       api.COND_FAILED)
+    if pod is None:
+        return _without_pod(st, out, incarnation, resuming, terminal)
+    pod_name = pod["metadata"]["name"]
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        st.set(api.COND_READY, FALSE, api.REASON_POD_TERMINATING, f"pod {pod_name} is terminating")
+        return _finish(st, out, pod)
+    if terminal:
+        return _observe(st, out, pod)
+    stopped = _stopping(st, out, incarnation, pod)
+    if stopped is not None:
+        return stopped
+    if pod_is_lost(pod):
+        st.events.append(Event(WARNING, api.REASON_POD_LOST,
+                               f"pod {pod_name} was lost: {container_message(pod)}"))
+        return _replace(st, out, incarnation, lost=pod_name, delete=pod_name)
+    failure = _restore_failure(st, out, pod)
+    if failure is not None:
+        return _restore_failed(st, out, incarnation, failure)
+    return _observe(st, out, pod)
 
-    resuming = _was(status, api.COND_SUSPENDED, TRUE)
+
+def wants_ticks(spec: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
+    """Whether a sandbox needs the frequent timer: interval checkpoints are on, a restore
+    retry is scheduled, or a fork waits for its checkpoint. The plans decide the rest."""
+    if status.get("nextRestoreAt"):
+        return True
+    if spec.get("suspend") or status.get("phase") in ("Succeeded", "Failed"):
+        return False
+    if ck.interval_seconds({"spec": spec}) is not None:
+        return True
+    return bool(spec.get("restoreFrom")) and not status.get("incarnation")
+
+
+def _protect_restore_sources(st: _State, pod: KubeObject | None) -> None:
+    """While a restore is under way (or waits for a retry) retention keeps its checkpoint."""
+    if not is_true(st.conditions, api.COND_RESTORING):
+        return
+    for name in (_restore_source(pod), (st.status.get("restoredFrom") or {}).get("name")):
+        if name:
+            st.protect.add(str(name))
+
+
+def _not_suspended(st: _State) -> bool:
+    """Suspended=False; True when this plan resumes a suspended sandbox."""
+    resuming = _was(st.status, api.COND_SUSPENDED, TRUE)
     if resuming:
         st.set(api.COND_SUSPENDED, FALSE, api.REASON_RESUMED, "spec.suspend is false")
     elif get_condition(st.conditions, api.COND_SUSPENDED) is None:
         st.set(api.COND_SUSPENDED, FALSE, api.REASON_NOT_SUSPENDED, "spec.suspend is false")
+    return resuming
 
-    terminal = is_true(st.conditions, api.COND_SUCCEEDED) or is_true(st.conditions,
-                                                                       api.COND_FAILED)
-    if pod is not None and (pod.get("metadata") or {}).get("deletionTimestamp"):
-        st.set(api.COND_READY, FALSE, api.REASON_POD_TERMINATING, f"pod {pod_name} is terminating")
-        return _finish(st, out, pod)
 
-    if pod is not None and not terminal:
-        stop = ck.stopping_completed(st.ckpts, pod)
-        if stop is not None:
-            return _migrate(sandbox, st, out, settings, incarnation, pod, stop)
-        flight = ck.stopping_in_flight(st.ckpts, pod, now)
-        if flight is not None and (pod.get("status") or {}).get("phase") in ("Failed",
-                                                                             "Succeeded"):
-            # The node-agent ended the tree under its checkpoint: not the sandbox's outcome.
-            return _wait_for(st, out, flight, f"pod {pod_name} has stopped")
+def _stopping(st: _State, out: KubeObject, incarnation: int, pod: KubeObject) -> Plan | None:
+    """A stopping checkpoint of the live pod: move when it is durable; when the pod has
+    stopped under one still in flight, wait for it. None: no stopping checkpoint matters."""
+    stop = ck.stopping_completed(st.ckpts, pod)
+    if stop is not None:
+        return _migrate(st, out, incarnation, pod, stop)
+    flight = ck.stopping_in_flight(st.ckpts, pod, st.now)
+    if flight is not None and (pod.get("status") or {}).get("phase") in ("Failed", "Succeeded"):
+        # The node-agent ended the tree under its checkpoint: not the sandbox's outcome.
+        return _wait_for(st, out, flight, f"pod {pod['metadata']['name']} has stopped")
+    return None
 
-    lost = pod is not None and pod_is_lost(pod) and not terminal
-    if pod is None and terminal:
+
+def _without_pod(st: _State, out: KubeObject, incarnation: int, resuming: bool,
+                 terminal: bool) -> Plan:
+    """No current pod: wait for a stopping checkpoint or a restore retry, else replace it."""
+    if terminal:
         return _finish(st, out, None)
-    if pod is None:
-        flight = ck.stopping_in_flight(st.ckpts, None, now)
-        if flight is not None and status.get("podName"):
-            return _wait_for(st, out, flight, f"pod {status['podName']} is gone")
-    if pod is None or lost:
-        if lost and pod is not None:
-            delete = pod_name
-            st.events.append(Event(WARNING, api.REASON_POD_LOST,
-                                   f"pod {pod_name} was lost: {container_message(pod)}"))
-        elif status.get("podName") and not resuming:
-            st.events.append(Event(WARNING, api.REASON_POD_LOST,
-                                   f"pod {status['podName']} is gone"))
-        return _create(sandbox, st, out, settings, incarnation, resuming, delete)
-
-    return _observe(st, out, pod, status)
+    gone = st.status.get("podName")
+    flight = ck.stopping_in_flight(st.ckpts, None, st.now)
+    if flight is not None and gone:
+        return _wait_for(st, out, flight, f"pod {gone} is gone")
+    if st.status.get("nextRestoreAt") and not resuming:
+        return _retry_restore(st, out, incarnation)
+    if gone and not resuming:
+        st.events.append(Event(WARNING, api.REASON_POD_LOST, f"pod {gone} is gone"))
+    return _replace(st, out, incarnation, lost=None if resuming else gone, delete=None,
+                    resuming=resuming)
 
 
-def _track_checkpoints(st: _State, out: Manifest, status: Manifest) -> None:
+def _track_checkpoints(st: _State, out: KubeObject, status: KubeObject) -> None:
     """status.lastCheckpoint and the Checkpointing condition from the sandbox's checkpoints."""
     last = ck.last_completed(st.ckpts)
     if last is not None:
@@ -252,19 +341,22 @@ def _track_checkpoints(st: _State, out: Manifest, status: Manifest) -> None:
                "no checkpoint is being taken")
 
 
-def _suspend(sandbox: Manifest, st: _State, out: Manifest, pod: Manifest | None,
-             incarnation: int) -> Plan:
+
+
+def _suspend(st: _State, out: KubeObject, pod: KubeObject | None, incarnation: int) -> Plan:
     """spec.suspend: checkpoint a live pod first (a Suspend Checkpoint), then release it."""
+    _drop(out, st.status, *_RETRY_FIELDS)  # resuming starts the restores afresh
     name = (pod.get("metadata") or {}).get("name") if pod else None
     live = (pod is not None and not (pod.get("metadata") or {}).get("deletionTimestamp")
             and (pod.get("status") or {}).get("phase") == "Running"
             and not is_true(st.conditions, api.COND_RESTORING))
-    if pod is not None and live and ck.stopping_completed(st.ckpts, pod, ("Suspend",)) is None:
-        wanted = ck.suspend_checkpoint_name(str(sandbox["metadata"]["name"]), incarnation)
+    suspended = ck.stopping_completed(st.ckpts, pod, (protocol.SUSPEND,)) if pod else None
+    if pod is not None and live and suspended is None:
+        wanted = ck.suspend_checkpoint_name(st.name, incarnation)
         request = next((c for c in st.ckpts if ck.name_of(c) == wanted), None)
         if request is None or ck.phase_of(request) in ck.IN_FLIGHT:
             if request is None:
-                st.create_checkpoint = ck.suspend_checkpoint(sandbox, incarnation)
+                st.create_checkpoint = ck.suspend_checkpoint(st.sandbox, incarnation)
                 st.events.append(Event(NORMAL, api.REASON_SUSPEND_REQUESTED,
                                        f"checkpointing pod {name} before it is released"))
             st.set(api.COND_SUSPENDED, FALSE, api.REASON_SUSPEND_REQUESTED,
@@ -286,15 +378,19 @@ def _suspend(sandbox: Manifest, st: _State, out: Manifest, pod: Manifest | None,
     return _finish(st, out, None, delete=name)
 
 
-def _wait_for(st: _State, out: Manifest, flight: Manifest, why: str) -> Plan:
+def _wait_for(st: _State, out: KubeObject, flight: KubeObject, why: str) -> Plan:
     """A stopping checkpoint is in flight: the replacement waits for it to finish."""
     st.set(api.COND_READY, FALSE, REASON_CHECKPOINT_IN_PROGRESS,
            f"{why}; waiting for checkpoint {ck.name_of(flight)} to finish")
     return _finish(st, out, None)
 
 
-def _migrate(sandbox: Manifest, st: _State, out: Manifest, settings: OperatorSettings,
-             incarnation: int, pod: Manifest, stop: Manifest) -> Plan:
+def _next_pod(st: _State, incarnation: int) -> str:
+    return podspec.pod_name(st.name, incarnation + 1)
+
+
+def _migrate(st: _State, out: KubeObject, incarnation: int, pod: KubeObject, stop: KubeObject
+             ) -> Plan:
     """A stopping checkpoint of the current pod is durable: replace the pod, restoring it."""
     name = pod["metadata"]["name"]
     node = (pod.get("spec") or {}).get("nodeName")
@@ -305,90 +401,282 @@ def _migrate(sandbox: Manifest, st: _State, out: Manifest, settings: OperatorSet
     st.events.append(Event(NORMAL, REASON_CHECKPOINT_COMPLETED,
                            f"deleting pod {name} on node {node}: checkpoint {source} "
                            f"({ck.reason_of(stop)}) is durable"))
-    return _create(sandbox, st, out, settings, incarnation, False, name, restore_from=source)
+    event = Event(NORMAL, api.REASON_RESTORE_STARTED,
+                  f"creating pod {_next_pod(st, incarnation)} to restore checkpoint {source}")
+    _drop(out, st.status, *_RETRY_FIELDS)
+    return _create(st, out, incarnation, name,
+                   _Restore(source, ck.restore_record(stop, st.now, clean=True), event))
 
 
-def _create(sandbox: Manifest, st: _State, out: Manifest, settings: OperatorSettings,
-            incarnation: int, resuming: bool, delete: str | None, *,
-            restore_from: str | None = None) -> Plan:
-    spec = sandbox.get("spec") or {}
-    status = sandbox.get("status") or {}
-    if restore_from is None:
-        last = (out.get("lastCheckpoint") or status.get("lastCheckpoint") or {}).get("name")
-        restore_from = spec.get("restoreFrom") if incarnation == 0 else last
+def _replace(st: _State, out: KubeObject, incarnation: int, *, lost: str | None,
+             delete: str | None, resuming: bool = False) -> Plan:
+    """A new incarnation after a loss (or a resume): the fork's checkpoint first, then an
+    unfinished restore's checkpoint again, then status.lastCheckpoint, else from scratch."""
+    fork = (st.sandbox.get("spec") or {}).get("restoreFrom")
+    if incarnation == 0 and fork:
+        return _fork(st, out, str(fork), delete)
+    new = _next_pod(st, incarnation)
+    _drop(out, st.status, *_RETRY_FIELDS)
+    again = _unfinished_restore(st)
+    if again is not None:
+        record = dict(st.status.get("restoredFrom") or {})
+        event = Event(NORMAL, api.REASON_RESTORE_STARTED,
+                      f"pod {lost or 'of the sandbox'} ended before its restore finished: "
+                      f"restoring checkpoint {again} again into pod {new}")
+        return _create(st, out, incarnation, delete, _Restore(again, record, event))
+    last_record = out.get("lastCheckpoint") or st.status.get("lastCheckpoint") or {}
+    last = last_record.get("name")
+    if not last:
+        fresh = (Event(WARNING, api.REASON_POD_CREATING,
+                       f"no checkpoint to restore: pod {new} starts from scratch")
+                 if incarnation > 0 and not resuming
+                 else Event(NORMAL, api.REASON_POD_CREATING, f"creating pod {new}"))
+        return _create(st, out, incarnation, delete, None, fresh=fresh)
+    ckpt = ck.find(st.ckpts, last) or ck.as_checkpoint(last_record)
+    record = ck.restore_record(ckpt, st.now, clean=ck.ended(ckpt, incarnation))
+    return _create(st, out, incarnation, delete,
+                   _Restore(last, record, _loss_event(record, new, lost, resuming)))
+
+
+def _loss_event(record: KubeObject, new: str, lost: str | None, resuming: bool) -> Event:
+    """Normal when the restored checkpoint is the lost pod's final state (or on a resume);
+    a Warning that says how much work is gone otherwise."""
+    name, stale = record["name"], int(record.get("staleSeconds") or 0)
+    if stale > 0 and not resuming:
+        return Event(WARNING, api.REASON_WORK_LOST,
+                     f"pod {lost or 'of the sandbox'} was lost without a checkpoint of its "
+                     f"final state: restoring checkpoint {name} taken {stale}s ago into pod "
+                     f"{new}; work since then is lost")
+    taken = f", taken {stale}s ago," if stale > 0 else ""
+    return Event(NORMAL, api.REASON_RESTORE_STARTED,
+                 f"creating pod {new} to restore checkpoint {name}{taken}")
+
+
+def _unfinished_restore(st: _State) -> str | None:
+    """The checkpoint the last incarnation was still restoring (Restoring is True), when it
+    still exists: a pod lost before its restore finished loses nothing more than that."""
+    name = (st.status.get("restoredFrom") or {}).get("name")
+    if not name or not is_true(st.conditions, api.COND_RESTORING):
+        return None
+    return str(name) if ck.find(st.namespace_ckpts, str(name)) is not None else None
+
+
+def _fork(st: _State, out: KubeObject, source: str, delete: str | None) -> Plan:
+    """The first incarnation of a fork restores spec.restoreFrom once it is Completed."""
+    ckpt = ck.find(st.namespace_ckpts, source)
+    namespace = (st.sandbox.get("metadata") or {}).get("namespace") or "default"
+    if ckpt is None:
+        return _fork_blocked(st, out, api.REASON_CHECKPOINT_NOT_FOUND, warn=True, message=(
+            f"spec.restoreFrom names Checkpoint {source}, which does not exist in namespace "
+            f"{namespace}; the sandbox starts once it exists"))
+    phase = ck.phase_of(ckpt)
+    if phase in ck.IN_FLIGHT:
+        message = f"waiting for Checkpoint {source} ({phase}) to complete before restoring it"
+        st.set(api.COND_RESTORING, TRUE, REASON_CHECKPOINT_IN_PROGRESS, message)
+        return _fork_blocked(st, out, REASON_CHECKPOINT_IN_PROGRESS, message, warn=False)
+    if phase == ck.FAILED:
+        message = f"spec.restoreFrom: {ck.failure_message(ckpt)}; no pod is created"
+        if get_condition(st.conditions, api.COND_RESTORING) is not None:
+            st.set(api.COND_RESTORING, FALSE, REASON_CHECKPOINT_FAILED, message)
+        return _fork_blocked(st, out, REASON_CHECKPOINT_FAILED, message, warn=True)
+    event = Event(NORMAL, api.REASON_RESTORE_STARTED,
+                  f"creating pod {_next_pod(st, 0)} to restore checkpoint {source}")
+    return _create(st, out, 0, delete,
+                   _Restore(source, ck.restore_record(ckpt, st.now, clean=False), event))
+
+
+def _fork_blocked(st: _State, out: KubeObject, reason: str, message: str, *, warn: bool) -> Plan:
+    """The fork cannot start yet: Ready=False says why; a Warning once per reason."""
+    before = get_condition(st.status.get("conditions") or [], api.COND_READY) or {}
+    if warn and (before.get("reason"), before.get("message")) != (reason, message):
+        st.events.append(Event(WARNING, reason, message))
+    st.set(api.COND_READY, FALSE, reason, message)
+    return _finish(st, out, None)
+
+
+def _create(st: _State, out: KubeObject, incarnation: int, delete: str | None,
+            restore: _Restore | None, *, fresh: Event | None = None,
+            fresh_reason: tuple[str, str] | None = None) -> Plan:
+    """Create incarnation N+1, restoring ``restore`` (or from scratch, announced by
+    ``fresh``; ``fresh_reason`` is the Restoring condition's reason and message then)."""
     new_incarnation = incarnation + 1
-    manifest = podspec.build_sandbox_pod(sandbox, settings, new_incarnation, restore_from)
+    source = restore.name if restore is not None else None
+    manifest = podspec.build_sandbox_pod(st.sandbox, st.settings, new_incarnation, source)
     name = manifest["metadata"]["name"]
     st.set(api.COND_READY, FALSE, api.REASON_POD_CREATING, f"creating pod {name}")
-    if restore_from is not None:
-        st.set(api.COND_RESTORING, TRUE, api.REASON_RESTORE_STARTED,
-               f"restoring checkpoint {restore_from} into pod {name}")
-        st.events.append(Event(NORMAL, api.REASON_RESTORE_STARTED,
-                               f"creating pod {name} to restore checkpoint {restore_from}"))
+    if restore is not None:
+        st.set(api.COND_RESTORING, TRUE, restore.reason,
+               restore.message or f"restoring checkpoint {source} into pod {name}")
+        st.events.append(restore.event)
+        out["restoredFrom"] = restore.record
     else:
-        if incarnation > 0 and not resuming:
-            st.events.append(Event(WARNING, api.REASON_POD_CREATING,
-                                   f"no checkpoint to restore: pod {name} starts from scratch"))
-        else:
-            st.events.append(Event(NORMAL, api.REASON_POD_CREATING, f"creating pod {name}"))
-        if get_condition(st.conditions, api.COND_RESTORING) is not None:
-            st.set(api.COND_RESTORING, FALSE, api.REASON_POD_CREATING, "nothing to restore")
+        st.events.append(fresh or Event(NORMAL, api.REASON_POD_CREATING, f"creating pod {name}"))
+        reason, message = fresh_reason or (api.REASON_POD_CREATING, "nothing to restore")
+        if fresh_reason is not None or get_condition(st.conditions, api.COND_RESTORING):
+            st.set(api.COND_RESTORING, FALSE, reason, message)
+        _drop(out, st.status, "restoredFrom")
     out.update(incarnation=new_incarnation, podName=name, nodeName=None)
     return _finish(st, out, None, create=manifest, delete=delete)
 
 
-def pod_incarnation(pod: Manifest) -> int | None:
+def pod_incarnation(pod: KubeObject) -> int | None:
     labels = (pod.get("metadata") or {}).get("labels") or {}
     try:
-        return int(labels[api.LABEL_INCARNATION])
+        return int(labels[protocol.LABEL_INCARNATION])
     except (KeyError, TypeError, ValueError):
         return None
 
 
-def _restore_outcome(st: _State, out: Manifest, pod: Manifest, status: Manifest) -> bool:
-    """Turn the restore pod's restore-phase annotation into conditions; True when it failed."""
+def _one_line(text: object) -> str:
+    return " ".join(str(text or "").split())[:512]
+
+
+def _restore_failure(st: _State, out: KubeObject, pod: KubeObject) -> _Failure | None:
+    """The current restore pod's failed restore: restore-phase Failed, or the pod ended
+    while Restoring (its init gave up waiting; the agent may have restarted)."""
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
-    source = annotations.get(api.ANNOTATION_RESTORE_FROM)
+    source = annotations.get(protocol.ANNOTATION_RESTORE_FROM)
     if not source or pod_incarnation(pod) != int(out["incarnation"]):
-        return False
+        return None
+    name = pod["metadata"]["name"]
+    outcome = annotations.get(protocol.ANNOTATION_RESTORE_PHASE)
+    if outcome == protocol.RESTORE_FAILED:
+        retryable = str(annotations.get(protocol.ANNOTATION_RESTORE_RETRYABLE, "true"))
+        return _Failure(name, str(source),
+                        _one_line(annotations.get(protocol.ANNOTATION_RESTORE_MESSAGE))
+                        or "no message", retryable.strip().lower() != "false")
+    ended = (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+    if outcome != protocol.RESTORED and ended and is_true(st.conditions, api.COND_RESTORING):
+        return _Failure(name, str(source),
+                        f"the pod ended before its restore finished: {container_message(pod)}",
+                        True)
+    return None
+
+
+def _restore_failed(st: _State, out: KubeObject, incarnation: int, failure: _Failure) -> Plan:
+    """Retry the same checkpoint after a transient failure (with a backoff); after a refusal,
+    or MAX_RESTORE_ATTEMPTS failures, fall back to the previous checkpoint."""
+    attempts = int(st.status.get("restoreAttempts") or 0) + 1
+    if failure.retryable and attempts < ck.MAX_RESTORE_ATTEMPTS:
+        return _schedule_retry(st, out, failure, attempts)
+    why = (f"{attempts} attempts failed, the last: {failure.detail}" if failure.retryable
+           else f"refused: {failure.detail}")
+    why = f"pod {failure.pod}: {why}"
+    return _fall_back(st, out, incarnation, failure.pod, _checkpoint_or_record(st, failure.source),
+                      why)
+
+
+def _checkpoint_or_record(st: _State, name: str) -> KubeObject:
+    """The Checkpoint ``name``, or a stand-in from status.restoredFrom when it is gone."""
+    found = ck.find(st.namespace_ckpts, name)
+    if found is not None:
+        return found
+    record = st.status.get("restoredFrom") or {}
+    return ck.as_checkpoint(record if record.get("name") == name else {"name": name})
+
+
+def _schedule_retry(st: _State, out: KubeObject, failure: _Failure, attempts: int) -> Plan:
+    """Delete the failed pod; the same checkpoint is restored again at nextRestoreAt."""
+    delay = ck.restore_backoff(attempts)
+    at = format_time(st.now + timedelta(seconds=delay))
+    message = (f"pod {failure.pod} could not restore checkpoint {failure.source} (attempt "
+               f"{attempts} of {ck.MAX_RESTORE_ATTEMPTS}): {failure.detail}; attempt "
+               f"{attempts + 1} at {at}")
+    st.events.append(Event(WARNING, REASON_RESTORE_FAILED, message))
+    st.set(api.COND_RESTORING, TRUE, api.REASON_RESTORE_RETRYING, message)
+    st.set(api.COND_READY, FALSE, api.REASON_RESTORE_RETRYING, message)
+    _not_finished(st)
+    record = st.status.get("restoredFrom") or {}
+    if record.get("name") != failure.source:  # restored by an older operator: no record yet
+        record = ck.restore_record(_checkpoint_or_record(st, failure.source), st.now,
+                                   clean=False)
+    out.update(podName=None, nodeName=None, restoreAttempts=attempts, nextRestoreAt=at,
+               restoredFrom=record)
+    st.requeue_after = delay
+    return _finish(st, out, None, delete=failure.pod)
+
+
+def _retry_restore(st: _State, out: KubeObject, incarnation: int) -> Plan:
+    """A restore retry is scheduled: wait until nextRestoreAt, then restore the same
+    checkpoint into a new incarnation (or fall back when that checkpoint is gone)."""
+    record = st.status.get("restoredFrom") or {}
+    source = record.get("name")
+    attempts = int(st.status.get("restoreAttempts") or 0)
+    if not source:
+        return _replace(st, out, incarnation, lost=None, delete=None)
+    if ck.find(st.namespace_ckpts, source) is None:
+        return _fall_back(st, out, incarnation, None, ck.as_checkpoint(record),
+                          f"Checkpoint {source} no longer exists")
+    due = ck.parse_time(st.status.get("nextRestoreAt"))
+    if due is not None and due > st.now:
+        st.requeue_after = max(1.0, (due - st.now).total_seconds())
+        return _finish(st, out, None)
+    new = _next_pod(st, incarnation)
+    message = (f"restoring checkpoint {source} into pod {new} (attempt {attempts + 1} of "
+               f"{ck.MAX_RESTORE_ATTEMPTS})")
+    event = Event(NORMAL, api.REASON_RESTORE_RETRYING, f"retrying: {message}")
+    out["nextRestoreAt"] = None
+    return _create(st, out, incarnation, None,
+                   _Restore(str(source), dict(record), event, api.REASON_RESTORE_RETRYING,
+                            message))
+
+
+def _fall_back(st: _State, out: KubeObject, incarnation: int, delete: str | None,
+               refused: KubeObject, why: str) -> Plan:
+    """Restore the newest Completed checkpoint older than ``refused``; none: start fresh.
+    Either way with a Warning, and conditions and status.restoredFrom that say so."""
+    _drop(out, st.status, *_RETRY_FIELDS)
+    new = _next_pod(st, incarnation)
+    source = ck.name_of(refused)
+    older = ck.fallback_for(st.ckpts, refused)
+    if older is not None:
+        record = ck.restore_record(older, st.now, clean=False, fallback=True)
+        message = (f"checkpoint {source} could not be restored ({why}): restoring the older "
+                   f"checkpoint {record['name']}, taken {record.get('staleSeconds', 0)}s ago, "
+                   f"into pod {new} instead; work since then is lost")
+        event = Event(WARNING, api.REASON_RESTORE_FALLBACK, message)
+        return _create(st, out, incarnation, delete,
+                       _Restore(record["name"], record, event, api.REASON_RESTORE_FALLBACK,
+                                message))
+    message = (f"checkpoint {source} could not be restored ({why}) and no older checkpoint "
+               f"exists: pod {new} starts from scratch")
+    if is_true(st.conditions, api.COND_MIGRATING):
+        st.set(api.COND_MIGRATING, FALSE, api.REASON_NO_USABLE_CHECKPOINT, message)
+    return _create(st, out, incarnation, delete, None,
+                   fresh=Event(WARNING, api.REASON_NO_USABLE_CHECKPOINT, message),
+                   fresh_reason=(api.REASON_NO_USABLE_CHECKPOINT, message))
+
+
+def _restore_completed(st: _State, out: KubeObject, pod: KubeObject) -> None:
+    """The restore pod's restore-phase Restored ends Restoring and counts one restore."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    source = annotations.get(protocol.ANNOTATION_RESTORE_FROM)
+    if (not source or pod_incarnation(pod) != int(out["incarnation"])
+            or annotations.get(protocol.ANNOTATION_RESTORE_PHASE) != protocol.RESTORED
+            or not is_true(st.conditions, api.COND_RESTORING)):
+        return
     name = pod["metadata"]["name"]
     node = (pod.get("spec") or {}).get("nodeName")
-    outcome = annotations.get(api.ANNOTATION_RESTORE_PHASE)
-    if outcome == "Restored" and is_true(st.conditions, api.COND_RESTORING):
-        # Restoring flips to False in the same status patch: a re-reconcile does not count again.
-        st.set(api.COND_RESTORING, FALSE, api.REASON_RESTORE_COMPLETED,
-               f"pod {name} restored checkpoint {source}")
-        out["restores"] = int(out["restores"]) + 1
-        st.events.append(Event(NORMAL, api.REASON_RESTORE_COMPLETED,
-                               f"pod {name} on node {node} restored checkpoint {source}"))
-        if is_true(st.conditions, api.COND_MIGRATING):
-            st.set(api.COND_MIGRATING, FALSE, api.REASON_RESTORE_COMPLETED,
-                   f"the sandbox moved to pod {name} on node {node}")
-        return False
-    if outcome != "Failed":
-        return False
-    detail = " ".join(str(annotations.get(api.ANNOTATION_RESTORE_MESSAGE) or "").split())[:512]
-    message = f"pod {name} could not restore checkpoint {source}: {detail or 'no message'}"
-    if not _was(status, api.COND_FAILED, TRUE):
-        st.events.append(Event(WARNING, REASON_RESTORE_FAILED, message))
-    st.set(api.COND_RESTORING, FALSE, REASON_RESTORE_FAILED, message)
-    if get_condition(st.conditions, api.COND_MIGRATING) is not None:
-        st.set(api.COND_MIGRATING, FALSE, REASON_RESTORE_FAILED, message)
-    st.set(api.COND_FAILED, TRUE, REASON_RESTORE_FAILED, message)
-    st.set(api.COND_READY, FALSE, REASON_RESTORE_FAILED, message)
-    if get_condition(st.conditions, api.COND_SUCCEEDED) is None:
-        st.set(api.COND_SUCCEEDED, FALSE, api.REASON_RUNNING, "the sandbox has not finished")
-    return True
+    # Restoring flips to False in the same status patch: a re-reconcile does not count again.
+    st.set(api.COND_RESTORING, FALSE, api.REASON_RESTORE_COMPLETED,
+           f"pod {name} restored checkpoint {source}")
+    out["restores"] = int(out["restores"]) + 1
+    _drop(out, st.status, *_RETRY_FIELDS)
+    st.events.append(Event(NORMAL, api.REASON_RESTORE_COMPLETED,
+                           f"pod {name} on node {node} restored checkpoint {source}"))
+    if is_true(st.conditions, api.COND_MIGRATING):
+        st.set(api.COND_MIGRATING, FALSE, api.REASON_RESTORE_COMPLETED,
+               f"the sandbox moved to pod {name} on node {node}")
 
 
-def _observe(st: _State, out: Manifest, pod: Manifest, status: Manifest) -> Plan:
+def _observe(st: _State, out: KubeObject, pod: KubeObject) -> Plan:
     """The current pod exists: mirror its state into the conditions."""
+    status = st.status
     name = pod["metadata"]["name"]
     node = (pod.get("spec") or {}).get("nodeName")
     phase = (pod.get("status") or {}).get("phase")
     out.update(podName=name, nodeName=node)
-    if _restore_outcome(st, out, pod, status):
-        return _finish(st, out, None)
+    _restore_completed(st, out, pod)
     if phase in ("Succeeded", "Failed") and is_true(st.conditions, api.COND_RESTORING):
         st.set(api.COND_RESTORING, FALSE, REASON_RESTORE_FAILED,
                f"pod {name} ended before its restore finished")
@@ -414,25 +702,53 @@ def _observe(st: _State, out: Manifest, pod: Manifest, status: Manifest) -> Plan
     else:
         reason = api.REASON_POD_PENDING if phase in (None, "Pending") else api.REASON_POD_NOT_READY
         st.set(api.COND_READY, FALSE, reason, f"pod {name}: {container_message(pod)}")
-    for type_ in (api.COND_SUCCEEDED, api.COND_FAILED):
-        if get_condition(st.conditions, type_) is None:
-            st.set(type_, FALSE, api.REASON_RUNNING, "the sandbox has not finished")
+    _not_finished(st)
+    _interval(st, out, pod)
     return _finish(st, out, pod)
 
 
-def _was(status: Manifest, type_: str, value: str) -> bool:
+def _interval(st: _State, out: KubeObject, pod: KubeObject) -> None:
+    """spec.checkpoint.intervalSeconds: request an Interval Checkpoint of a running, ready
+    pod (not restoring, not finished) once one is due; the node-agent serves it."""
+    interval = ck.interval_seconds(st.sandbox)
+    if (interval is None or st.create_checkpoint is not None or not pod_is_ready(pod)
+            or any(is_true(st.conditions, t)
+                   for t in (api.COND_RESTORING, api.COND_SUCCEEDED, api.COND_FAILED))):
+        return
+    if ck.interval_due(st.ckpts, pod, interval, st.now):
+        st.create_checkpoint = ck.interval_checkpoint(st.sandbox, int(out["incarnation"]),
+                                                      st.now)
+
+
+def _not_finished(st: _State) -> None:
+    """Succeeded/Failed=False (Running) when not set yet."""
+    for type_ in (api.COND_SUCCEEDED, api.COND_FAILED):
+        if get_condition(st.conditions, type_) is None:
+            st.set(type_, FALSE, api.REASON_RUNNING, "the sandbox has not finished")
+
+
+def _was(status: KubeObject, type_: str, value: str) -> bool:
     cond = get_condition(status.get("conditions") or [], type_)
     return cond is not None and cond.get("status") == value
 
 
-def _restore_source(pod: Manifest | None) -> str | None:
+def _restore_source(pod: KubeObject | None) -> str | None:
     if pod is None:
         return None
-    return ((pod.get("metadata") or {}).get("annotations") or {}).get(api.ANNOTATION_RESTORE_FROM)
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    return annotations.get(protocol.ANNOTATION_RESTORE_FROM)
 
 
-def _finish(st: _State, out: Manifest, pod: Manifest | None, *, create: Manifest | None = None,
-            delete: str | None = None, invalid_spec: str | None = None) -> Plan:
+def _drop(out: KubeObject, status: KubeObject, *keys: str) -> None:
+    """Remove these status fields (a merge patch null) when the status has them."""
+    for key in keys:
+        if status.get(key) is not None:
+            out[key] = None
+
+
+def _finish(st: _State, out: KubeObject, pod: KubeObject | None, *,
+            create: KubeObject | None = None, delete: str | None = None,
+            invalid_spec: str | None = None) -> Plan:
     pod_phase = (pod.get("status") or {}).get("phase") if pod else None
     out["conditions"] = st.conditions
     out["phase"] = derive_phase(st.conditions, pod_phase)
@@ -442,4 +758,5 @@ def _finish(st: _State, out: Manifest, pod: Manifest | None, *, create: Manifest
     return Plan(create_pod=create, delete_pod=delete, status_patch=out,
                 events=tuple(st.events), invalid_spec=invalid_spec,
                 create_checkpoint=st.create_checkpoint, adopt_checkpoints=st.adopt,
-                delete_checkpoints=drop)
+                delete_checkpoints=drop, pdb=st.pdb, delete_pdb=st.delete_pdb,
+                requeue_after=st.requeue_after)

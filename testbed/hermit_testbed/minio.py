@@ -68,7 +68,7 @@ class MinioServer:
         base = StoreSettings(
             bucket=bucket, prefix="hermit", endpoint_url=self.endpoint, region="us-east-1",
             access_key_id=self.access_key, secret_access_key=self.secret_key,
-            upload_concurrency=4, max_attempts=3, connect_timeout_seconds=2.0,
+            transfer_concurrency=4, max_attempts=3, connect_timeout_seconds=2.0,
             read_timeout_seconds=30.0,
         )
         return replace(base, **overrides)  # type: ignore[arg-type]

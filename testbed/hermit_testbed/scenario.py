@@ -106,12 +106,13 @@ class Sandbox:
         with socket.create_connection((self.netns.ip, WORKLOAD_PORT), timeout=timeout) as s:
             s.settimeout(timeout)
             data = b""
-            while not data.endswith(b"\n"):
+            while b"\n" not in data:
                 chunk = s.recv(256)
                 if not chunk:
                     break
                 data += chunk
-        return dict(kv.split("=", 1) for kv in data.decode().split())
+        # The first line is ``counter=N child=PID``; later lines (if any) are details.
+        return dict(kv.split("=", 1) for kv in data.decode().split("\n")[0].split() if "=" in kv)
 
 
 def start_sandbox(node: Node, network: CniNetwork, name: str, *, restore: bool = False,

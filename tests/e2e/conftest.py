@@ -8,10 +8,12 @@ environment variables; defaults drive hack/cluster. See docs/cluster.md.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shlex
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,6 +24,9 @@ from typing import Any, TypeVar
 import pytest
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+
+from hermit_testbed.errors import TestbedError
+from hermit_testbed.minio import MinioServer, start_minio, stop_minio
 
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -208,3 +213,106 @@ def run_cluster_command(template: str, **fields: str) -> subprocess.Popen[str]:
     """Starts a cluster-specific command (preempt, add-node) given as a template."""
     argv = shlex.split(template.format(**fields))
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+# -- Hermit installed with its chart, and an S3 for it -----------------------------------
+
+RELEASE = "hermit-e2e"
+RELEASE_NS = "hermit-e2e"
+BUCKET = "hermit-e2e"
+LOCAL_CLUSTER_HOST = "10.213.0.1"  # hack/cluster's host bridge: pods reach it
+
+
+@dataclass
+class S3:
+    """The S3 the chart is installed with; ``server`` is set when the tests run it (MinIO
+    on the local cluster's host bridge), so a test can stop and restart it."""
+
+    endpoint: str
+    access_key: str
+    secret_key: str
+    server: MinioServer | None = None
+    workdir: Path | None = None
+
+    def stop(self) -> None:
+        if self.server is None:
+            pytest.fail("this test stops S3: it needs the MinIO the tests start "
+                        "(unset HERMIT_E2E_S3_ENDPOINT)")
+        stop_minio(self.server)
+
+    def start(self) -> None:
+        assert self.server is not None and self.workdir is not None
+        port = int(self.endpoint.rsplit(":", 1)[1])
+        self.server = start_minio(self.workdir, port=port, host=LOCAL_CLUSTER_HOST)
+
+
+@pytest.fixture(scope="session")
+def s3_for_pods() -> Iterator[S3]:
+    env = os.environ
+    if env.get("HERMIT_E2E_S3_ENDPOINT"):
+        yield S3(env["HERMIT_E2E_S3_ENDPOINT"], env.get("HERMIT_E2E_S3_ACCESS_KEY", ""),
+                 env.get("HERMIT_E2E_S3_SECRET_KEY", ""))
+        return
+    with tempfile.TemporaryDirectory(prefix="hermit-e2e-minio-") as work:
+        try:
+            server = start_minio(Path(work), host=LOCAL_CLUSTER_HOST)
+        except (TestbedError, OSError) as exc:
+            pytest.fail(f"no S3 for the cluster: set HERMIT_E2E_S3_ENDPOINT, or run "
+                        f"hack/cluster up so MinIO can listen on {LOCAL_CLUSTER_HOST} ({exc})")
+        from hermit_common.store import CheckpointStore
+
+        CheckpointStore(server.settings(BUCKET)).ensure_bucket()
+        s3 = S3(server.endpoint, server.access_key, server.secret_key, server, Path(work))
+        try:
+            yield s3
+        finally:
+            if s3.server is not None:
+                stop_minio(s3.server)
+
+
+def helm_binary() -> str:
+    cache = Path(os.environ.get("HERMIT_CACHE", Path.home() / ".cache/hermit"))
+    helm = cache / "bin" / "helm"
+    if not helm.exists():
+        pytest.fail("helm not found: run hack/install-helm")
+    return str(helm)
+
+
+def _apply_secret(kube: Kube, s3: S3) -> None:
+    secret: Any = {"metadata": {"name": "hermit-s3"}, "data": {
+        "AWS_ACCESS_KEY_ID": base64.b64encode(s3.access_key.encode()).decode(),
+        "AWS_SECRET_ACCESS_KEY": base64.b64encode(s3.secret_key.encode()).decode()}}
+    try:
+        kube.api.create_namespaced_secret(RELEASE_NS, secret)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+        kube.api.replace_namespaced_secret("hermit-s3", RELEASE_NS, secret)
+
+
+@pytest.fixture(scope="session")
+def hermit_release(kube: Kube, s3_for_pods: S3, e2e_config: E2EConfig) -> Iterator[str]:
+    """The chart installed with S3 credentials in a Secret; removed afterwards."""
+    helm = helm_binary()
+    env = {**os.environ, "KUBECONFIG": e2e_config.kubeconfig}
+    subprocess.run([helm, "uninstall", RELEASE, "-n", RELEASE_NS, "--wait"], env=env,
+                   capture_output=True, check=False)
+    try:
+        body: Any = {"metadata": {"name": RELEASE_NS}}
+        kube.api.create_namespace(body)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+    _apply_secret(kube, s3_for_pods)
+    proc = subprocess.run(
+        [helm, "install", RELEASE, str(REPO / "charts/hermit"), "-n", RELEASE_NS,
+         "--set", f"s3.bucket={BUCKET}", "--set", f"s3.endpoint={s3_for_pods.endpoint}",
+         "--set", "s3.existingSecret=hermit-s3", "--set", "nodeAgent.logLevel=DEBUG",
+         "--wait", "--timeout", "180s"],
+        env=env, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, f"helm install failed: {proc.stdout}{proc.stderr}"
+    try:
+        yield RELEASE_NS
+    finally:
+        subprocess.run([helm, "uninstall", RELEASE, "-n", RELEASE_NS, "--wait"], env=env,
+                       capture_output=True, check=False)

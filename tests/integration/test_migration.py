@@ -147,6 +147,74 @@ def test_migration_keeps_memory_children_files_log_socket_and_output(
         destroy_sandbox(target, cni_network)
 
 
+def _nspid(host_pid: int) -> tuple[int, ...]:
+    for line in Path(f"/proc/{host_pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return tuple(int(p) for p in line.split()[1:])
+    raise AssertionError(f"no NSpid for {host_pid}")
+
+
+# Enough patterned memory that its CRIU pages image spans several store chunks (4 MiB).
+MULTI_CHUNK_MEM_MB = "24"
+
+
+def test_a_sandbox_moves_three_times_and_keeps_everything_each_generation(
+    nodes: tuple[Node, Node], cni_network: CniNetwork, criu_bin: Path,
+    store_settings: StoreSettings,
+) -> None:
+    """Generation 2 and 3 fail where generation 1 passes: a restored sandbox must
+    checkpoint again (its tree is adopted, in a nested pid namespace) and the nesting
+    must not grow with every move."""
+    alive = [start_sandbox(nodes[0], cni_network, "gen0",
+                           env={"HERMIT_WORKLOAD_MEM_MB": MULTI_CHUNK_MEM_MB})]
+    try:
+        _move_three_times(nodes, cni_network, criu_bin, store_settings, alive)
+    finally:
+        for sandbox in alive:
+            destroy_sandbox(sandbox, cni_network)
+
+
+def _move_three_times(nodes: tuple[Node, Node], cni_network: CniNetwork, criu_bin: Path,
+                      store_settings: StoreSettings, alive: list[Sandbox]) -> None:
+    """A -> B -> A -> B; ``alive`` holds what the caller must clean up."""
+    node_a, node_b = nodes
+    uid = str(uuid.uuid4())
+    source = alive[0]
+    source.wait_ticks(10)
+    child = int(source.ask()["child"])
+    current = source
+    for generation, node in enumerate((node_b, node_a, node_b), start=1):
+        checkpoint, _ = engines(current.node, criu_bin, store_settings)
+        name = f"ckpt-gen{generation}"
+        result = checkpoint.checkpoint(checkpoint_target(current, uid, name), stop=True)
+        assert result.image_bytes > int(MULTI_CHUNK_MEM_MB) << 20, result
+        current.container.wait_exit(30)
+        last = current.ticks()[-1]
+        destroy_sandbox(current, cni_network)
+        alive.remove(current)
+
+        _, restore = engines(node, criu_bin, store_settings)
+        current = start_sandbox(node, cni_network, f"gen{generation}", restore=True)
+        alive.append(current)
+        restore.restore(restore_target(current, uid, name))
+
+        ticks = current.wait_ticks(last + 10)
+        assert ticks == list(range(1, len(ticks) + 1)), f"gen {generation}: gap or duplicate"
+        answer = current.ask()
+        assert int(answer["counter"]) > last, (generation, answer, last)
+        assert int(answer["child"]) == child, f"gen {generation}: another child"
+        assert current.container.alive(), current.container.read_log()[-500:]
+        # One nested pid namespace under the new init, however often the sandbox moved.
+        tree = process_tree(current.init_pid)
+        depth = len(_nspid(current.init_pid))
+        assert tree[1:], f"gen {generation}: nothing adopted"
+        assert {len(_nspid(p)) for p in tree[1:]} == {depth + 1}, (generation, tree)
+        assert child in {ns_pid(p) for p in tree[1:]}
+        # The workload verifies its patterned memory every tick and exits 3 if it is not.
+        current.wait_ticks(ticks[-1] + 5)
+        assert current.container.alive(), current.container.read_log()[-500:]
+
+
 def test_failed_checkpoint_leaves_sandbox_running(
     nodes: tuple[Node, Node], cni_network: CniNetwork, criu_bin: Path,
     minio_server: MinioServer,

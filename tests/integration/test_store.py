@@ -217,7 +217,7 @@ def test_s3_dying_mid_upload_leaves_no_manifest(tmp_path: Path) -> None:
     server = start_minio(tmp_path / "minio")
     port = int(server.endpoint.rsplit(":", 1)[1])
     settings = server.settings("dying", chunk_size_bytes=CHUNK, max_attempts=1,
-                               connect_timeout_seconds=1.0, upload_concurrency=2)
+                               connect_timeout_seconds=1.0, transfer_concurrency=2)
     store = CheckpointStore(settings)
     store.ensure_bucket()
     src = tmp_path / "src"

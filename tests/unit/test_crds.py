@@ -23,7 +23,7 @@ import jsonschema
 import pytest
 import yaml
 
-from hermit_common import api
+from hermit_common import api, protocol
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_DIR = ROOT / "crds"
@@ -204,9 +204,9 @@ def test_enums_match_hermit_common_api() -> None:
     sandbox = dict(walk(schema_of(CRDS[api.SANDBOX_PLURAL])))
     checkpoint = dict(walk(schema_of(CRDS[api.CHECKPOINT_PLURAL])))
     assert tuple(sandbox[".status.phase"]["enum"]) == api.SANDBOX_PHASES
-    assert tuple(sandbox[".status.lastCheckpoint.reason"]["enum"]) == api.REASONS
-    assert tuple(checkpoint[".spec.reason"]["enum"]) == api.REASONS
-    assert tuple(checkpoint[".status.phase"]["enum"]) == api.CHECKPOINT_PHASES
+    assert tuple(sandbox[".status.lastCheckpoint.reason"]["enum"]) == protocol.REASONS
+    assert tuple(checkpoint[".spec.reason"]["enum"]) == protocol.REASONS
+    assert tuple(checkpoint[".status.phase"]["enum"]) == protocol.CHECKPOINT_PHASES
     assert sandbox[".status.conditions[].status"]["enum"] == ["True", "False", "Unknown"]
 
 

@@ -105,3 +105,52 @@ def test_missing_container_names_it(tmp_path: Path) -> None:
     with pytest.raises(locate.ContainerNotFound, match="no process of container bbbbbbbbbbbb"):
         locate.find_init_pid("containerd://" + "bb" * 32, root)
 
+
+
+# -- the dump root: the init, or the tree a restore made it adopt ------------------------
+
+def _children(root: Path, pid: int, kids: list[int]) -> None:
+    task = root / str(pid) / "task" / str(pid)
+    task.mkdir(parents=True)
+    (task / "children").write_text(" ".join(map(str, kids)) + (" " if kids else ""))
+
+
+def test_fresh_sandbox_dumps_its_init(tmp_path: Path) -> None:
+    root = fake_proc(tmp_path)
+    _children(root, 420, [430])
+    assert locate.dump_root(420, root) == 420
+
+
+def test_restored_sandbox_dumps_the_adopted_root(tmp_path: Path) -> None:
+    # Generation 2: the new init (host 420, NSpid 420 1) adopted the restored tree whose
+    # root is PID 1 of a nested pid namespace (NSpid 431 23 1); its child is 2 there.
+    root = fake_proc(tmp_path)
+    _proc(root, 431, 420, CGROUPFS_V1, (431, 23, 1))
+    _proc(root, 432, 431, CGROUPFS_V1, (432, 24, 2))
+    _children(root, 420, [431])
+    assert locate.dump_root(420, root) == 431
+
+
+def test_a_child_in_the_inits_own_namespace_is_not_adopted() -> None:
+    init = locate.ProcInfo(420, 400, (420, 1))
+    forked = locate.ProcInfo(430, 420, (430, 2))
+    exec_like = locate.ProcInfo(500, 400, (500, 9, 1))  # not a child of the init
+    assert locate.pick_adopted_root(init, [forked, exec_like]) is None
+
+
+def test_nesting_deeper_than_one_level_is_not_the_adopted_root() -> None:
+    init = locate.ProcInfo(420, 400, (420, 1))
+    deeper = locate.ProcInfo(431, 420, (431, 23, 7, 1))
+    assert locate.pick_adopted_root(init, [deeper]) is None
+
+
+def test_two_adopted_trees_are_an_error() -> None:
+    init = locate.ProcInfo(420, 400, (420, 1))
+    kids = [locate.ProcInfo(431, 420, (431, 23, 1)), locate.ProcInfo(441, 420, (441, 33, 1))]
+    with pytest.raises(HermitError, match="adopted 2 restored trees"):
+        locate.pick_adopted_root(init, kids)
+
+
+def test_dump_root_of_a_vanished_init(tmp_path: Path) -> None:
+    with pytest.raises(locate.ContainerNotFound):
+        locate.dump_root(999, fake_proc(tmp_path))

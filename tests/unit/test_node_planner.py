@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from hermit_common import api
-from hermit_common.errors import CheckpointFailed, CheckpointRefused
+from hermit_common import api, protocol
+from hermit_common.errors import CheckpointFailed, CheckpointRefused, RestoreFailed
 from hermit_node import planner
 from hermit_node.agent import NodeAgent
 from hermit_node.checkpoint import CheckpointResult
-from hermit_node.kube import KubeError
+from hermit_node.kube import KubeError, KubeTransient
 from hermit_node.restore import RestoreResult
 from hermit_node.watchers import Notice
 from tests.unit.test_crds import schema_errors
@@ -29,9 +29,9 @@ def pod(name: str = "box-1", *, sandbox: str | None = "box", incarnation: int = 
         node: str = NODE, running: bool = True, phase: str = "Running",
         annotations: dict[str, str] | None = None, owner: bool = True,
         terminating: bool = False, namespace: str = "agents") -> dict[str, Any]:
-    labels = {api.LABEL_INCARNATION: str(incarnation)}
+    labels = {protocol.LABEL_INCARNATION: str(incarnation)}
     if sandbox is not None:
-        labels[api.LABEL_SANDBOX] = sandbox
+        labels[protocol.LABEL_SANDBOX] = sandbox
     meta: dict[str, Any] = {
         "name": name, "namespace": namespace, "uid": f"uid-{name}", "labels": labels,
         "annotations": annotations or {},
@@ -62,7 +62,7 @@ def ckpt(name: str, *, sandbox: str = "box", reason: str = "Manual",
     out: dict[str, Any] = {
         "apiVersion": api.API_VERSION, "kind": api.CHECKPOINT_KIND,
         "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}",
-                     "creationTimestamp": created, "labels": {api.LABEL_SANDBOX: sandbox}},
+                     "creationTimestamp": created, "labels": {protocol.LABEL_SANDBOX: sandbox}},
         "spec": {"sandboxRef": {"name": sandbox}, "reason": reason},
     }
     if status is not None:
@@ -77,7 +77,7 @@ def sps(*pods: dict[str, Any]) -> list[planner.SandboxPod]:
 # -- binding identity --------------------------------------------------------------------
 
 def test_sandbox_pod_binding_identity() -> None:
-    sp = planner.sandbox_pod(pod(annotations={api.ANNOTATION_WORKSPACE_PATH: "/work"}))
+    sp = planner.sandbox_pod(pod(annotations={protocol.ANNOTATION_WORKSPACE_PATH: "/work"}))
     assert sp is not None
     assert (sp.namespace, sp.pod, sp.sandbox, sp.sandbox_uid, sp.incarnation) == (
         "agents", "box-1", "box", "sbx-uid", 1)
@@ -106,7 +106,7 @@ def test_only_pods_on_this_node() -> None:
 # -- notices ---------------------------------------------------------------------------
 
 def test_preempt_checkpoint_name() -> None:
-    assert planner.preempt_checkpoint_name("box", 3) == "box-3-preempt"
+    assert protocol.checkpoint_name("box", 3, protocol.PREEMPTION) == "box-3-preempt"
 
 
 def test_notice_checkpoints_every_live_sandbox_once() -> None:
@@ -116,26 +116,26 @@ def test_notice_checkpoints_every_live_sandbox_once() -> None:
         pod("b-2", sandbox="b", incarnation=2),
         pod("c-1", sandbox="c", running=False, phase="Pending"),
         pod("d-2", sandbox="d", incarnation=2,
-            annotations={api.ANNOTATION_RESTORE_FROM: "d-1-preempt"}),  # init still waiting
+            annotations={protocol.ANNOTATION_RESTORE_FROM: "d-1-preempt"}),  # init still waiting
         pod("e-2", sandbox="e", incarnation=2,
-            annotations={api.ANNOTATION_RESTORE_FROM: "e-1-preempt",
-                         api.ANNOTATION_RESTORE_PHASE: "Restored"}),
+            annotations={protocol.ANNOTATION_RESTORE_FROM: "e-1-preempt",
+                         protocol.ANNOTATION_RESTORE_PHASE: "Restored"}),
         pod("f-1", sandbox="f", phase="Succeeded", running=False),
     )
     assert [sp.pod for sp in planner.pods_to_checkpoint_on_notice(pods)] == ["a-1", "b-2", "e-2"]
 
 
 def test_checkpoint_object_for_a_notice() -> None:
-    body = planner.checkpoint_object("box", "box-1-preempt", "Preemption", 1)
+    body = protocol.checkpoint_object("box", "box-1-preempt", "Preemption", 1)
     assert body == {
         "apiVersion": "hermit.dev/v1alpha1", "kind": "Checkpoint",
         "metadata": {"name": "box-1-preempt",
-                     "labels": {api.LABEL_SANDBOX: "box", api.LABEL_INCARNATION: "1"}},
+                     "labels": {protocol.LABEL_SANDBOX: "box", protocol.LABEL_INCARNATION: "1"}},
         "spec": {"sandboxRef": {"name": "box"}, "reason": "Preemption"},
     }
     assert schema_errors({**body, "metadata": {**body["metadata"], "namespace": "agents"}}) == []
     with pytest.raises(ValueError):
-        planner.checkpoint_object("box", "x", "Whim")
+        protocol.checkpoint_object("box", "x", "Whim")
 
 
 def test_taint_and_cordon_patch_keeps_other_taints() -> None:
@@ -190,13 +190,13 @@ def test_one_request_per_sandbox_stopping_first_then_oldest() -> None:
 
 
 def test_requests_wait_while_the_pod_is_not_live() -> None:
-    waiting = pod("box-2", incarnation=2, annotations={api.ANNOTATION_RESTORE_FROM: "c1"})
+    waiting = pod("box-2", incarnation=2, annotations={protocol.ANNOTATION_RESTORE_FROM: "c1"})
     assert planner.checkpoints_to_serve([ckpt("m")], sps(waiting)) == []
     assert planner.checkpoints_to_serve([ckpt("m")], sps(pod(running=False))) == []
 
 
 def test_stopping_reasons() -> None:
-    assert [r for r in api.REASONS if planner.is_stopping(r)] == [
+    assert [r for r in protocol.REASONS if protocol.is_stopping(r)] == [
         "Preemption", "Eviction", "Suspend"]
 
 
@@ -214,11 +214,12 @@ def test_stale_checkpoints_are_this_nodes_unfinished_ones() -> None:
 # -- restores --------------------------------------------------------------------------
 
 def test_pods_to_restore() -> None:
-    want = {api.ANNOTATION_RESTORE_FROM: "box-1-preempt"}
+    want = {protocol.ANNOTATION_RESTORE_FROM: "box-1-preempt"}
     pods = sps(
         pod("a-2", sandbox="a", annotations=want),
-        pod("b-2", sandbox="b", annotations={**want, api.ANNOTATION_RESTORE_PHASE: "Restoring"}),
-        pod("c-2", sandbox="c", annotations={**want, api.ANNOTATION_RESTORE_PHASE: "Failed"}),
+        pod("b-2", sandbox="b",
+            annotations={**want, protocol.ANNOTATION_RESTORE_PHASE: "Restoring"}),
+        pod("c-2", sandbox="c", annotations={**want, protocol.ANNOTATION_RESTORE_PHASE: "Failed"}),
         pod("d-2", sandbox="d", annotations=want, running=False, phase="Pending"),
         pod("e-1", sandbox="e"),
     )
@@ -227,22 +228,26 @@ def test_pods_to_restore() -> None:
     assert planner.stale_restores(pods, {("agents", "b")}) == []
 
 
-def test_restore_source() -> None:
+def test_restore_origin() -> None:
     done = ckpt("box-1-preempt", status={"phase": "Completed", "manifestDigest": DIGEST})
-    assert planner.restore_source(done, "box-1-preempt") == planner.RestoreSource("box", DIGEST)
-    assert planner.restore_source(None, "x") == "Checkpoint x does not exist"
-    assert planner.restore_source(ckpt("p", status={"phase": "Failed"}), "p") == \
+    assert planner.restore_origin(done, "box-1-preempt") == planner.RestoreOrigin("box", DIGEST)
+    assert planner.restore_origin(None, "x") == "Checkpoint x does not exist"
+    assert planner.restore_origin(ckpt("p", status={"phase": "Failed"}), "p") == \
         "Checkpoint p is Failed, not Completed"
-    assert planner.restore_source(ckpt("p"), "p") == "Checkpoint p is Pending, not Completed"
+    assert planner.restore_origin(ckpt("p"), "p") == "Checkpoint p is Pending, not Completed"
     fork = ckpt("f", sandbox="parent", status={"phase": "Completed", "manifestDigest": DIGEST})
-    assert planner.restore_source(fork, "f") == planner.RestoreSource("parent", DIGEST)
+    assert planner.restore_origin(fork, "f") == planner.RestoreOrigin("parent", DIGEST)
 
 
 def test_restore_annotations() -> None:
     assert planner.restore_annotations("Restoring") == {
-        api.ANNOTATION_RESTORE_PHASE: "Restoring", api.ANNOTATION_RESTORE_MESSAGE: None}
-    failed = planner.restore_annotations("Failed", "bad\ndigest   here")
-    assert failed[api.ANNOTATION_RESTORE_MESSAGE] == "bad digest here"
+        protocol.ANNOTATION_RESTORE_PHASE: "Restoring", protocol.ANNOTATION_RESTORE_MESSAGE: None,
+        protocol.ANNOTATION_RESTORE_RETRYABLE: None}
+    failed = planner.restore_annotations("Failed", "bad\ndigest   here", retryable=False)
+    assert failed[protocol.ANNOTATION_RESTORE_MESSAGE] == "bad digest here"
+    assert failed[protocol.ANNOTATION_RESTORE_RETRYABLE] == "false"
+    transient = planner.restore_annotations("Failed", "S3 unreachable", retryable=True)
+    assert transient[protocol.ANNOTATION_RESTORE_RETRYABLE] == "true"
     with pytest.raises(ValueError):
         planner.restore_annotations("Maybe")
 
@@ -286,7 +291,7 @@ def test_failed_status_has_a_short_one_line_message() -> None:
     failed = planner.status_failed("criu dump failed:\n  " + "x" * 5000, NOW, NODE)
     assert failed["phase"] == "Failed" and failed["nodeName"] == NODE
     assert "\n" not in failed["message"]
-    assert len(failed["message"]) <= planner.MESSAGE_LIMIT
+    assert len(failed["message"]) <= protocol.MESSAGE_LIMIT
     assert failed["message"].startswith("criu dump failed: xxx")
     assert failed["message"].endswith("...")
 
@@ -331,7 +336,7 @@ class FakeKube:
     def get_sandbox(self, namespace: str, name: str) -> dict[str, Any] | None:
         return {"metadata": {"name": name, "uid": f"uid-of-{name}"}}
 
-    def create_checkpoint(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+    def create_checkpoint(self, body: dict[str, Any], namespace: str) -> dict[str, Any]:
         name = body["metadata"]["name"]
         if name not in self.checkpoints:
             self.checkpoints[name] = ckpt(name, reason=body["spec"]["reason"],
@@ -363,12 +368,15 @@ class FakeEngine:
     def checkpoint(self, target: Any, *, stop: bool = False,
                    keep_local: bool = False, deadline: float | None = None,
                    on_uploading: Callable[[int, int], None] | None = None,
+                   on_durable: Callable[[CheckpointResult], None] | None = None,
                    ) -> CheckpointResult:
         self.calls.append((target, stop))
         if on_uploading is not None and self.error is None:
             on_uploading(5, 4)
         if self.error is not None:
             raise self.error
+        if on_durable is not None:  # the real engine: before a stopping one kills the tree
+            on_durable(RESULT)
         return RESULT
 
     def restore(self, target: Any, *, timeout: float = 120.0) -> RestoreResult:
@@ -455,7 +463,7 @@ def test_api_errors_are_retried_on_the_next_loop(tmp_path: Path) -> None:
 
 def test_restore_annotates_and_expects_the_recorded_digest(tmp_path: Path) -> None:
     restoring = pod("box-2", incarnation=2,
-                    annotations={api.ANNOTATION_RESTORE_FROM: "box-1-preempt"})
+                    annotations={protocol.ANNOTATION_RESTORE_FROM: "box-1-preempt"})
     kube = FakeKube([restoring], [ckpt("box-1-preempt", reason="Preemption", status={
         "phase": "Completed", "manifestDigest": DIGEST, "nodeName": "node-b"})])
     engine = FakeEngine()
@@ -465,12 +473,12 @@ def test_restore_annotates_and_expects_the_recorded_digest(tmp_path: Path) -> No
     [(target, _)] = engine.calls
     assert (target.checkpoint, target.expect_manifest_digest, target.init_pid,
             target.sandbox) == ("box-1-preempt", DIGEST, 420, "box")
-    assert [a[api.ANNOTATION_RESTORE_PHASE] for _, a in kube.annotations] == [
+    assert [a[protocol.ANNOTATION_RESTORE_PHASE] for _, a in kube.annotations] == [
         "Restoring", "Restored"]
 
 
 def test_refused_restore_is_failed_with_its_message(tmp_path: Path) -> None:
-    restoring = pod("box-2", incarnation=2, annotations={api.ANNOTATION_RESTORE_FROM: "c1"})
+    restoring = pod("box-2", incarnation=2, annotations={protocol.ANNOTATION_RESTORE_FROM: "c1"})
     kube = FakeKube([restoring], [ckpt("c1", status={"phase": "Completed",
                                                       "manifestDigest": DIGEST})])
     engine = FakeEngine(CheckpointRefused("checkpoint agents/c1 needs CPU features this node "
@@ -478,19 +486,210 @@ def test_refused_restore_is_failed_with_its_message(tmp_path: Path) -> None:
     agent = make_agent(tmp_path, kube, engine)
     agent.reconcile_once()
     agent.shutdown()
-    phase, message = (kube.annotations[-1][1][api.ANNOTATION_RESTORE_PHASE],
-                      kube.annotations[-1][1][api.ANNOTATION_RESTORE_MESSAGE])
+    phase, message = (kube.annotations[-1][1][protocol.ANNOTATION_RESTORE_PHASE],
+                      kube.annotations[-1][1][protocol.ANNOTATION_RESTORE_MESSAGE])
     assert phase == "Failed" and message is not None and "avx512f" in message
 
 
 def test_restart_fails_what_an_earlier_run_left_half_done(tmp_path: Path) -> None:
     stuck = pod("box-2", incarnation=2, annotations={
-        api.ANNOTATION_RESTORE_FROM: "c1", api.ANNOTATION_RESTORE_PHASE: "Restoring"})
+        protocol.ANNOTATION_RESTORE_FROM: "c1", protocol.ANNOTATION_RESTORE_PHASE: "Restoring"})
     kube = FakeKube([stuck], [ckpt("c0", status={"phase": "Dumping", "nodeName": NODE})])
     engine = FakeEngine()
     agent = make_agent(tmp_path, kube, engine)
     agent.reconcile_once()
     agent.shutdown()
     assert kube.checkpoints["c0"]["status"]["phase"] == "Failed"
-    assert kube.annotations[0][1][api.ANNOTATION_RESTORE_PHASE] == "Failed"
+    assert kube.annotations[0][1][protocol.ANNOTATION_RESTORE_PHASE] == "Failed"
     assert engine.calls == []
+
+
+# -- drains, incarnation fences, restarts (issue: any number of moves) ------------------
+
+def test_node_disruption_tells_a_notice_from_a_drain() -> None:
+    assert planner.node_disruption({"spec": {}}) is None
+    assert planner.node_disruption({"spec": {"unschedulable": True}}) == "Eviction"
+    karpenter = {"spec": {"taints": [{"key": "karpenter.sh/disrupted",
+                                      "effect": "NoSchedule"}]}}
+    assert planner.node_disruption(karpenter) == "Eviction"
+    nth = {"spec": {"taints": [{"key": "aws-node-termination-handler/spot-itn",
+                                "effect": "NoSchedule"}]}}
+    assert planner.node_disruption(nth) == "Eviction"
+    ours = {"spec": {"unschedulable": True, "taints": [planner.interruption_taint("x")]}}
+    assert planner.node_disruption(ours) == "Preemption"
+    other = {"spec": {"taints": [{"key": "dedicated", "effect": "NoSchedule"}]}}
+    assert planner.node_disruption(other) is None
+
+
+def test_stop_checkpoint_names_keep_their_unique_tail() -> None:
+    assert protocol.checkpoint_name("box", 3, protocol.EVICTION) == "box-3-evict"
+    long = protocol.checkpoint_name("b" * 300, 12, protocol.PREEMPTION)
+    assert len(long) == protocol.NAME_LIMIT and long.endswith("-12-preempt")
+
+
+def test_a_request_for_an_older_incarnation_never_stops_the_new_pod() -> None:
+    old = ckpt("box-1-preempt", reason="Preemption")
+    old["metadata"]["labels"][protocol.LABEL_INCARNATION] = "1"
+    mine = ckpt("box-2-evict", reason="Eviction")
+    mine["metadata"]["labels"][protocol.LABEL_INCARNATION] = "2"
+    unlabelled = ckpt("manual")
+    current = sps(pod("box-2", incarnation=2))
+    assert planner.checkpoints_to_serve([old], current) == []
+    assert [c["metadata"]["name"] for c, _ in planner.checkpoints_to_serve(
+        [old, mine], current)] == ["box-2-evict"]
+    assert [c["metadata"]["name"] for c, _ in planner.checkpoints_to_serve(
+        [unlabelled], current)] == ["manual"]
+
+
+def test_pods_that_opted_out_are_not_checkpointed_on_a_notice() -> None:
+    opted_out = pod("box-1", annotations={protocol.ANNOTATION_ON_PREEMPTION: "false"})
+    other = pod("other-1", sandbox="other")
+    assert [sp.pod for sp in planner.pods_to_checkpoint_on_notice(sps(opted_out, other))] == [
+        "other-1"]
+
+
+def test_completed_stop_of_matches_the_pods_incarnation_only() -> None:
+    done = ckpt("box-1-preempt", reason="Preemption", status={"phase": "Completed"})
+    done["metadata"]["labels"][protocol.LABEL_INCARNATION] = "1"
+    [first] = sps(pod("box-1", incarnation=1))
+    [second] = sps(pod("box-2", incarnation=2))
+    assert planner.completed_stop_of([done], first) == "box-1-preempt"
+    assert planner.completed_stop_of([done], second) is None
+    routine = ckpt("box-i", reason="Interval", status={"phase": "Completed"})
+    routine["metadata"]["labels"][protocol.LABEL_INCARNATION] = "1"
+    assert planner.completed_stop_of([routine], first) is None
+
+
+def test_a_cordoned_node_gets_eviction_checkpoints_without_a_taint(tmp_path: Path) -> None:
+    kube = FakeKube([pod("box-1")], [])
+    kube.node["spec"]["unschedulable"] = True  # kubectl drain / cordon
+    engine = FakeEngine()
+    agent = make_agent(tmp_path, kube, engine)
+    agent.reconcile_once()
+    agent.shutdown()
+    assert "taints" not in kube.node["spec"]  # not ours to taint: nothing from the cloud
+    [(target, stop)] = engine.calls
+    assert target.checkpoint == "box-1-evict" and stop is True
+    assert kube.checkpoints["box-1-evict"]["spec"]["reason"] == "Eviction"
+    assert kube.checkpoints["box-1-evict"]["status"]["phase"] == "Completed"
+
+
+class FakeManifests:
+    def __init__(self, durable: set[str]) -> None:
+        self.durable = durable
+
+    def read_manifest(self, namespace: str, sandbox: str, checkpoint: str) -> tuple[Any, str]:
+        from hermit_common.manifest import Binding, Manifest, Totals
+        from hermit_common.s3errors import CheckpointNotFound
+
+        if checkpoint not in self.durable:
+            raise CheckpointNotFound(f"checkpoint {namespace}/{checkpoint} not found")
+        binding = Binding(namespace=namespace, sandbox=sandbox, sandbox_uid="sbx-uid",
+                          checkpoint=checkpoint, criu_version="4.2.1", kernel="6.18.0")
+        return Manifest(binding=binding, created_at="2026-01-02T03:04:05Z", chunk_size=4096,
+                        sections={}, restore={}, totals=Totals(image_bytes=10,
+                                                               stored_bytes=4)), DIGEST
+
+    def manifest_uri(self, namespace: str, sandbox: str, checkpoint: str) -> str:
+        return f"s3://b/{namespace}/{sandbox}/checkpoints/{checkpoint}/manifest.json"
+
+
+class FakeTrees:
+    def __init__(self) -> None:
+        self.settled: list[tuple[int, bool]] = []
+
+    def settle(self, init_pid: int, *, kill: bool) -> bool:
+        self.settled.append((init_pid, kill))
+        return True
+
+
+def test_restart_completes_a_checkpoint_whose_manifest_is_durable(tmp_path: Path) -> None:
+    uploading = ckpt("box-1-preempt", reason="Preemption",
+                     status={"phase": "Uploading", "nodeName": NODE})
+    uploading["metadata"]["labels"][protocol.LABEL_INCARNATION] = "1"
+    lost = ckpt("manual", status={"phase": "Dumping", "nodeName": NODE})
+    kube = FakeKube([pod("box-1")], [uploading, lost])
+    trees = FakeTrees()
+    agent = NodeAgent(NODE, kube, FakeEngine(), FakeEngine(),  # type: ignore[arg-type]
+                      manifests=FakeManifests({"box-1-preempt"}), trees=trees,
+                      proc_root=fake_proc(tmp_path), clock=lambda: NOW)
+    agent.reconcile_once()
+    agent.shutdown()
+    done = kube.checkpoints["box-1-preempt"]["status"]
+    assert done["phase"] == "Completed" and done["manifestDigest"] == DIGEST
+    assert schema_errors(_with_status(done)) == []
+    assert kube.checkpoints["manual"]["status"]["phase"] == "Failed"
+    # The frozen tree of incarnation 1 is ended, not thawed: its history went on in S3.
+    assert trees.settled == [(420, True)]
+
+
+def test_restart_thaws_a_tree_with_no_durable_stop(tmp_path: Path) -> None:
+    kube = FakeKube([pod("box-1")], [])
+    trees = FakeTrees()
+    agent = NodeAgent(NODE, kube, FakeEngine(), FakeEngine(),  # type: ignore[arg-type]
+                      manifests=FakeManifests(set()), trees=trees,
+                      proc_root=fake_proc(tmp_path), clock=lambda: NOW)
+    agent.reconcile_once()
+    agent.shutdown()
+    assert trees.settled == [(420, False)]
+
+
+def test_restart_mid_restore_is_a_retryable_failure(tmp_path: Path) -> None:
+    stuck = pod("box-2", incarnation=2, annotations={
+        protocol.ANNOTATION_RESTORE_FROM: "c1", protocol.ANNOTATION_RESTORE_PHASE: "Restoring"})
+    kube = FakeKube([stuck], [])
+    agent = make_agent(tmp_path, kube, FakeEngine())
+    agent.reconcile_once()
+    agent.shutdown()
+    assert kube.annotations[0][1][protocol.ANNOTATION_RESTORE_RETRYABLE] == "true"
+
+
+def test_completed_is_retried_until_it_lands_before_the_tree_is_killed(
+        tmp_path: Path) -> None:
+    kube = FakeKube([pod("box-1")], [])
+    failures = {"left": 3}
+    real_patch = kube.patch_checkpoint_status
+
+    def flaky(namespace: str, name: str, status: dict[str, Any]) -> None:
+        if status.get("phase") == "Completed" and failures["left"]:
+            failures["left"] -= 1
+            raise KubeTransient("the API server is busy: HTTP 429", status=429)
+        real_patch(namespace, name, status)
+
+    kube.patch_checkpoint_status = flaky  # type: ignore[method-assign]
+    agent = make_agent(tmp_path, kube, FakeEngine())
+    agent.on_notice(notice())
+    agent.shutdown()
+    assert failures["left"] == 0
+    assert kube.checkpoints["box-1-preempt"]["status"]["phase"] == "Completed"
+
+
+def test_refused_restore_is_not_retryable(tmp_path: Path) -> None:
+    restoring = pod("box-2", incarnation=2, annotations={protocol.ANNOTATION_RESTORE_FROM: "c1"})
+    kube = FakeKube([restoring], [ckpt("c1", status={"phase": "Completed",
+                                                      "manifestDigest": DIGEST})])
+    agent = make_agent(tmp_path, kube, FakeEngine(CheckpointRefused("chunk 00ab is corrupt")))
+    agent.reconcile_once()
+    agent.shutdown()
+    assert kube.annotations[-1][1][protocol.ANNOTATION_RESTORE_RETRYABLE] == "false"
+    kube2 = FakeKube([restoring], [ckpt("c1", status={"phase": "Completed",
+                                                       "manifestDigest": DIGEST})])
+    agent = make_agent(tmp_path / "b", kube2, FakeEngine(RestoreFailed("S3 unreachable")))
+    agent.reconcile_once()
+    agent.shutdown()
+    assert kube2.annotations[-1][1][protocol.ANNOTATION_RESTORE_RETRYABLE] == "true"
+
+
+def test_a_failed_stopping_request_is_made_again_while_the_node_goes_away() -> None:
+    pods = sps(pod("box-1"))
+    assert [n for _, n in planner.stop_requests(pods, "Preemption", [])] == ["box-1-preempt"]
+    failed = ckpt("box-1-preempt", reason="Preemption", status={"phase": "Failed"})
+    assert [n for _, n in planner.stop_requests(pods, "Preemption", [failed])] == [
+        "box-1-preempt-r2"]
+    running = ckpt("box-1-preempt-r2", reason="Preemption", status={"phase": "Uploading"})
+    assert planner.stop_requests(pods, "Preemption", [failed, running]) == []
+    third = ckpt("box-1-preempt-r3", reason="Preemption", status={"phase": "Failed"})
+    again = {**running, "status": {"phase": "Failed"}}
+    assert planner.stop_requests(pods, "Preemption", [failed, again, third]) == []
+    # Without a list (the API did not answer) only the first request is (re)made.
+    assert [n for _, n in planner.stop_requests(pods, "Eviction", None)] == ["box-1-evict"]

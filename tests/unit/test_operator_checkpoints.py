@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from hermit_common import api
+from hermit_common import api, protocol
 from hermit_common.settings import OperatorSettings
 from hermit_operator import checkpoints as ck
 from hermit_operator.conditions import get_condition
@@ -39,7 +39,7 @@ def ckpt(name: str, reason: str = "Interval", phase: str | None = "Completed", *
                             "creationTimestamp": f"2026-01-01T{created}Z"}
     if owned:
         meta["ownerReferences"] = [{"kind": api.SANDBOX_KIND, "uid": UID, "name": sandbox_name}]
-        meta["labels"] = {api.LABEL_SANDBOX: sandbox_name}
+        meta["labels"] = {protocol.LABEL_SANDBOX: sandbox_name}
     status: dict[str, Any] = {}
     if phase is not None:
         status["phase"] = phase
@@ -56,20 +56,20 @@ def ckpt(name: str, reason: str = "Interval", phase: str | None = "Completed", *
 def pod(name: str = "minimal-1", phase: str = "Running", *, node: str = "spot-1",
         created: str = "10:30:00", incarnation: int = 1, restore_from: str | None = None,
         outcome: str | None = None, message: str | None = None) -> dict[str, Any]:
-    annotations = {api.ANNOTATION_WORKSPACE_PATH: "/workspace"}
+    annotations = {protocol.ANNOTATION_WORKSPACE_PATH: "/workspace"}
     if restore_from:
-        annotations[api.ANNOTATION_RESTORE_FROM] = restore_from
+        annotations[protocol.ANNOTATION_RESTORE_FROM] = restore_from
     if outcome:
-        annotations[api.ANNOTATION_RESTORE_PHASE] = outcome
+        annotations[protocol.ANNOTATION_RESTORE_PHASE] = outcome
     if message:
-        annotations[api.ANNOTATION_RESTORE_MESSAGE] = message
+        annotations[protocol.ANNOTATION_RESTORE_MESSAGE] = message
     st: dict[str, Any] = {"phase": phase}
     if phase == "Running":
         st["conditions"] = [{"type": "Ready", "status": "True"}]
     return {"metadata": {"name": name, "namespace": "ns",
                          "creationTimestamp": f"2026-01-01T{created}Z",
-                         "labels": {api.LABEL_SANDBOX: "minimal",
-                                    api.LABEL_INCARNATION: str(incarnation)},
+                         "labels": {protocol.LABEL_SANDBOX: "minimal",
+                                    protocol.LABEL_INCARNATION: str(incarnation)},
                          "annotations": annotations},
             "spec": {"nodeName": node}, "status": st}
 
@@ -166,7 +166,7 @@ def test_adoption_adds_an_owner_reference_and_the_label_once() -> None:
     assert list(patches) == ["n"]
     meta = patches["n"]["metadata"]
     assert meta["resourceVersion"] == "7"
-    assert meta["labels"] == {api.LABEL_SANDBOX: "minimal"}
+    assert meta["labels"] == {protocol.LABEL_SANDBOX: "minimal"}
     assert meta["ownerReferences"][0] == foreign
     assert meta["ownerReferences"][1] == {
         "apiVersion": api.API_VERSION, "kind": api.SANDBOX_KIND, "name": "minimal", "uid": UID,
@@ -236,8 +236,8 @@ def test_preemption_checkpoint_moves_the_sandbox_then_restore_completes(reason: 
     assert p.delete_pod == "minimal-1"
     assert p.create_pod is not None and p.create_pod["metadata"]["name"] == "minimal-2"
     annotations = p.create_pod["metadata"]["annotations"]
-    assert annotations[api.ANNOTATION_RESTORE_FROM] == "minimal-1-preempt"
-    assert annotations[api.ANNOTATION_WORKSPACE_PATH] == "/workspace"
+    assert annotations[protocol.ANNOTATION_RESTORE_FROM] == "minimal-1-preempt"
+    assert annotations[protocol.ANNOTATION_WORKSPACE_PATH] == "/workspace"
     assert (cond(p, "Migrating")["status"], cond(p, "Migrating")["reason"]) == (
         "True", "CheckpointCompleted")
     assert (cond(p, "Restoring")["status"], cond(p, "Restoring")["reason"]) == (
@@ -300,7 +300,7 @@ def test_pod_ended_by_its_in_flight_checkpoint_is_not_a_failure() -> None:
     flight[0] = ckpt("x", "Preemption", created="11:59:00")
     moved = plan(after(p, sb), pod(phase="Failed"), NOW, settings=SETTINGS, checkpoints=flight)
     assert moved.delete_pod == "minimal-1" and moved.create_pod is not None
-    assert moved.create_pod["metadata"]["annotations"][api.ANNOTATION_RESTORE_FROM] == "x"
+    assert moved.create_pod["metadata"]["annotations"][protocol.ANNOTATION_RESTORE_FROM] == "x"
 
 
 def test_vanished_pod_waits_for_an_in_flight_stopping_checkpoint_but_not_forever() -> None:
@@ -310,7 +310,7 @@ def test_vanished_pod_waits_for_an_in_flight_stopping_checkpoint_but_not_forever
     stale = [ckpt("old"), ckpt("x", "Preemption", phase="Dumping", created="11:50:00")]
     p = plan(sb, None, NOW, settings=SETTINGS, checkpoints=stale)
     assert p.create_pod is not None
-    assert p.create_pod["metadata"]["annotations"][api.ANNOTATION_RESTORE_FROM] == "old"
+    assert p.create_pod["metadata"]["annotations"][protocol.ANNOTATION_RESTORE_FROM] == "old"
 
 
 def test_vanished_pod_restores_the_newest_completed_checkpoint() -> None:
@@ -318,7 +318,7 @@ def test_vanished_pod_restores_the_newest_completed_checkpoint() -> None:
     objs = [ckpt("c1"), ckpt("c2", "Turn", created="11:30:00")]
     p = plan(sb, None, NOW, settings=SETTINGS, checkpoints=objs)
     assert p.create_pod is not None
-    assert p.create_pod["metadata"]["annotations"][api.ANNOTATION_RESTORE_FROM] == "c2"
+    assert p.create_pod["metadata"]["annotations"][protocol.ANNOTATION_RESTORE_FROM] == "c2"
     assert "c2" not in p.delete_checkpoints
 
 
@@ -339,7 +339,6 @@ RESTORING = {"incarnation": 2, "podName": "minimal-2", "restores": 1,
         ("Restoring", 2, "Migrating", 1, "RestoreStarted"),
         ("Restored", 2, "Running", 2, "RestoreCompleted"),
         ("Restored", 1, "Migrating", 1, "RestoreStarted"),  # an older incarnation's pod
-        ("Failed", 2, "Failed", 1, "RestoreFailed"),
     ],
 )
 def test_restore_outcome(outcome: str | None, incarnation: int, phase: str, restores: int,
@@ -352,24 +351,6 @@ def test_restore_outcome(outcome: str | None, incarnation: int, phase: str, rest
     assert p.status_patch["restores"] == restores
     assert cond(p, "Restoring")["reason"] == restoring_reason
     assert p.create_pod is None and p.delete_pod is None
-
-
-def test_failed_restore_fails_the_sandbox_once() -> None:
-    sb = sandbox(dict(RESTORING))
-    failed = pod("minimal-2", phase="Failed", node="spot-2", incarnation=2, restore_from="c1",
-                 outcome="Failed", message="cpu features\nmissing: avx512")
-    p = plan(sb, failed, NOW, settings=SETTINGS, checkpoints=[ckpt("c1")])
-    message = "pod minimal-2 could not restore checkpoint c1: cpu features missing: avx512"
-    for type_ in ("Restoring", "Migrating", "Ready"):
-        assert (cond(p, type_)["status"], cond(p, type_)["reason"], cond(p, type_)["message"]) \
-            == ("False", "RestoreFailed", message)
-    assert (cond(p, "Failed")["status"], cond(p, "Failed")["reason"]) == ("True", "RestoreFailed")
-    assert [(e.type, e.reason) for e in p.events] == [("Warning", "RestoreFailed")]
-    again = plan(after(p, sb), failed, NOW, settings=SETTINGS, checkpoints=[ckpt("c1")])
-    assert again.events == () and cond(again, "Failed")["reason"] == "RestoreFailed"
-    gone = plan(after(again, after(p, sb)), None, NOW, settings=SETTINGS,
-                checkpoints=[ckpt("c1")])
-    assert gone.create_pod is None  # a failed sandbox is not restarted
 
 
 def test_restore_source_is_protected_from_retention() -> None:
@@ -423,7 +404,7 @@ def test_suspend_checkpoints_the_live_pod_before_releasing_it() -> None:
     resumed["spec"]["suspend"] = False
     r = plan(resumed, None, NOW, settings=SETTINGS, checkpoints=durable)
     assert r.create_pod is not None and r.create_pod["metadata"]["name"] == "minimal-2"
-    assert r.create_pod["metadata"]["annotations"][api.ANNOTATION_RESTORE_FROM] == (
+    assert r.create_pod["metadata"]["annotations"][protocol.ANNOTATION_RESTORE_FROM] == (
         "minimal-1-suspend")
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from hermit_common import api
+from hermit_common import api, protocol
 from hermit_common.settings import OperatorSettings
 from hermit_operator import driver
 from hermit_operator.podspec import InvalidSpec
@@ -35,6 +35,7 @@ class FakeKube:
         self.sandbox = sandbox
         self.pods: dict[str, dict[str, Any]] = {}
         self.checkpoints: dict[str, dict[str, Any]] = {}
+        self.pdbs: dict[str, dict[str, Any]] = {}
         self.calls: list[str] = []
 
     def list_checkpoints(self, namespace: str) -> list[dict[str, Any]]:
@@ -72,6 +73,32 @@ class FakeKube:
         self.sandbox.setdefault("status", {})
         _merge(self.sandbox["status"], status)
 
+    def patch_checkpoint_status(self, namespace: str, name: str,
+                                status: dict[str, Any]) -> None:
+        self.calls.append(f"patch checkpoint status {name}")
+        self.checkpoints.setdefault(name, {"metadata": {"name": name}})
+        self.checkpoints[name].setdefault("status", {})
+        _merge(self.checkpoints[name]["status"], status)
+
+    def ensure_pdb(self, manifest: dict[str, Any]) -> None:
+        name = manifest["metadata"]["name"]
+        self.calls.append(f"ensure pdb {name}")
+        self.pdbs.setdefault(name, copy.deepcopy(manifest))
+
+    def delete_pdb(self, namespace: str, name: str, owner_uid: str | None) -> None:
+        self.calls.append(f"delete pdb {name}")
+        self.pdbs.pop(name, None)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_driver() -> None:
+    driver._pdb_seen.clear()
+
+
+def pod_calls(kube: FakeKube) -> list[str]:
+    """The calls that create or delete pods and Checkpoints (not the budget's)."""
+    return [c for c in kube.calls if "pdb" not in c]
+
 
 @pytest.fixture
 def sandbox() -> dict[str, Any]:
@@ -88,10 +115,10 @@ def run(kube: FakeKube, events: list[Event]) -> Any:
 def test_lifecycle_create_run_and_pod_loss(sandbox: dict[str, Any]) -> None:
     kube, events = FakeKube(sandbox), list[Event]()
     run(kube, events)
-    assert kube.calls == ["create minimal-1"]
+    assert kube.calls == ["ensure pdb minimal", "create minimal-1"]
     assert kube.sandbox["status"]["podName"] == "minimal-1"
-    run(kube, events)  # nothing new happened: no second pod
-    assert kube.calls == ["create minimal-1"]
+    run(kube, events)  # nothing new happened: no second pod (and the budget is known)
+    assert kube.calls == ["ensure pdb minimal", "create minimal-1"]
     kube.pods["minimal-1"]["spec"]["nodeName"] = "spot-1"
     kube.pods["minimal-1"]["status"] = {"phase": "Running", "conditions": [
         {"type": "Ready", "status": "True"}]}
@@ -140,6 +167,8 @@ def test_handlers_register_with_kopf() -> None:
     assert any("pod_event" in h.id for h in registry._watching.get_all_handlers())
     assert any("checkpoint_event" in h.id for h in registry._watching.get_all_handlers())
     assert any("startup" in h.id for h in registry._activities.get_all_handlers())
+    timers = {h.id for h in registry._spawning.get_all_handlers()}
+    assert {"sandbox_resync", "sandbox_tick"} <= timers
 
 
 def _checkpoint(name: str, reason: str, phase: str, node: str = "spot-1") -> dict[str, Any]:
@@ -167,18 +196,110 @@ def test_preemption_requeue_restore_and_retention(sandbox: dict[str, Any]) -> No
     kube.checkpoints["minimal-1-preempt"]["status"]["phase"] = "Completed"
     kube.checkpoints["minimal-1-preempt"]["status"]["completedAt"] = "2026-01-01T11:00:05Z"
     run(kube, events)
-    assert kube.calls[-3:] == ["delete minimal-1", "create minimal-2",
-                               "delete checkpoint minimal-int"]
+    assert pod_calls(kube)[-3:] == ["delete minimal-1", "create minimal-2",
+                                    "delete checkpoint minimal-int"]
     new = kube.pods["minimal-2"]
-    assert new["metadata"]["annotations"][api.ANNOTATION_RESTORE_FROM] == "minimal-1-preempt"
+    assert new["metadata"]["annotations"][protocol.ANNOTATION_RESTORE_FROM] == "minimal-1-preempt"
     status = kube.sandbox["status"]
     assert (status["phase"], status["lastCheckpoint"]["name"]) == ("Migrating",
                                                                    "minimal-1-preempt")
     new["spec"]["nodeName"] = "spot-2"
     new["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
-    new["metadata"]["annotations"][api.ANNOTATION_RESTORE_PHASE] = "Restored"
+    new["metadata"]["annotations"][protocol.ANNOTATION_RESTORE_PHASE] = "Restored"
     run(kube, events)
     run(kube, events)
     status = kube.sandbox["status"]
     assert (status["phase"], status["restores"], status["nodeName"]) == ("Running", 1, "spot-2")
     assert set(kube.pods) == {"minimal-2"} and set(kube.checkpoints) == {"minimal-1-preempt"}
+
+
+def _running(kube: FakeKube, name: str = "minimal-1") -> None:
+    kube.pods[name]["spec"]["nodeName"] = "spot-1"
+    kube.pods[name]["metadata"]["creationTimestamp"] = "2026-01-01T10:00:00Z"
+    kube.pods[name]["status"] = {"phase": "Running", "conditions": [
+        {"type": "Ready", "status": "True", "lastTransitionTime": "2026-01-01T10:00:05Z"}]}
+
+
+def test_interval_checkpoint_is_requested_once(sandbox: dict[str, Any]) -> None:
+    sandbox["spec"]["checkpoint"] = {"intervalSeconds": 60}
+    kube, events = FakeKube(sandbox), list[Event]()
+    run(kube, events)
+    _running(kube)
+    run(kube, events)
+    run(kube, events)  # the request is Pending now: not a second one
+    requests = [c for c in kube.calls if c.startswith("create checkpoint")]
+    assert requests == [f"create checkpoint minimal-1-i{int(NOW.timestamp())}"]
+
+
+def test_scheduled_restore_retry_is_applied_then_requeued(sandbox: dict[str, Any]) -> None:
+    kube, events = FakeKube(sandbox), list[Event]()
+    kube.checkpoints["c1"] = _checkpoint("c1", "Interval", "Completed")
+    kube.sandbox["status"] = {"incarnation": 1, "podName": "minimal-1",
+                              "lastCheckpoint": {"name": "c1"}}
+    run(kube, events)  # the pod is gone: incarnation 2 restores c1
+    restore = kube.pods["minimal-2"]
+    restore["metadata"]["annotations"].update({protocol.ANNOTATION_RESTORE_PHASE: "Failed",
+                                               protocol.ANNOTATION_RESTORE_MESSAGE: "S3 timed out"})
+    with pytest.raises(driver.Requeue) as raised:
+        run(kube, events)
+    assert raised.value.delay == 5.0
+    assert "minimal-2" not in kube.pods  # applied before the requeue
+    status = kube.sandbox["status"]
+    assert (status["restoreAttempts"], status["nextRestoreAt"]) == (1, "2026-01-01T12:00:05Z")
+    later = datetime(2026, 1, 1, 12, 0, 5, tzinfo=UTC)
+    driver.reconcile_sandbox(kube, OperatorSettings(), "ns", "minimal",  # type: ignore[arg-type]
+                             lambda _sb, e: events.append(e), now=lambda: later)
+    annotations = kube.pods["minimal-3"]["metadata"]["annotations"]
+    assert annotations[protocol.ANNOTATION_RESTORE_FROM] == "c1"
+
+
+def test_disruption_budget_is_checked_at_most_every_minute(sandbox: dict[str, Any],
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    kube, events = FakeKube(sandbox), list[Event]()
+    clock = [1000.0]
+    monkeypatch.setattr(driver.time, "monotonic", lambda: clock[0])
+    run(kube, events)
+    run(kube, events)
+    assert [c for c in kube.calls if "pdb" in c] == ["ensure pdb minimal"]
+    clock[0] += driver.PDB_RECHECK_SECONDS
+    run(kube, events)
+    assert [c for c in kube.calls if "pdb" in c] == ["ensure pdb minimal"] * 2
+    kube.sandbox["spec"]["checkpoint"] = {"onPreemption": False}
+    run(kube, events)  # the wish changed: acted on at once
+    assert kube.calls[-1] == "delete pdb minimal" and kube.pdbs == {}
+
+
+def test_checkpoint_of_a_missing_sandbox_is_failed_once(sandbox: dict[str, Any]) -> None:
+    kube, events = FakeKube(sandbox), list[tuple[str, Event]]()
+    kube.get_sandbox = lambda namespace, name: None  # type: ignore[method-assign]
+    orphan = {"apiVersion": api.API_VERSION, "kind": api.CHECKPOINT_KIND,
+              "metadata": {"name": "ghost-manual", "namespace": "ns"},
+              "spec": {"sandboxRef": {"name": "ghost"}, "reason": "Manual"}}
+
+    def post(obj: dict[str, Any], event: Event) -> None:
+        events.append((obj["metadata"]["name"], event))
+
+    assert driver.reconcile_checkpoint(kube, OperatorSettings(), orphan, post,  # type: ignore[arg-type]
+                                       now=lambda: NOW) is None
+    status = kube.checkpoints["ghost-manual"]["status"]
+    assert status == {"phase": "Failed", "completedAt": "2026-01-01T12:00:00Z",
+                      "message": "AgentSandbox ghost does not exist in namespace ns"}
+    assert [(n, e.type, e.reason) for n, e in events] == [
+        ("ghost-manual", "Warning", api.REASON_SANDBOX_NOT_FOUND)]
+    done = {**orphan, "status": status}
+    driver.reconcile_checkpoint(kube, OperatorSettings(), done, post,  # type: ignore[arg-type]
+                                now=lambda: NOW)
+    driver.reconcile_checkpoint(kube, OperatorSettings(), orphan, post,  # type: ignore[arg-type]
+                                deleted=True, now=lambda: NOW)
+    assert kube.calls == ["patch checkpoint status ghost-manual"] and len(events) == 1
+
+
+def test_checkpoint_of_an_existing_sandbox_is_left_to_the_node_agent(
+        sandbox: dict[str, Any]) -> None:
+    kube = FakeKube(sandbox)
+    request = _checkpoint("minimal-manual", "Manual", "Pending")
+    del request["status"]
+    assert driver.reconcile_checkpoint(kube, OperatorSettings(), request,  # type: ignore[arg-type]
+                                       lambda _o, _e: None, now=lambda: NOW) is not None
+    assert not any("status" in c for c in kube.calls)

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import yaml
 
-from hermit_common import api
+from hermit_common import protocol
 from hermit_common.settings import OperatorSettings
 from hermit_operator import podspec
 from hermit_operator.podspec import InvalidSpec, build_sandbox_pod
@@ -28,8 +28,8 @@ def test_minimal_sample_runs_under_hermit_init() -> None:
     meta, spec = pod["metadata"], pod["spec"]
     assert pod["apiVersion"] == "v1" and pod["kind"] == "Pod"
     assert meta["name"] == "minimal-1" and meta["namespace"] == "team-a"
-    assert meta["labels"] == {api.LABEL_SANDBOX: "minimal", api.LABEL_INCARNATION: "1"}
-    assert meta["annotations"] == {api.ANNOTATION_WORKSPACE_PATH: "/workspace"}
+    assert meta["labels"] == {protocol.LABEL_SANDBOX: "minimal", protocol.LABEL_INCARNATION: "1"}
+    assert meta["annotations"] == {protocol.ANNOTATION_WORKSPACE_PATH: "/workspace"}
     assert meta["ownerReferences"] == [{
         "apiVersion": "hermit.dev/v1alpha1", "kind": "AgentSandbox", "name": "minimal",
         "uid": "uid-1234", "controller": True, "blockOwnerDeletion": True}]
@@ -66,8 +66,8 @@ def test_args_stay_after_the_command() -> None:
 def test_restore_mode_waits_for_the_restored_tree_and_annotates() -> None:
     pod = build_sandbox_pod(sample("agentsandbox-minimal.yaml"), SETTINGS, 3, "minimal-ckpt-7")
     assert pod["metadata"]["name"] == "minimal-3"
-    assert pod["metadata"]["annotations"] == {api.ANNOTATION_RESTORE_FROM: "minimal-ckpt-7",
-                                              api.ANNOTATION_WORKSPACE_PATH: "/workspace"}
+    assert pod["metadata"]["annotations"] == {protocol.ANNOTATION_RESTORE_FROM: "minimal-ckpt-7",
+                                              protocol.ANNOTATION_WORKSPACE_PATH: "/workspace"}
     assert pod["spec"]["containers"][0]["command"] == [
         "/.hermit/hermit-init", "--restore", "--restore-timeout", "300", "--",
         "python", "-m", "http.server", "8000"]
@@ -81,7 +81,7 @@ def test_full_sample_keeps_user_metadata_workspace_and_placement() -> None:
     meta, spec = pod["metadata"], pod["spec"]
     assert meta["labels"]["team"] == "research"
     assert meta["annotations"] == {"example.com/owner": "alice",
-                                   api.ANNOTATION_WORKSPACE_PATH: "/workspace"}
+                                   protocol.ANNOTATION_WORKSPACE_PATH: "/workspace"}
     assert spec["terminationGracePeriodSeconds"] == 30  # the user's choice wins
     assert spec["containers"][0]["env"] == [{"name": "MODEL", "value": "small"}]
     vols = {v["name"]: v for v in spec["volumes"]}
@@ -150,13 +150,13 @@ def test_workspace_path_annotation_follows_the_mount_path_and_protocol_keys_are_
     sb = sample("agentsandbox-minimal.yaml")
     sb["spec"]["workspace"] = {"mountPath": "/home/agent/work"}
     sb["spec"]["podTemplate"]["metadata"] = {"annotations": {
-        api.ANNOTATION_RESTORE_FROM: "forged", api.ANNOTATION_RESTORE_PHASE: "Restored",
-        api.ANNOTATION_RESTORE_MESSAGE: "x", "keep": "me"}}
+        protocol.ANNOTATION_RESTORE_FROM: "forged", protocol.ANNOTATION_RESTORE_PHASE: "Restored",
+        protocol.ANNOTATION_RESTORE_MESSAGE: "x", "keep": "me"}}
     fresh = build_sandbox_pod(sb, SETTINGS, 1, None)["metadata"]["annotations"]
-    assert fresh == {api.ANNOTATION_WORKSPACE_PATH: "/home/agent/work", "keep": "me"}
+    assert fresh == {protocol.ANNOTATION_WORKSPACE_PATH: "/home/agent/work", "keep": "me"}
     restore = build_sandbox_pod(sb, SETTINGS, 2, "c-1")["metadata"]["annotations"]
-    assert restore[api.ANNOTATION_RESTORE_FROM] == "c-1"
-    assert api.ANNOTATION_RESTORE_PHASE not in restore
+    assert restore[protocol.ANNOTATION_RESTORE_FROM] == "c-1"
+    assert protocol.ANNOTATION_RESTORE_PHASE not in restore
 
 
 @pytest.mark.parametrize(
@@ -165,9 +165,9 @@ def test_workspace_path_annotation_follows_the_mount_path_and_protocol_keys_are_
         ({"operator": "Exists"}, True),
         ({"operator": "Exists", "effect": "NoSchedule"}, True),
         ({"operator": "Exists", "effect": "NoExecute"}, False),
-        ({"key": api.TAINT_INTERRUPTION, "operator": "Exists"}, True),
-        ({"key": api.TAINT_INTERRUPTION, "value": "aws", "effect": "NoSchedule"}, True),
-        ({"key": api.TAINT_INTERRUPTION, "operator": "Exists", "effect": "PreferNoSchedule"},
+        ({"key": protocol.TAINT_INTERRUPTION, "operator": "Exists"}, True),
+        ({"key": protocol.TAINT_INTERRUPTION, "value": "aws", "effect": "NoSchedule"}, True),
+        ({"key": protocol.TAINT_INTERRUPTION, "operator": "Exists", "effect": "PreferNoSchedule"},
          False),
         ({"key": "spot", "operator": "Exists"}, False),
         ({"key": "", "operator": "Equal", "value": "x"}, False),
@@ -196,3 +196,37 @@ def test_tolerating_the_interruption_taint_is_an_invalid_spec(where: str) -> Non
         sb["spec"]["placement"] = {"tolerations": [tol]}
     with pytest.raises(InvalidSpec, match=r"tolerates the hermit\.dev/interruption taint"):
         build_sandbox_pod(sb, SETTINGS, 1, None)
+
+
+def test_protocol_annotations_of_the_node_agent_are_never_copied_from_the_template() -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    sb["spec"]["podTemplate"]["metadata"] = {"annotations": {
+        protocol.ANNOTATION_RESTORE_RETRYABLE: "false", protocol.ANNOTATION_ON_PREEMPTION: "false"}}
+    annotations = build_sandbox_pod(sb, SETTINGS, 1, None)["metadata"]["annotations"]
+    assert annotations == {protocol.ANNOTATION_WORKSPACE_PATH: "/workspace"}
+
+
+def test_on_preemption_false_marks_the_pod_and_drops_the_budget() -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    sb["spec"]["checkpoint"] = {"onPreemption": False}
+    annotations = build_sandbox_pod(sb, SETTINGS, 1, None)["metadata"]["annotations"]
+    assert annotations[protocol.ANNOTATION_ON_PREEMPTION] == "false"
+    assert podspec.disruption_budget(sb) is None and not podspec.on_preemption(sb)
+
+
+def test_disruption_budget_blocks_evictions_of_the_sandbox_pods() -> None:
+    sb = sample("agentsandbox-full.yaml")
+    assert podspec.on_preemption(sb)
+    pdb = podspec.disruption_budget(sb)
+    assert pdb is not None
+    name = sb["metadata"]["name"]
+    assert (pdb["apiVersion"], pdb["kind"]) == ("policy/v1", "PodDisruptionBudget")
+    assert pdb["metadata"]["name"] == podspec.pdb_name(name) == name
+    assert pdb["metadata"]["namespace"] == "team-a"
+    assert pdb["metadata"]["ownerReferences"] == [{
+        "apiVersion": "hermit.dev/v1alpha1", "kind": "AgentSandbox", "name": name,
+        "uid": "uid-1234", "controller": True, "blockOwnerDeletion": True}]
+    assert pdb["spec"] == {"maxUnavailable": 0,
+                           "selector": {"matchLabels": {protocol.LABEL_SANDBOX: name}}}
+    pod_labels = build_sandbox_pod(sb, SETTINGS, 3, None)["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import yaml
 
-from hermit_common import api
+from hermit_common import protocol
 from hermit_common.settings import OperatorSettings
 from hermit_operator.conditions import get_condition
 from hermit_operator.reconcile import Plan, container_message, plan, pod_is_lost, pod_is_ready
@@ -39,14 +39,14 @@ def restore_pod(name: str, incarnation: int, source: str, outcome: str | None,
                 message: str | None = None, *, phase: str = "Running") -> dict[str, Any]:
     """A restore pod (Ready: its init runs) with the node-agent's outcome annotation."""
     p = pod(phase, ready=True, name=name, node="spot-2")
-    annotations = {api.ANNOTATION_RESTORE_FROM: source}
+    annotations = {protocol.ANNOTATION_RESTORE_FROM: source}
     if outcome is not None:
-        annotations[api.ANNOTATION_RESTORE_PHASE] = outcome
+        annotations[protocol.ANNOTATION_RESTORE_PHASE] = outcome
     if message is not None:
-        annotations[api.ANNOTATION_RESTORE_MESSAGE] = message
+        annotations[protocol.ANNOTATION_RESTORE_MESSAGE] = message
     p["metadata"].update(annotations=annotations,
-                         labels={api.LABEL_SANDBOX: "minimal",
-                                 api.LABEL_INCARNATION: str(incarnation)})
+                         labels={protocol.LABEL_SANDBOX: "minimal",
+                                 protocol.LABEL_INCARNATION: str(incarnation)})
     return p
 
 
@@ -139,7 +139,8 @@ def test_evicted_pod_is_replaced_from_the_last_checkpoint() -> None:
     p = plan(sb, evicted, NOW, settings=SETTINGS)
     assert p.delete_pod == "minimal-1"
     assert p.create_pod is not None and p.create_pod["metadata"]["name"] == "minimal-2"
-    assert p.create_pod["metadata"]["annotations"][api.ANNOTATION_RESTORE_FROM] == "minimal-int-5"
+    annotations = p.create_pod["metadata"]["annotations"]
+    assert annotations[protocol.ANNOTATION_RESTORE_FROM] == "minimal-int-5"
     assert p.status_patch["phase"] == "Restoring"
     assert cond(p, "Restoring")["status"] == "True"
     # The restore pod is Ready before the node-agent has restored anything: still Restoring.
@@ -156,7 +157,7 @@ def test_evicted_pod_is_replaced_from_the_last_checkpoint() -> None:
 def test_vanished_pod_without_checkpoint_restarts_from_scratch_and_warns() -> None:
     p = plan(sandbox({"incarnation": 2, "podName": "minimal-2"}), None, NOW, settings=SETTINGS)
     assert p.create_pod is not None and p.create_pod["metadata"]["name"] == "minimal-3"
-    assert api.ANNOTATION_RESTORE_FROM not in p.create_pod["metadata"]["annotations"]
+    assert protocol.ANNOTATION_RESTORE_FROM not in p.create_pod["metadata"]["annotations"]
     assert {e.type for e in p.events} == {"Warning"}
 
 
@@ -165,12 +166,63 @@ def test_disruption_target_marks_a_pod_lost() -> None:
     assert pod_is_lost(disrupted) and not pod_is_lost(pod("Failed"))
 
 
+def _other_checkpoint(phase: str | None = "Completed", message: str | None = None
+                      ) -> dict[str, Any]:
+    """A Checkpoint of another sandbox, the source of a fork."""
+    status: dict[str, Any] = {}
+    if phase is not None:
+        status = {"phase": phase, "completedAt": "2026-01-01T11:00:00Z"}
+    if message:
+        status["message"] = message
+    return {"metadata": {"name": "other-manual-1", "namespace": "ns",
+                         "creationTimestamp": "2026-01-01T10:59:00Z"},
+            "spec": {"sandboxRef": {"name": "other"}, "reason": "Manual"}, "status": status}
+
+
 def test_fork_restores_spec_restore_from_on_the_first_incarnation() -> None:
-    p = plan(sandbox(restoreFrom="other-manual-1"), None, NOW, settings=SETTINGS)
+    p = plan(sandbox(restoreFrom="other-manual-1"), None, NOW, settings=SETTINGS,
+             checkpoints=[_other_checkpoint()])
     assert p.create_pod is not None
     assert p.create_pod["metadata"]["annotations"] == {
-        api.ANNOTATION_RESTORE_FROM: "other-manual-1", api.ANNOTATION_WORKSPACE_PATH: "/workspace"}
+        protocol.ANNOTATION_RESTORE_FROM: "other-manual-1",
+        protocol.ANNOTATION_WORKSPACE_PATH: "/workspace"}
     assert p.status_patch["phase"] == "Restoring"
+    assert p.status_patch["restoredFrom"] == {
+        "name": "other-manual-1", "reason": "Manual", "checkpointTime": "2026-01-01T11:00:00Z",
+        "staleSeconds": 3600, "fallback": False}
+    assert [(e.type, e.reason) for e in p.events] == [("Normal", "RestoreStarted")]
+
+
+def test_fork_of_a_missing_checkpoint_waits_and_says_so_once() -> None:
+    sb = sandbox(restoreFrom="other-manual-1")
+    p = plan(sb, None, NOW, settings=SETTINGS)
+    assert p.create_pod is None and p.status_patch["phase"] == "Pending"
+    ready = cond(p, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "CheckpointNotFound")
+    assert "other-manual-1" in ready["message"] and "namespace ns" in ready["message"]
+    assert [(e.type, e.reason) for e in p.events] == [("Warning", "CheckpointNotFound")]
+    again = plan(after(p, sb), None, NOW, settings=SETTINGS)
+    assert again.events == () and again.create_pod is None
+    # It appears (and completes): the fork starts.
+    found = plan(after(again, sb), None, NOW, settings=SETTINGS,
+                 checkpoints=[_other_checkpoint()])
+    assert found.create_pod is not None and found.status_patch["incarnation"] == 1
+
+
+def test_fork_waits_for_a_checkpoint_in_flight_and_refuses_a_failed_one() -> None:
+    sb = sandbox(restoreFrom="other-manual-1")
+    p = plan(sb, None, NOW, settings=SETTINGS, checkpoints=[_other_checkpoint("Uploading")])
+    assert p.create_pod is None and p.events == ()
+    assert cond(p, "Ready")["reason"] == "CheckpointInProgress"
+    assert (cond(p, "Restoring")["status"], p.status_patch["phase"]) == ("True", "Restoring")
+    failed = plan(after(p, sb), None, NOW, settings=SETTINGS,
+                  checkpoints=[_other_checkpoint("Failed", "criu: dump failed")])
+    assert failed.create_pod is None
+    assert cond(failed, "Ready")["reason"] == "CheckpointFailed"
+    assert cond(failed, "Restoring")["status"] == "False"
+    assert "criu: dump failed" in cond(failed, "Ready")["message"]
+    assert [(e.type, e.reason) for e in failed.events] == [("Warning", "CheckpointFailed")]
+    assert failed.status_patch["phase"] == "Pending"
 
 
 def test_suspend_deletes_the_pod_and_resume_creates_a_new_one() -> None:
@@ -215,3 +267,17 @@ def test_pod_readiness_falls_back_to_container_statuses() -> None:
     p = {"status": {"phase": "Running", "containerStatuses": [{"ready": True}]}}
     assert pod_is_ready(p) and not pod_is_ready({"status": {"phase": "Running"}})
     assert container_message({"status": {"phase": "Pending"}}) == "pod is Pending"
+
+
+def test_every_plan_keeps_the_disruption_budget_unless_preemption_is_off() -> None:
+    p = plan(sandbox(), None, NOW, settings=SETTINGS)
+    assert p.pdb is not None and p.pdb["metadata"]["name"] == "minimal" and p.delete_pdb is None
+    off = sandbox(checkpoint={"onPreemption": False})
+    q = plan(off, None, NOW, settings=SETTINGS)
+    assert q.pdb is None and q.delete_pdb == "minimal"
+    assert q.create_pod is not None
+    assert q.create_pod["metadata"]["annotations"][protocol.ANNOTATION_ON_PREEMPTION] == "false"
+    invalid = sandbox()
+    del invalid["spec"]["podTemplate"]["spec"]["containers"][0]["command"]
+    r = plan(invalid, None, NOW, settings=SETTINGS)
+    assert r.pdb is None and r.delete_pdb is None  # nothing is touched for an invalid spec

@@ -1,0 +1,174 @@
+"""The operator <-> node-agent protocol: one vocabulary for both sides.
+
+The two components talk only through Kubernetes objects (docs/protocol.md says who
+writes which field). Everything they must agree on lives here: Checkpoint phases and
+reasons, restore phases, the labels, annotations and taint, the names of the
+Checkpoints either side creates, the Checkpoint builder, the accessors that read a
+Checkpoint the same way on both sides, and the time format. ``api`` holds the rest
+of the API (group, kinds, AgentSandbox conditions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from hermit_common.api import API_VERSION, CHECKPOINT_KIND, GROUP, SANDBOX_KIND
+
+KubeObject = dict[str, Any]
+
+# -- Checkpoint.status.phase (an empty status is Pending) ------------------------------
+PENDING: Final = "Pending"
+DUMPING: Final = "Dumping"
+UPLOADING: Final = "Uploading"
+COMPLETED: Final = "Completed"
+FAILED: Final = "Failed"
+CHECKPOINT_PHASES: Final = (PENDING, DUMPING, UPLOADING, COMPLETED, FAILED)
+IN_FLIGHT: Final = (PENDING, DUMPING, UPLOADING)
+ACTIVE: Final = (DUMPING, UPLOADING)  # a node-agent is working on it
+
+# -- Checkpoint.spec.reason -------------------------------------------------------------
+PREEMPTION: Final = "Preemption"  # a cloud notice (node-agent)
+EVICTION: Final = "Eviction"  # a drain: cordon or another tool's taint (node-agent)
+INTERVAL: Final = "Interval"  # spec.checkpoint.intervalSeconds (operator)
+TURN: Final = "Turn"  # an agent turn ended (harness)
+MANUAL: Final = "Manual"  # a user
+SUSPEND: Final = "Suspend"  # spec.suspend (operator)
+REASONS: Final = (PREEMPTION, EVICTION, INTERVAL, TURN, MANUAL, SUSPEND)
+# Reasons whose checkpoint ends the current incarnation once it is durable.
+STOPPING_REASONS: Final = (PREEMPTION, EVICTION, SUSPEND)
+# Stopping reasons after which the sandbox continues on a new pod at once.
+MIGRATING_REASONS: Final = (PREEMPTION, EVICTION)
+
+# -- restore outcome on the restore pod (annotation hermit.dev/restore-phase) -----------
+RESTORING: Final = "Restoring"
+RESTORED: Final = "Restored"
+RESTORE_FAILED: Final = "Failed"
+RESTORE_PHASES: Final = (RESTORING, RESTORED, RESTORE_FAILED)
+
+# -- labels, annotations, taint ---------------------------------------------------------
+# On sandbox pods and Checkpoints: which sandbox, which incarnation (pod) of it.
+LABEL_SANDBOX: Final = f"{GROUP}/sandbox"
+LABEL_INCARNATION: Final = f"{GROUP}/incarnation"
+# Pods, set by the operator: restore this Checkpoint (the init waits for it).
+ANNOTATION_RESTORE_FROM: Final = f"{GROUP}/restore-from"
+# Pods, set by the operator: the workspace mount path to capture.
+ANNOTATION_WORKSPACE_PATH: Final = f"{GROUP}/workspace-path"
+# Pods, set by the operator: "false" when spec.checkpoint.onPreemption is false (no
+# checkpoint on a notice or a drain).
+ANNOTATION_ON_PREEMPTION: Final = f"{GROUP}/on-preemption"
+# Restore pods, written by the node-agent: RESTORE_PHASES, a message, and with Failed
+# whether the same checkpoint may restore on a new pod ("true": S3 or the API was
+# unreachable, the agent restarted; "false": refused as corrupt, foreign, incompatible).
+ANNOTATION_RESTORE_PHASE: Final = f"{GROUP}/restore-phase"
+ANNOTATION_RESTORE_MESSAGE: Final = f"{GROUP}/restore-message"
+ANNOTATION_RESTORE_RETRYABLE: Final = f"{GROUP}/restore-retryable"
+# Nodes, set by the node-agent with a cordon: this node is going away.
+TAINT_INTERRUPTION: Final = f"{GROUP}/interruption"
+
+DEFAULT_WORKSPACE_PATH: Final = "/workspace"
+NAME_LIMIT: Final = 253
+MESSAGE_LIMIT: Final = 1024  # status.message and restore-message stay short and on one line
+
+
+# -- reading a Checkpoint (or a pod) the same way on both sides --------------------------
+
+def meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    return obj.get("metadata") or {}
+
+
+def name_of(obj: Mapping[str, Any]) -> str:
+    return str(meta(obj).get("name") or "")
+
+
+def phase_of(ckpt: Mapping[str, Any]) -> str:
+    """status.phase; an empty status is Pending."""
+    return str((ckpt.get("status") or {}).get("phase") or PENDING)
+
+
+def reason_of(ckpt: Mapping[str, Any]) -> str:
+    return str((ckpt.get("spec") or {}).get("reason") or "")
+
+
+def sandbox_of(ckpt: Mapping[str, Any]) -> str | None:
+    """The AgentSandbox a Checkpoint is of (spec.sandboxRef.name), or None."""
+    ref = ((ckpt.get("spec") or {}).get("sandboxRef") or {}).get("name")
+    return str(ref) if ref else None
+
+
+def incarnation_of(obj: Mapping[str, Any]) -> int | None:
+    """The incarnation label of a pod or Checkpoint; None when absent or malformed."""
+    try:
+        return int((meta(obj).get("labels") or {})[LABEL_INCARNATION])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def is_stopping(reason: str) -> bool:
+    """Whether a checkpoint of this reason ends the current incarnation once durable."""
+    return reason in STOPPING_REASONS
+
+
+# -- names and the builder ----------------------------------------------------------------
+
+_SUFFIX: Final = {PREEMPTION: "preempt", EVICTION: "evict", SUSPEND: "suspend", INTERVAL: "i"}
+
+
+def checkpoint_name(sandbox: str, incarnation: int, reason: str, tag: str = "") -> str:
+    """``<sandbox>-<incarnation>-<kind><tag>`` (``box-3-preempt``, ``box-3-i1767268800``):
+    the name either side gives a Checkpoint it creates; the sandbox part is cut so the
+    unique tail always fits."""
+    tail = f"-{incarnation}-{_SUFFIX.get(reason, reason.lower())}{tag}"
+    return sandbox[:NAME_LIMIT - len(tail)].rstrip("-.") + tail
+
+
+def owner_reference(sandbox: Mapping[str, Any]) -> KubeObject:
+    """The controller reference to an AgentSandbox (its Checkpoints, pods, PDB)."""
+    m = meta(sandbox)
+    return {"apiVersion": sandbox.get("apiVersion", API_VERSION),
+            "kind": sandbox.get("kind", SANDBOX_KIND), "name": m.get("name"),
+            "uid": m.get("uid"), "controller": True, "blockOwnerDeletion": True}
+
+
+def checkpoint_object(sandbox: str, name: str, reason: str, incarnation: int | None = None,
+                      *, namespace: str | None = None,
+                      owner: Mapping[str, Any] | None = None) -> KubeObject:
+    """A Checkpoint to create (status empty: Pending), labelled with its sandbox and,
+    when known, the incarnation it is of; ``owner``: the AgentSandbox object."""
+    if reason not in REASONS:
+        raise ValueError(f"unknown checkpoint reason {reason!r}")
+    labels = {LABEL_SANDBOX: sandbox}
+    if incarnation is not None:
+        labels[LABEL_INCARNATION] = str(incarnation)
+    metadata: KubeObject = {"name": name, "labels": labels}
+    if namespace is not None:
+        metadata["namespace"] = namespace
+    if owner is not None:
+        metadata["ownerReferences"] = [owner_reference(owner)]
+    return {"apiVersion": API_VERSION, "kind": CHECKPOINT_KIND, "metadata": metadata,
+            "spec": {"sandboxRef": {"name": sandbox}, "reason": reason}}
+
+
+# -- time and messages ------------------------------------------------------------------------
+
+def rfc3339(moment: datetime) -> str:
+    """The API's timestamp format (seconds, UTC, Z)."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(value: object) -> datetime | None:
+    """An RFC 3339 timestamp as an aware datetime; None when absent or malformed."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def one_line(message: str, limit: int = MESSAGE_LIMIT) -> str:
+    """A message for a status field or an annotation: one line, at most ``limit`` chars."""
+    text = " ".join(message.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."

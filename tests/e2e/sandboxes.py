@@ -1,0 +1,260 @@
+"""AgentSandboxes for the e2e tests: a workload that checks its own invariants, and the
+probes that read a sandbox, its Checkpoints and its pods' output.
+
+The workload is ``hermit-stateful`` (tests/workloads/stateful.c) from the sandbox image:
+an in-memory counter printed as ``tick N`` on stdout and appended to a log in the
+workspace, a background child over a pipe and a socketpair, a worker thread, a listening
+TCP socket, patterned memory and an open SQLite database in the workspace, a file in the
+writable layer. It verifies all of them every tick and exits non-zero, naming what
+broke, when one does: a sandbox that keeps running after a move kept them all.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from kubernetes.stream import stream
+
+from hermit_common import api
+from tests.e2e.conftest import (
+    SPOT_LABEL,
+    E2EConfig,
+    Kube,
+    is_ready,
+    labels_of,
+    name_of,
+    run_cluster_command,
+    wait_until,
+)
+
+Obj = dict[str, Any]
+
+WORKLOAD = "/bin/hermit-stateful"
+TICK_MS = 200
+WORKLOAD_PORT = 7000
+WORKLOAD_MEM_MB = 24  # spans several 4 MiB store chunks
+
+
+def custom() -> client.CustomObjectsApi:
+    return client.CustomObjectsApi()
+
+
+def stateful_spec(image: str, *, mem_mb: int = WORKLOAD_MEM_MB, **spec: Any) -> Obj:
+    """An AgentSandbox spec running the self-checking workload; ``spec`` adds fields."""
+    env = {"HERMIT_TICK_MS": str(TICK_MS), "PORT": str(WORKLOAD_PORT),
+           "HERMIT_STATE_DIR": "/state", "HERMIT_TICK_LOG": "/workspace/ticks.log",
+           "HERMIT_DB_PATH": "/workspace/agent.db", "HERMIT_DELETE_PATH": "",
+           "HERMIT_WORKLOAD_MEM_MB": str(mem_mb)}
+    container = {"name": "agent", "image": image, "imagePullPolicy": "IfNotPresent",
+                 "command": [WORKLOAD],
+                 "env": [{"name": k, "value": v} for k, v in env.items()]}
+    return {"podTemplate": {"spec": {"containers": [container]}}, **spec}
+
+
+def create_sandbox(ns: str, name: str, spec: Obj) -> None:
+    custom().create_namespaced_custom_object(api.GROUP, api.VERSION, ns, api.SANDBOX_PLURAL, {
+        "apiVersion": api.API_VERSION, "kind": api.SANDBOX_KIND,
+        "metadata": {"name": name}, "spec": spec})
+
+
+def patch_sandbox(ns: str, name: str, spec: Obj) -> None:
+    custom().patch_namespaced_custom_object(api.GROUP, api.VERSION, ns, api.SANDBOX_PLURAL,
+                                            name, {"spec": spec})
+
+
+def sandbox(ns: str, name: str) -> Obj:
+    obj: Obj = custom().get_namespaced_custom_object(api.GROUP, api.VERSION, ns,
+                                                     api.SANDBOX_PLURAL, name)
+    return obj
+
+
+def status(ns: str, name: str) -> Obj:
+    out: Obj = sandbox(ns, name).get("status") or {}
+    return out
+
+
+def checkpoints(ns: str) -> list[Obj]:
+    items: list[Obj] = custom().list_namespaced_custom_object(
+        api.GROUP, api.VERSION, ns, api.CHECKPOINT_PLURAL)["items"]
+    return items
+
+
+def events(kube: Kube, ns: str, name: str) -> list[Obj]:
+    out = kube.api.list_namespaced_event(ns, field_selector=f"involvedObject.name={name}")
+    return [{"type": e.type, "reason": e.reason, "message": e.message} for e in out.items]
+
+
+def ticks(kube: Kube, ns: str, pod: str) -> list[int]:
+    """The ``tick N`` lines of a pod's output (empty when it has none yet)."""
+    try:
+        log = kube.pod_log(ns, pod)
+    except ApiException:
+        return []
+    return [int(line.split()[1]) for line in log.splitlines()
+            if line.startswith("tick ") and line.split()[1].isdigit()]
+
+
+def ask(ns: str, pod: str) -> dict[str, str]:
+    """The workload's answer on its TCP port, asked from inside the pod (same netns)."""
+    out = stream(client.CoreV1Api().connect_get_namespaced_pod_exec, pod, ns,
+                 command=["sh", "-c", f"nc 127.0.0.1 {WORKLOAD_PORT} </dev/null"],
+                 stderr=True, stdin=False, stdout=True, tty=False)
+    return {k: v for k, _, v in (kv.partition("=") for kv in str(out).split()) if v}
+
+
+@dataclass
+class Running:
+    """Where a sandbox runs and how far its counter had got when we looked."""
+
+    node: str
+    pod: str
+    restores: int
+    last_tick: int
+
+
+def wait_running(kube: Kube, ns: str, name: str, *, restores: int = 0, avoid: str = "",
+                 timeout: float = 240, min_ticks: int = 5) -> Running:
+    """Waits until the sandbox is Running with at least ``restores`` restores on a node
+    other than ``avoid`` and its pod has printed ``min_ticks`` ticks; fails early when it
+    Failed."""
+
+    def probe() -> Running | None:
+        s = status(ns, name)
+        assert s.get("phase") != "Failed", f"sandbox {name} Failed: {s.get('conditions')}"
+        if (s.get("phase") != "Running" or int(s.get("restores") or 0) < restores
+                or not s.get("nodeName") or s.get("nodeName") == avoid):
+            return None
+        seen = ticks(kube, ns, s["podName"])
+        if len(seen) < min_ticks:
+            return None
+        return Running(s["nodeName"], s["podName"], int(s.get("restores") or 0), seen[-1])
+
+    return wait_until(f"sandbox {name} Running (restores >= {restores})", timeout, probe)
+
+
+def assert_continues(kube: Kube, ns: str, pod: str, before: int, *,
+                     exact: bool = True) -> list[int]:
+    """The restored pod's ticks continue the counter (not from 1), without a gap, and the
+    workload's own checks hold (it answers, with its child and its database in step).
+    ``exact``: its first tick follows ``before`` (a stopping checkpoint froze the tree at
+    ``before``), else it may start earlier (a routine checkpoint, then a loss)."""
+    def enough() -> list[int] | None:
+        t = ticks(kube, ns, pod)
+        return t if len(t) >= 10 else None
+
+    seen = wait_until(f"ticks in pod {pod}", 60, enough)
+    assert seen == list(range(seen[0], seen[0] + len(seen))), f"gap or repeat: {seen[:20]}"
+    assert seen[0] > 1, f"the counter restarted: {seen[:5]}"
+    if exact:
+        assert seen[0] == before + 1, f"expected tick {before + 1} first, got {seen[:5]}"
+    else:
+        assert seen[0] <= before + 1, f"ticks {before + 1}..{seen[0] - 1} were skipped"
+    answer = ask(ns, pod)
+    assert int(answer.get("counter", "0")) >= seen[-1], answer
+    if "db" in answer:
+        assert int(answer["db"]) >= int(answer["counter"]) - 1, f"database behind: {answer}"
+    return seen
+
+
+def ready_spot_nodes(kube: Kube) -> list[str]:
+    return sorted(name_of(n) for n in kube.nodes()
+                  if is_ready(n) and labels_of(n).get(SPOT_LABEL) == "spot")
+
+
+def ensure_spot_nodes(kube: Kube, cfg: E2EConfig, count: int) -> None:
+    """Adds spot nodes until ``count`` are Ready (one at a time: add-node takes a lock)."""
+    while len(ready_spot_nodes(kube)) < count:
+        added = run_cluster_command(cfg.add_node_cmd)
+        out, _ = added.communicate(timeout=300)
+        assert added.returncode == 0, f"add-node failed: {out}"
+    wait_until(f"{count} Ready spot nodes", 120, lambda: len(ready_spot_nodes(kube)) >= count)
+
+
+def completed_checkpoint(ns: str, reason: str, *, sandbox_name: str,
+                         not_in: frozenset[str] | set[str] = frozenset(),
+                         ) -> Callable[[], Obj | None]:
+    """A probe: a Completed Checkpoint of ``reason`` of the sandbox not named in
+    ``not_in``; fails on a Failed one of that reason."""
+
+    def probe() -> Obj | None:
+        for c in checkpoints(ns):
+            if (c["spec"]["reason"] != reason or c["spec"]["sandboxRef"]["name"] != sandbox_name
+                    or c["metadata"]["name"] in not_in):
+                continue
+            phase = (c.get("status") or {}).get("phase")
+            assert phase != "Failed", f"checkpoint failed: {c['status'].get('message')}"
+            if phase == "Completed":
+                return c
+        return None
+
+    return probe
+
+
+def since(started: float) -> float:
+    return round(time.monotonic() - started, 1)
+
+
+def node_agent_pids(node: str) -> list[int]:
+    """Host pids of the node-agent serving ``node`` (the local cluster shares this host's
+    kernel: each node's processes are visible here, told apart by HERMIT_NODE_NAME)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            if not any(part.endswith(b"hermit-node") for part in cmdline[:2]) or \
+                    b"run" not in cmdline:
+                continue
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"HERMIT_NODE_NAME={node}".encode() in environ:
+            found.append(int(entry.name))
+    return found
+
+
+def kill_node_agent(kube: Kube, release_ns: str, node: str) -> None:
+    """SIGKILL the node-agent of ``node`` and wait until its pod is Ready again."""
+    pids = node_agent_pids(node)
+    assert pids, f"no node-agent process for {node} on this host"
+    before = _agent_restarts(kube, release_ns, node)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    wait_until(f"the node-agent of {node} restarted and Ready", 120,
+               lambda: _agent_restarts(kube, release_ns, node) > before
+               and _agent_ready(kube, release_ns, node))
+
+
+def _agent_pod(kube: Kube, release_ns: str, node: str) -> Obj | None:
+    pods = kube.api.list_namespaced_pod(release_ns, field_selector=f"spec.nodeName={node}")
+    for p in pods.items:
+        if "node-agent" in p.metadata.name:
+            return {"status": p.status}
+    return None
+
+
+def _agent_restarts(kube: Kube, release_ns: str, node: str) -> int:
+    pod = _agent_pod(kube, release_ns, node)
+    statuses = (pod["status"].container_statuses or []) if pod else []
+    return sum(s.restart_count for s in statuses)
+
+
+def _agent_ready(kube: Kube, release_ns: str, node: str) -> bool:
+    pod = _agent_pod(kube, release_ns, node)
+    statuses = (pod["status"].container_statuses or []) if pod else []
+    return bool(statuses) and all(s.ready for s in statuses)
+
+
+def pod_annotation(kube: Kube, ns: str, pod: str, key: str) -> str | None:
+    obj = kube.pod(ns, pod) or {}
+    value = (obj.get("metadata", {}).get("annotations") or {}).get(key)
+    return str(value) if value is not None else None

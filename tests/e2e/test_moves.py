@@ -1,0 +1,312 @@
+"""A sandbox lives through any number of moves and losses, not just one.
+
+Each scenario runs the self-checking workload (tests/e2e/sandboxes.py) and asserts that
+nothing was lost (the counter continues, the workload's own checks of its memory, child,
+pipes, socket, thread, database and files still hold) and nothing was duplicated (one
+pod, ticks without repeats). Generation 2 and 3 fail where generation 1 passes, so
+the first scenario moves the same sandbox three times and then suspends, resumes and
+forks it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hermit_common import protocol
+from tests.e2e import sandboxes as sb
+from tests.e2e.conftest import (
+    REPO,
+    S3,
+    E2EConfig,
+    Kube,
+    run_cluster_command,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+Obj = dict[str, Any]
+
+NOTICE_SECONDS = 20
+
+
+def _preempt(kube: Kube, cfg: E2EConfig, ns: str, name: str, where: sb.Running,
+             generation: int, done: set[str]) -> tuple[sb.Running, dict[str, Any]]:
+    """One spot notice on the sandbox's node; returns where it runs next and the timings."""
+    started = time.monotonic()
+    preempt = run_cluster_command(cfg.preempt_cmd, node=where.node, notice=str(NOTICE_SECONDS))
+    try:
+        ckpt = wait_until(f"generation {generation}: a Completed Preemption checkpoint",
+                          NOTICE_SECONDS, sb.completed_checkpoint(
+                              ns, "Preemption", sandbox_name=name, not_in=done), 0.2)
+        durable = sb.since(started)
+        done.add(ckpt["metadata"]["name"])
+        last = sb.ticks(kube, ns, where.pod)
+        after = sb.wait_running(kube, ns, name, restores=where.restores + 1, avoid=where.node,
+                                timeout=180, min_ticks=1)
+        running = sb.since(started)
+        seen = sb.assert_continues(kube, ns, after.pod, last[-1] if last else 0,
+                                   exact=bool(last))
+    finally:
+        out, _ = preempt.communicate(timeout=NOTICE_SECONDS + 180)
+    assert preempt.returncode == 0, f"preempt command failed: {out}"
+    timing = {"generation": generation, "from": where.node, "to": after.node,
+              "checkpoint": ckpt["metadata"]["name"], "notice_to_durable_s": durable,
+              "notice_to_running_s": running, "frozen_ms": ckpt["status"].get("frozenMs"),
+              "first_tick": seen[0]}
+    return sb.Running(after.node, after.pod, after.restores, seen[-1]), timing
+
+
+def test_three_preemptions_in_a_row_then_suspend_resume_and_fork(
+    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
+) -> None:
+    sb.ensure_spot_nodes(kube, e2e_config, 2)
+    name = f"agent-{uuid.uuid4().hex[:6]}"
+    sb.create_sandbox(namespace, name, sb.stateful_spec(e2e_config.sandbox_image))
+    where = sb.wait_running(kube, namespace, name, min_ticks=10)
+    done: set[str] = set()
+    timings = []
+    for generation in (1, 2, 3):
+        # The next node must exist before the notice: a spot pool keeps spares.
+        sb.ensure_spot_nodes(kube, e2e_config, 2)
+        where, timing = _preempt(kube, e2e_config, namespace, name, where, generation, done)
+        timings.append(timing)
+        print(f"move {generation}: {timing}")
+    assert sb.status(namespace, name)["restores"] == 3
+
+    # Suspend: checkpointed and released; resume: restored, the counter continues.
+    sb.patch_sandbox(namespace, name, {"suspend": True})
+    wait_until("sandbox Suspended", 120,
+               lambda: sb.status(namespace, name).get("phase") == "Suspended")
+    last = sb.ticks(kube, namespace, where.pod)[-1] if kube.pod(namespace, where.pod) else 0
+    suspend = sb.completed_checkpoint(namespace, "Suspend", sandbox_name=name)()
+    assert suspend is not None, "no Completed Suspend checkpoint"
+    sb.patch_sandbox(namespace, name, {"suspend": False})
+    resumed = sb.wait_running(kube, namespace, name, restores=4, min_ticks=1)
+    seen = sb.assert_continues(kube, namespace, resumed.pod, last, exact=bool(last))
+    print(f"resumed on {resumed.node} at tick {seen[0]}")
+
+    # Fork the restored sandbox: a second sandbox from its Suspend checkpoint.
+    fork = f"{name}-fork"
+    sb.create_sandbox(namespace, fork, sb.stateful_spec(
+        e2e_config.sandbox_image, restoreFrom=suspend["metadata"]["name"]))
+    forked = sb.wait_running(kube, namespace, fork, restores=1, min_ticks=1)
+    fork_ticks = sb.assert_continues(kube, namespace, forked.pod, seen[0] - 1)
+    assert sb.status(namespace, name)["phase"] == "Running", "the original keeps running"
+    print(f"fork {fork} on {forked.node} started at tick {fork_ticks[0]}")
+    print("moves:")
+    for t in timings:
+        print(f"  gen {t['generation']}: {t['from']} -> {t['to']}: notice->durable "
+              f"{t['notice_to_durable_s']} s, notice->running {t['notice_to_running_s']} s, "
+              f"frozen {t['frozen_ms']} ms")
+
+
+def test_node_lost_without_notice_restores_the_interval_checkpoint(
+    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
+) -> None:
+    sb.ensure_spot_nodes(kube, e2e_config, 2)
+    name = f"agent-{uuid.uuid4().hex[:6]}"
+    interval = 30
+    sb.create_sandbox(namespace, name, sb.stateful_spec(
+        e2e_config.sandbox_image, checkpoint={"intervalSeconds": interval}))
+    where = sb.wait_running(kube, namespace, name, min_ticks=5)
+    ckpt = wait_until("a Completed Interval checkpoint", interval + 60,
+                      sb.completed_checkpoint(namespace, "Interval", sandbox_name=name), 1)
+    assert sb.status(namespace, name)["phase"] == "Running", "a routine checkpoint stops nothing"
+    time.sleep(2)  # let the workload run past the checkpoint: that is the work to lose
+    last_before = sb.ticks(kube, namespace, where.pod)[-1]
+    lost_at = time.monotonic()
+    kill = subprocess.run(
+        [str(REPO / "hack/cluster"), "preempt-node", where.node, "--no-notice"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert kill.returncode == 0, kill.stdout + kill.stderr
+    after = sb.wait_running(kube, namespace, name, restores=1, avoid=where.node, timeout=240,
+                            min_ticks=1)
+    seen = sb.assert_continues(kube, namespace, after.pod, last_before, exact=False)
+    restored = sb.status(namespace, name).get("restoredFrom") or {}
+    assert restored.get("name"), f"status.restoredFrom missing: {sb.status(namespace, name)}"
+    stale = int(restored.get("staleSeconds", -1))
+    assert stale >= 0
+    lost_ticks = last_before - seen[0] + 1
+    warnings = [e for e in sb.events(kube, namespace, name) if e["type"] == "Warning"
+                and str(restored.get("name")) in str(e["message"])]
+    assert warnings, "no Warning event says which checkpoint was restored and how old it was"
+    print(f"lost without notice: restored {restored['name']} (Interval checkpoint "
+          f"{ckpt['metadata']['name']} or newer), {stale} s old when restored; "
+          f"{lost_ticks} ticks = {lost_ticks * sb.TICK_MS / 1000:.1f} s of work lost "
+          f"(intervalSeconds {interval}); running again {sb.since(lost_at)} s after the loss")
+    assert lost_ticks * sb.TICK_MS / 1000 <= interval + 15
+
+
+def test_kubectl_drain_checkpoints_and_moves_the_sandbox(
+    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
+) -> None:
+    sb.ensure_spot_nodes(kube, e2e_config, 2)
+    name = f"agent-{uuid.uuid4().hex[:6]}"
+    sb.create_sandbox(namespace, name, sb.stateful_spec(e2e_config.sandbox_image))
+    where = sb.wait_running(kube, namespace, name, min_ticks=5)
+    kubectl = _kubectl()
+    started = time.monotonic()
+    drain = subprocess.Popen(
+        [kubectl, "drain", where.node, "--ignore-daemonsets", "--delete-emptydir-data",
+         "--timeout=180s", "--kubeconfig", e2e_config.kubeconfig],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        ckpt = wait_until("a Completed Eviction checkpoint", 120, sb.completed_checkpoint(
+            namespace, "Eviction", sandbox_name=name), 0.2)
+        last = sb.ticks(kube, namespace, where.pod)
+        out, _ = drain.communicate(timeout=240)
+        assert drain.returncode == 0, f"drain failed: {out}"
+        drained = sb.since(started)
+        after = sb.wait_running(kube, namespace, name, restores=1, avoid=where.node,
+                                min_ticks=1)
+        sb.assert_continues(kube, namespace, after.pod, last[-1] if last else 0,
+                            exact=bool(last))
+        print(f"drain of {where.node}: done in {drained} s; sandbox moved to "
+              f"{after.node} from checkpoint {ckpt['metadata']['name']}")
+    finally:
+        if drain.poll() is None:
+            drain.kill()
+        subprocess.run([kubectl, "uncordon", where.node, "--kubeconfig",
+                        e2e_config.kubeconfig], capture_output=True, check=False)
+
+
+def _kubectl() -> str:
+    path = Path(os.environ.get("HERMIT_CACHE", Path.home() / ".cache/hermit")) / "bin/kubectl"
+    if not path.exists():
+        pytest.fail(f"kubectl not found at {path}: run hack/install-k8s")
+    return str(path)
+
+
+def test_restore_retried_while_s3_is_unreachable(
+    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig, s3_for_pods: S3,
+) -> None:
+    sb.ensure_spot_nodes(kube, e2e_config, 2)
+    name = f"agent-{uuid.uuid4().hex[:6]}"
+    sb.create_sandbox(namespace, name, sb.stateful_spec(e2e_config.sandbox_image))
+    where = sb.wait_running(kube, namespace, name, min_ticks=5)
+    preempt = run_cluster_command(e2e_config.preempt_cmd, node=where.node,
+                                  notice=str(NOTICE_SECONDS))
+    stopped = False
+    try:
+        wait_until("a Completed Preemption checkpoint", NOTICE_SECONDS, sb.completed_checkpoint(
+            namespace, "Preemption", sandbox_name=name), 0.2)
+        last = sb.ticks(kube, namespace, where.pod)
+        s3_for_pods.stop()
+        stopped = True
+
+        def failed_attempt() -> bool:
+            s = sb.status(namespace, name)
+            return int(s.get("restoreAttempts") or 0) >= 1
+
+        wait_until("a failed restore attempt while S3 is down", 180, failed_attempt)
+        assert sb.status(namespace, name).get("phase") != "Failed", "a transient failure is "\
+            "not the end"
+        s3_for_pods.start()
+        stopped = False
+        after = sb.wait_running(kube, namespace, name, restores=1, avoid=where.node,
+                                timeout=420, min_ticks=1)
+        sb.assert_continues(kube, namespace, after.pod, last[-1] if last else 0,
+                            exact=bool(last))
+        print(f"restore retried {sb.status(namespace, name).get('restoreAttempts')} times "
+              f"while S3 was down, then succeeded on {after.node}")
+    finally:
+        if stopped:
+            s3_for_pods.start()
+        out, _ = preempt.communicate(timeout=NOTICE_SECONDS + 180)
+    assert preempt.returncode == 0, out
+
+
+BIG_MEM_MB = 384  # long enough a dump and upload (and restore) to kill the agent in it
+
+
+def test_node_agent_killed_while_the_sandbox_is_frozen(
+    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
+) -> None:
+    """SIGKILL of the node-agent while a migrating checkpoint keeps the sandbox frozen:
+    the restarted agent thaws it, fails the cut-short checkpoint, takes another (the
+    node is still going away) and the sandbox moves with nothing lost."""
+    sb.ensure_spot_nodes(kube, e2e_config, 2)
+    name = f"agent-{uuid.uuid4().hex[:6]}"
+    sb.create_sandbox(namespace, name,
+                      sb.stateful_spec(e2e_config.sandbox_image, mem_mb=BIG_MEM_MB))
+    where = sb.wait_running(kube, namespace, name, min_ticks=5)
+    preempt = run_cluster_command(e2e_config.preempt_cmd, node=where.node, notice="90")
+    try:
+        def frozen() -> Obj | None:
+            for c in sb.checkpoints(namespace):
+                if c["spec"]["reason"] == "Preemption" and \
+                        (c.get("status") or {}).get("phase") in ("Dumping", "Uploading"):
+                    return c
+            return None
+
+        first = wait_until("the Preemption checkpoint under way", 60, frozen, 0.1)
+        at_kill = sb.ticks(kube, namespace, where.pod)[-1]
+        sb.kill_node_agent(kube, hermit_release, where.node)
+        wait_until("the sandbox thawed (its counter moves again)", 60,
+                   lambda: sb.ticks(kube, namespace, where.pod)[-1] > at_kill + 3)
+        retry = wait_until("a Completed Preemption checkpoint after the restart", 80,
+                           sb.completed_checkpoint(namespace, "Preemption", sandbox_name=name,
+                                                   not_in={first["metadata"]["name"]}), 0.5)
+        cut = next(c for c in sb.checkpoints(namespace)
+                   if c["metadata"]["name"] == first["metadata"]["name"])
+        assert cut["status"]["phase"] in ("Failed", "Completed"), cut["status"]
+        last = sb.ticks(kube, namespace, where.pod)
+        after = sb.wait_running(kube, namespace, name, restores=1, avoid=where.node,
+                                timeout=180, min_ticks=1)
+        sb.assert_continues(kube, namespace, after.pod, last[-1] if last else 0,
+                            exact=bool(last))
+        print(f"agent killed while {first['metadata']['name']} was "
+              f"{first['status']['phase']}: that one ended {cut['status']['phase']}, "
+              f"{retry['metadata']['name']} moved the sandbox to {after.node}")
+    finally:
+        out, _ = preempt.communicate(timeout=300)
+    assert preempt.returncode == 0, out
+
+
+def test_node_agent_killed_while_it_restores(
+    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
+) -> None:
+    """SIGKILL of the node-agent during a restore: the restarted agent reports the restore
+    as a retryable failure and the operator restores the same checkpoint on a fresh pod."""
+    sb.ensure_spot_nodes(kube, e2e_config, 2)
+    name = f"agent-{uuid.uuid4().hex[:6]}"
+    sb.create_sandbox(namespace, name,
+                      sb.stateful_spec(e2e_config.sandbox_image, mem_mb=BIG_MEM_MB))
+    where = sb.wait_running(kube, namespace, name, min_ticks=5)
+    preempt = run_cluster_command(e2e_config.preempt_cmd, node=where.node,
+                                  notice=str(NOTICE_SECONDS + 20))
+    try:
+        ckpt = wait_until("a Completed Preemption checkpoint", NOTICE_SECONDS + 20,
+                          sb.completed_checkpoint(namespace, "Preemption", sandbox_name=name),
+                          0.2)
+        last = sb.ticks(kube, namespace, where.pod)
+
+        def restoring() -> tuple[str, str] | None:
+            s = sb.status(namespace, name)
+            pod = s.get("podName")
+            if pod and pod != where.pod and sb.pod_annotation(
+                    kube, namespace, pod, protocol.ANNOTATION_RESTORE_PHASE) == "Restoring":
+                node = (kube.pod(namespace, pod) or {}).get("spec", {}).get("nodeName")
+                return (pod, node) if node else None
+            return None
+
+        pod, node = wait_until("the restore under way", 120, restoring, 0.1)
+        sb.kill_node_agent(kube, hermit_release, node)
+        after = sb.wait_running(kube, namespace, name, restores=1, avoid=where.node,
+                                timeout=240, min_ticks=1)
+        sb.assert_continues(kube, namespace, after.pod, last[-1] if last else 0,
+                            exact=bool(last))
+        print(f"agent killed while pod {pod} restored {ckpt['metadata']['name']}: "
+              f"restored by pod {after.pod} on {after.node} "
+              f"(restore attempts {sb.status(namespace, name).get('restoreAttempts', 0)})")
+    finally:
+        out, _ = preempt.communicate(timeout=300)
+    assert preempt.returncode == 0, out
