@@ -88,9 +88,9 @@ def reconcile_sandbox(kube: Kube, settings: OperatorSettings, namespace: str, na
             pod_name = (sandbox.get("status") or {}).get("podName")
             pod = kube.get_pod(namespace, pod_name) if pod_name else None
             ckpts = kube.list_checkpoints(namespace)
-            clock = now or (lambda: datetime.now(UTC))
-            p = plan(sandbox, pod, clock(), settings=settings, checkpoints=ckpts)
-            _apply(kube, sandbox, p, post)
+            moment = (now or (lambda: datetime.now(UTC)))()
+            p = plan(sandbox, pod, moment, settings=settings, checkpoints=ckpts)
+            _apply(kube, sandbox, p, post, moment)
             if p.invalid_spec is not None:
                 result = "invalid"
                 raise InvalidSpec(p.invalid_spec)
@@ -148,7 +148,27 @@ def _apply_pdb(kube: Kube, sandbox: KubeObject, p: Plan) -> None:
     _pdb_seen[key] = (want, time.monotonic())
 
 
-def _apply(kube: Kube, sandbox: KubeObject, p: Plan, post: Poster) -> None:
+def merged(current: Any, patch: Any) -> Any:
+    """``current`` after a JSON merge patch (RFC 7386): None removes, objects merge."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(current) if isinstance(current, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merged(out.get(key), value)
+    return out
+
+
+def status_changes(sandbox: KubeObject, patch: KubeObject) -> bool:
+    """Whether the status patch would change anything: unchanged ones are not sent, so an
+    idle sandbox costs the API server nothing on a resync."""
+    current = sandbox.get("status") or {}
+    return bool(merged(current, patch) != current)
+
+
+def _apply(kube: Kube, sandbox: KubeObject, p: Plan, post: Poster, now: datetime) -> None:
     meta = sandbox["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     _apply_pdb(kube, sandbox, p)  # first: the new pod is never without its budget
@@ -160,16 +180,17 @@ def _apply(kube: Kube, sandbox: KubeObject, p: Plan, post: Poster) -> None:
         except InvalidSpec as exc:
             # The API rejected the pod: record it like any other invalid spec.
             status = dict(p.status_patch)
-            status.update(_invalid_status(sandbox, p, str(exc)))
+            status.update(_invalid_status(sandbox, p, str(exc), now))
             kube.patch_sandbox_status(namespace, name, status)
             post(sandbox, Event("Warning", api.REASON_INVALID_SPEC, str(exc)))
             raise
-        restore = protocol.ANNOTATION_RESTORE_FROM in (p.create_pod["metadata"].get("annotations")
-                                                  or {})
+        annotations = p.create_pod["metadata"].get("annotations") or {}
+        restore = protocol.ANNOTATION_RESTORE_FROM in annotations
         metrics.PODS_CREATED.labels(mode="restore" if restore else "fresh").inc()
     if p.create_checkpoint is not None:
         kube.create_checkpoint(p.create_checkpoint)
-    kube.patch_sandbox_status(namespace, name, p.status_patch)
+    if status_changes(sandbox, p.status_patch):
+        kube.patch_sandbox_status(namespace, name, p.status_patch)
     for event in p.events:
         post(sandbox, event)
     for ckpt, patch in p.adopt_checkpoints:
@@ -180,10 +201,10 @@ def _apply(kube: Kube, sandbox: KubeObject, p: Plan, post: Poster) -> None:
         metrics.CHECKPOINTS_DELETED.inc()
 
 
-def _invalid_status(sandbox: KubeObject, p: Plan, message: str) -> KubeObject:
+def _invalid_status(sandbox: KubeObject, p: Plan, message: str, now: datetime) -> KubeObject:
     conds = set_condition(p.status_patch.get("conditions") or [], api.COND_ACCEPTED, FALSE,
                           api.REASON_INVALID_SPEC, message,
-                          (sandbox.get("metadata") or {}).get("generation"), datetime.now(UTC))
+                          (sandbox.get("metadata") or {}).get("generation"), now)
     status = sandbox.get("status") or {}
     return {"conditions": conds, "phase": derive_phase(conds),
             "incarnation": status.get("incarnation") or 0, "podName": status.get("podName"),
