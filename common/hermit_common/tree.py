@@ -112,54 +112,76 @@ class Entry:
         kind = data.get("kind")
         if kind not in KINDS:
             raise ManifestError(f"entry {path!r} has unknown kind {kind!r}")
-        allowed = {"path", "kind"}
-        if kind != KIND_WHITEOUT:
-            allowed |= {"mode", "uid", "gid", "mtime_ns"}
-        if kind == KIND_FILE:
-            allowed |= {"size", "chunks"}
-        elif kind == KIND_SYMLINK:
-            allowed.add("target")
-        elif kind == KIND_DIR:
-            allowed.add("opaque")
-        unknown = sorted(set(data) - allowed)
+        unknown = sorted(set(data) - _allowed_fields(kind))
         if unknown:
             raise ManifestError(f"entry {path!r} ({kind}) has unexpected fields {unknown}")
         if kind == KIND_WHITEOUT:
             return cls(path=path, kind=kind)
-
-        def integer(name: str, maximum: int) -> int:
-            value = data.get(name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ManifestError(f"entry {path!r} field {name!r} is missing or not an integer")
-            if not 0 <= value <= maximum:
-                raise ManifestError(f"entry {path!r} field {name!r}={value} is out of range")
-            return value
-
-        mode = integer("mode", 0o7777)
-        uid = integer("uid", 2**32 - 1)
-        gid = integer("gid", 2**32 - 1)
-        mtime_ns = integer("mtime_ns", 2**63 - 1)
+        mode = _entry_int(data, path, "mode", 0o7777)
+        uid = _entry_int(data, path, "uid", 2**32 - 1)
+        gid = _entry_int(data, path, "gid", 2**32 - 1)
+        mtime_ns = _entry_int(data, path, "mtime_ns", 2**63 - 1)
         if kind == KIND_FILE:
-            size = integer("size", 2**63 - 1)
-            raw_chunks = data.get("chunks")
-            if not isinstance(raw_chunks, list):
-                raise ManifestError(f"entry {path!r} field 'chunks' is missing or not a list")
-            chunks = tuple(check_digest(c, f"chunk digest of {path!r}") for c in raw_chunks)
+            size = _entry_int(data, path, "size", 2**63 - 1)
+            chunks = _file_chunks(data, path)
             return cls(path, kind, mode, uid, gid, mtime_ns, size=size, chunks=chunks)
         if kind == KIND_SYMLINK:
-            target = data.get("target")
-            if not isinstance(target, str) or target == "" or "\x00" in target:
-                raise ManifestError(f"symlink {path!r} has an invalid target {target!r:.80}")
-            if len(target) > _MAX_PATH:
-                raise ManifestError(f"symlink {path!r} target is longer than {_MAX_PATH}")
+            target = _symlink_target(data, path)
             return cls(path, kind, mode, uid, gid, mtime_ns, target=target)
         if kind == KIND_DIR:
-            opaque = data.get("opaque", False)
-            if not isinstance(opaque, bool):
-                raise ManifestError(f"dir {path!r} field 'opaque' is not a boolean")
+            opaque = _dir_opaque(data, path)
             return cls(path, kind, mode, uid, gid, mtime_ns, opaque=opaque)
         return cls(path, kind, mode, uid, gid, mtime_ns)
 
+
+def _allowed_fields(kind: str) -> set[str]:
+    """The fields an entry of ``kind`` may carry in a manifest."""
+    allowed = {"path", "kind"}
+    if kind != KIND_WHITEOUT:
+        allowed |= {"mode", "uid", "gid", "mtime_ns"}
+    if kind == KIND_FILE:
+        allowed |= {"size", "chunks"}
+    elif kind == KIND_SYMLINK:
+        allowed.add("target")
+    elif kind == KIND_DIR:
+        allowed.add("opaque")
+    return allowed
+
+
+def _entry_int(data: Mapping[str, object], path: str, name: str, maximum: int) -> int:
+    """Field ``name`` of entry ``path``: an integer (not a bool) in ``[0, maximum]``."""
+    value = data.get(name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ManifestError(f"entry {path!r} field {name!r} is missing or not an integer")
+    if not 0 <= value <= maximum:
+        raise ManifestError(f"entry {path!r} field {name!r}={value} is out of range")
+    return value
+
+
+def _file_chunks(data: Mapping[str, object], path: str) -> tuple[str, ...]:
+    """A file entry's ``chunks``: a list of lowercase hex sha256 digests."""
+    raw_chunks = data.get("chunks")
+    if not isinstance(raw_chunks, list):
+        raise ManifestError(f"entry {path!r} field 'chunks' is missing or not a list")
+    return tuple(check_digest(c, f"chunk digest of {path!r}") for c in raw_chunks)
+
+
+def _symlink_target(data: Mapping[str, object], path: str) -> str:
+    """A symlink entry's ``target``: a non-empty string without NUL, at most 4096 characters."""
+    target = data.get("target")
+    if not isinstance(target, str) or target == "" or "\x00" in target:
+        raise ManifestError(f"symlink {path!r} has an invalid target {target!r:.80}")
+    if len(target) > _MAX_PATH:
+        raise ManifestError(f"symlink {path!r} target is longer than {_MAX_PATH}")
+    return target
+
+
+def _dir_opaque(data: Mapping[str, object], path: str) -> bool:
+    """A dir entry's ``opaque`` flag: a boolean, false when absent."""
+    opaque = data.get("opaque", False)
+    if not isinstance(opaque, bool):
+        raise ManifestError(f"dir {path!r} field 'opaque' is not a boolean")
+    return opaque
 
 def check_entries(entries: Sequence[Entry], chunk_size: int, section: str) -> None:
     """Validates a section's entries as a whole; raises ManifestError.

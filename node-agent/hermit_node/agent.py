@@ -307,21 +307,18 @@ class NodeAgent:
     # -- checkpoint -------------------------------------------------------------------
 
     def run_checkpoint(self, ckpt: KubeObject, sp: SandboxPod) -> None:
-        meta = ckpt.get("metadata") or {}
-        namespace, name, uid = str(meta.get("namespace")), str(meta.get("name")), \
-            str(meta.get("uid") or "")
-        reason = protocol.reason_of(ckpt)
-        stop = protocol.is_stopping(reason)
+        namespace, name = str(protocol.meta(ckpt).get("namespace")), protocol.name_of(ckpt)
+        stop = protocol.is_stopping(protocol.reason_of(ckpt))
         began = time.monotonic()
         try:
             self._kube.patch_checkpoint_status(
                 namespace, name, planner.status_dumping(self.node, self._clock()))
         except KubeError as exc:
             log.warning("%s", exc)
-            self._release(uid)
+            self._release(str(protocol.meta(ckpt).get("uid") or ""))
             return
         log.info("checkpoint %s/%s of %s (%s, stop=%s) started%s", namespace, name, sp.pod,
-                 reason, stop, self._time_left())
+                 protocol.reason_of(ckpt), stop, self._time_left())
         recorded = threading.Event()
 
         def record(result: CheckpointResult) -> None:
@@ -332,29 +329,12 @@ class NodeAgent:
             recorded.set()
 
         try:
-            if sp.container_id is None:
-                raise HermitError(f"pod {sp.namespace}/{sp.pod} has no container id")
-            pid = locate.find_init_pid(sp.container_id, self._proc_root)
-            result = self._checkpointer.checkpoint(CheckpointTarget(
-                namespace=namespace, sandbox=sp.sandbox, sandbox_uid=sp.sandbox_uid,
-                checkpoint=name, init_pid=pid, workspace_path=sp.workspace_path,
-                image_digest=sp.image_digest), stop=stop, deadline=self._deadline(),
-                on_uploading=lambda frozen_ms, dump_ms: self._write_status(
-                    namespace, name, planner.status_uploading(frozen_ms, dump_ms)),
-                on_durable=record)
+            result = self._take(ckpt, sp, stop, record)
         except Exception as exc:
             if recorded.is_set():  # durable and Completed: only what came after it failed
                 log.exception("checkpoint %s/%s: after it was durable", namespace, name)
-                return
-            message = str(exc) if isinstance(exc, HermitError) else \
-                f"unexpected {type(exc).__name__}: {exc}"
-            if not isinstance(exc, HermitError):
-                log.exception("checkpoint %s/%s", namespace, name)
-            metrics.record_checkpoint_failure(time.monotonic() - began)
-            log.error("checkpoint %s/%s failed: %s", namespace, name, protocol.one_line(message))
-            self._write_status(namespace, name,
-                               planner.status_failed(message, self._clock(), self.node))
-            self._event(ckpt, protocol.one_line(message))
+            else:
+                self._checkpoint_failed(ckpt, exc, time.monotonic() - began)
             return
         metrics.record_checkpoint(
             frozen_ms=result.frozen_ms, dump_ms=result.dump_ms, capture_ms=result.capture_ms,
@@ -363,6 +343,34 @@ class NodeAgent:
             stored_bytes=result.stored_bytes)
         log.info("checkpoint %s/%s Completed in %.1f s%s", namespace, name,
                  time.monotonic() - began, self._time_left())
+
+    def _take(self, ckpt: KubeObject, sp: SandboxPod, stop: bool,
+              record: Callable[[CheckpointResult], None]) -> CheckpointResult:
+        """Run the engine on the pod's container."""
+        namespace, name = str(protocol.meta(ckpt).get("namespace")), protocol.name_of(ckpt)
+        if sp.container_id is None:
+            raise HermitError(f"pod {sp.namespace}/{sp.pod} has no container id")
+        pid = locate.find_init_pid(sp.container_id, self._proc_root)
+        return self._checkpointer.checkpoint(CheckpointTarget(
+            namespace=namespace, sandbox=sp.sandbox, sandbox_uid=sp.sandbox_uid,
+            checkpoint=name, init_pid=pid, workspace_path=sp.workspace_path,
+            image_digest=sp.image_digest), stop=stop, deadline=self._deadline(),
+            on_uploading=lambda frozen_ms, dump_ms: self._write_status(
+                namespace, name, planner.status_uploading(frozen_ms, dump_ms)),
+            on_durable=record)
+
+    def _checkpoint_failed(self, ckpt: KubeObject, exc: Exception, seconds: float) -> None:
+        """Failed, with why, on the Checkpoint and in an Event (the sandbox runs on)."""
+        namespace, name = str(protocol.meta(ckpt).get("namespace")), protocol.name_of(ckpt)
+        message = str(exc) if isinstance(exc, HermitError) else \
+            f"unexpected {type(exc).__name__}: {exc}"
+        if not isinstance(exc, HermitError):
+            log.exception("checkpoint %s/%s", namespace, name)
+        metrics.record_checkpoint_failure(seconds)
+        log.error("checkpoint %s/%s failed: %s", namespace, name, protocol.one_line(message))
+        self._write_status(namespace, name,
+                           planner.status_failed(message, self._clock(), self.node))
+        self._event(ckpt, protocol.one_line(message))
 
     def _deadline(self) -> float | None:
         """The notice's deadline as a ``time.monotonic()`` value: uploads must end by then."""

@@ -134,6 +134,7 @@ class _Capture:
     dump_ms: int = 0
     capture_ms: int = 0
     sections: dict[str, Path] = field(default_factory=dict)
+    thawed: bool = False
 
 
 class CheckpointEngine:
@@ -165,44 +166,51 @@ class CheckpointEngine:
         plan = self._plan(target)
         cap = _Capture(frozen_at=time.monotonic())
         freezer.freeze(plan.cgroup)
-        thawed = False
         try:
-            self._capture(plan, cap, routine=not stop)
-            if not stop:
-                freezer.thaw(plan.cgroup)
-                thawed = True
-                frozen_ms = _ms(cap.frozen_at)
-            if on_uploading is not None:
-                on_uploading(_ms(cap.frozen_at), cap.dump_ms)
-            started = time.monotonic()
-            uploaded = self._store.upload(plan.binding, cap.sections, plan.restore,
-                                          deadline=deadline)
-            result = _result(plan, cap, uploaded, upload_ms=_ms(started),
-                             frozen_ms=frozen_ms if not stop else _ms(cap.frozen_at))
-            if on_durable is not None:
-                on_durable(result)
-            if stop:
-                # Durable and recorded: end the old incarnation. SIGKILL to a pid
-                # namespace's init kills the whole namespace; it lands as the tree thaws.
-                os.kill(target.init_pid, signal.SIGKILL)
-                freezer.thaw(plan.cgroup)
-                thawed = True
+            result = self._capture_and_upload(target, plan, cap, stop=stop, deadline=deadline,
+                                              on_uploading=on_uploading, on_durable=on_durable)
         except HermitError as exc:
             shutil.rmtree(plan.local, ignore_errors=True)
-            if not thawed:
-                freezer.thaw(plan.cgroup)
             raise CheckpointFailed(
                 f"checkpoint {target.namespace}/{target.checkpoint} failed, "
                 f"sandbox left running: {exc}") from exc
-        except BaseException:
-            if not thawed:
+        finally:
+            if not cap.thawed:
                 freezer.thaw(plan.cgroup)
-            raise
         if not keep_local:
             shutil.rmtree(plan.local, ignore_errors=True)
         log.info("checkpoint %s/%s: frozen %d ms, dump %d ms, upload %d ms, %d bytes stored",
                  target.namespace, target.checkpoint, result.frozen_ms, result.dump_ms,
                  result.upload_ms, result.stored_bytes)
+        return result
+
+    def _capture_and_upload(self, target: CheckpointTarget, plan: _Plan, cap: _Capture, *,
+                            stop: bool, deadline: float | None,
+                            on_uploading: Callable[[int, int], None] | None,
+                            on_durable: Callable[[CheckpointResult], None] | None,
+                            ) -> CheckpointResult:
+        """From the frozen tree to a durable checkpoint: a routine one thaws once captured,
+        a stopping one ends the tree once durable (and recorded by ``on_durable``)."""
+        self._capture(plan, cap, routine=not stop)
+        if not stop:
+            freezer.thaw(plan.cgroup)
+            cap.thawed = True
+            frozen_ms = _ms(cap.frozen_at)
+        if on_uploading is not None:
+            on_uploading(_ms(cap.frozen_at), cap.dump_ms)
+        started = time.monotonic()
+        uploaded = self._store.upload(plan.binding, cap.sections, plan.restore,
+                                      deadline=deadline)
+        result = _result(plan, cap, uploaded, upload_ms=_ms(started),
+                         frozen_ms=frozen_ms if not stop else _ms(cap.frozen_at))
+        if on_durable is not None:
+            on_durable(result)
+        if stop:
+            # Durable and recorded: end the old incarnation. SIGKILL to a pid namespace's
+            # init kills the whole namespace; it lands as the tree thaws.
+            os.kill(target.init_pid, signal.SIGKILL)
+            freezer.thaw(plan.cgroup)
+            cap.thawed = True
         return result
 
     def _plan(self, target: CheckpointTarget) -> _Plan:

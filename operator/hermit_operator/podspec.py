@@ -125,7 +125,27 @@ def build_sandbox_pod(sandbox: KubeObject, settings: OperatorSettings, incarnati
     labels = {**(tmeta.get("labels") or {}), protocol.LABEL_SANDBOX: meta["name"],
               protocol.LABEL_INCARNATION: str(incarnation)}
     size, mount_path = _workspace(spec)
-    annotations = dict(tmeta.get("annotations") or {})
+    annotations = _pod_annotations(sandbox, tmeta, mount_path, restore_from)
+
+    _wrap_main_container(pod_spec["containers"][0], mount_path, restore_from)
+    pod_spec["initContainers"] = [_init_container(settings),
+                                  *(pod_spec.get("initContainers") or [])]
+    pod_spec["volumes"] = [*(pod_spec.get("volumes") or []), *_hermit_volumes(size)]
+    pod_spec["restartPolicy"] = "Never"
+    pod_spec.setdefault("terminationGracePeriodSeconds", TERMINATION_GRACE_SECONDS)
+    pod_spec.setdefault("hostname", meta["name"])
+    _apply_placement(pod_spec, spec.get("placement") or {})
+
+    pod_meta = _pod_metadata(sandbox, incarnation, labels, annotations)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": pod_meta, "spec": pod_spec}
+
+
+def _pod_annotations(sandbox: KubeObject, template_meta: KubeObject, mount_path: str,
+                     restore_from: str | None) -> dict[str, str]:
+    """The template's annotations, with the protocol keys the operator owns set here rather
+    than copied (workspace path, restore source, on-preemption opt-out) and the node-agent's
+    restore phase, message and retryable keys dropped."""
+    annotations = dict(template_meta.get("annotations") or {})
     annotations[protocol.ANNOTATION_WORKSPACE_PATH] = mount_path
     annotations.pop(protocol.ANNOTATION_RESTORE_FROM, None)
     if restore_from is not None:
@@ -136,26 +156,31 @@ def build_sandbox_pod(sandbox: KubeObject, settings: OperatorSettings, incarnati
     annotations.pop(protocol.ANNOTATION_ON_PREEMPTION, None)
     if not on_preemption(sandbox):
         annotations[protocol.ANNOTATION_ON_PREEMPTION] = "false"  # the node-agent leaves it alone
+    return annotations
 
-    main = pod_spec["containers"][0]
+
+def _wrap_main_container(main: KubeObject, mount_path: str, restore_from: str | None) -> None:
+    """Runs the first container under hermit-init and mounts the init dir and the workspace."""
     main["command"] = init_command(list(main["command"]), restore_from)
     main["volumeMounts"] = [
         *(main.get("volumeMounts") or []),
         {"name": INIT_VOLUME, "mountPath": INIT_DIR, "readOnly": True},
         {"name": WORKSPACE_VOLUME, "mountPath": mount_path},
     ]
-    pod_spec["initContainers"] = [_init_container(settings),
-                                  *(pod_spec.get("initContainers") or [])]
-    pod_spec["volumes"] = [
-        *(pod_spec.get("volumes") or []),
-        {"name": INIT_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}},
-        {"name": WORKSPACE_VOLUME, "emptyDir": {"sizeLimit": size}},
-    ]
-    pod_spec["restartPolicy"] = "Never"
-    pod_spec.setdefault("terminationGracePeriodSeconds", TERMINATION_GRACE_SECONDS)
-    pod_spec.setdefault("hostname", meta["name"])
-    _apply_placement(pod_spec, spec.get("placement") or {})
 
+
+def _hermit_volumes(workspace_size: str) -> list[KubeObject]:
+    """The emptyDirs Hermit adds: the init binary's and the workspace."""
+    return [
+        {"name": INIT_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}},
+        {"name": WORKSPACE_VOLUME, "emptyDir": {"sizeLimit": workspace_size}},
+    ]
+
+
+def _pod_metadata(sandbox: KubeObject, incarnation: int, labels: dict[str, str],
+                  annotations: dict[str, str]) -> KubeObject:
+    """The pod's name, namespace, labels, owner (the sandbox) and annotations if any."""
+    meta = sandbox["metadata"]
     pod_meta: KubeObject = {
         "name": pod_name(meta["name"], incarnation),
         "namespace": meta.get("namespace"),
@@ -164,8 +189,7 @@ def build_sandbox_pod(sandbox: KubeObject, settings: OperatorSettings, incarnati
     }
     if annotations:
         pod_meta["annotations"] = annotations
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": pod_meta, "spec": pod_spec}
-
+    return pod_meta
 
 def _owner(sandbox: KubeObject) -> KubeObject:
     meta = sandbox["metadata"]

@@ -214,18 +214,27 @@ def plan(sandbox: KubeObject, pod: KubeObject | None, now: datetime, *,
             st.events.append(Event(WARNING, api.REASON_INVALID_SPEC, str(exc)))
         st.set(api.COND_ACCEPTED, FALSE, api.REASON_INVALID_SPEC, str(exc))
         return _finish(st, out, pod, invalid_spec=str(exc))
+    _accept(st, out, pod)
+    if spec.get("suspend"):
+        return _suspend(st, out, pod, incarnation)
+    return _run(st, out, pod, incarnation)
+
+
+def _accept(st: _State, out: KubeObject, pod: KubeObject | None) -> None:
+    """A valid spec: Accepted, its disruption budget, its checkpoints tracked."""
+    sandbox = st.sandbox
     st.set(api.COND_ACCEPTED, TRUE, api.REASON_SPEC_VALID, "the spec can be run")
     st.pdb = podspec.disruption_budget(sandbox)
     st.delete_pdb = None if st.pdb is not None else podspec.pdb_name(st.name)
-
-    st.ckpts = ck.of_sandbox(sandbox, checkpoints)
+    st.ckpts = ck.of_sandbox(sandbox, st.namespace_ckpts)
     st.retain = ck.retain_count(sandbox)
     st.adopt = tuple(ck.adoption_patches(sandbox, st.ckpts))
     _protect_restore_sources(st, pod)
-    _track_checkpoints(st, out, status)
+    _track_checkpoints(st, out, sandbox.get("status") or {})
 
-    if spec.get("suspend"):
-        return _suspend(st, out, pod, incarnation)
+
+def _run(st: _State, out: KubeObject, pod: KubeObject | None, incarnation: int) -> Plan:
+    """Not suspended: start, watch, move or replace the sandbox's pod."""
     resuming = _not_suspended(st)
     terminal = is_true(st.conditions, api.COND_SUCCEEDED) or is_true(st.conditions,
                                                                        api.COND_FAILED)

@@ -140,6 +140,15 @@ def test_malformed_entries_are_rejected(data: object, match: str) -> None:
         Entry.from_dict(data)
 
 
+@pytest.mark.parametrize("kind,foreign", [
+    ("file", "target"), ("symlink", "chunks"), ("dir", "size"), ("fifo", "opaque"),
+])
+def test_fields_of_another_kind_are_rejected(kind: str, foreign: str) -> None:
+    data = {**Entry("a", kind).to_dict(), foreign: 0}
+    with pytest.raises(ManifestError, match=rf"\({kind}\) has unexpected fields \['{foreign}'\]"):
+        Entry.from_dict(data)
+
+
 def test_check_entries_refuses_paths_through_symlinks() -> None:
     entries = [Entry("link", "symlink", 0o777, target="/etc"),
                Entry("link/passwd", "file", 0o644)]
