@@ -29,18 +29,31 @@ from hermit_common.tree import (
 )
 
 
+def outside_mounts(entries: Sequence[Entry], mount_points: Sequence[str]) -> list[Entry]:
+    """The entries that are neither a mount point of the new container nor under one.
+
+    Replacing a path that is a mount point in the container's mount namespace (runc's
+    /etc/resolv.conf, /etc/hosts, /etc/hostname, volumes) would detach that mount there;
+    what is under a mount belongs to the mounted volume, not to the writable layer."""
+    points = [m.strip("/") for m in mount_points if m.strip("/")]
+    return [e for e in entries
+            if not any(e.path == m or e.path.startswith(m + "/") for m in points)]
+
+
 def apply_tree(entries: Sequence[Entry], staging: Path, target: Path, *,
-               replace: bool = False, timeout: float = 600.0) -> None:
+               replace: bool = False, skip: Sequence[str] = (),
+               timeout: float = 600.0) -> None:
     """Make ``target`` carry ``entries`` (contents read from ``staging``).
 
     Overlay semantics: a whiteout deletes the path; an opaque dir loses what it had.
-    ``replace=True`` empties ``target`` first (a volume restored as it was).
+    ``replace=True`` empties ``target`` first (a volume restored as it was). ``skip``:
+    mount points of the container, left alone with everything under them.
     """
     request = {
         "staging": str(staging),
         "target": str(target),
         "replace": replace,
-        "entries": [e.to_dict() for e in entries],
+        "entries": [e.to_dict() for e in outside_mounts(entries, skip)],
     }
     proc = subprocess.run(
         [sys.executable, "-m", "hermit_node.fsapply"],

@@ -125,7 +125,9 @@ def _map_externals(info: Mapping[str, Any], view: container.ContainerView) -> _E
 def _apply_files(manifest: Manifest, local: Path, view: container.ContainerView) -> None:
     """Applies the checkpoint's writable layer and workspace onto the new container."""
     if SECTION_ROOTFS in manifest.sections:
-        apply_tree(manifest.sections[SECTION_ROOTFS], local / SECTION_ROOTFS, view.rootfs)
+        # The new container's own mounts (resolv.conf, hosts, volumes) stay as they are.
+        apply_tree(manifest.sections[SECTION_ROOTFS], local / SECTION_ROOTFS, view.rootfs,
+                   skip=[m.destination for m in view.bind_mounts])
     workspace = manifest.restore.get("workspace")
     if SECTION_WORKSPACE in manifest.sections and workspace:
         source = view.bind_source(str(workspace))

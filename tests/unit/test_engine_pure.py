@@ -97,3 +97,17 @@ def test_incompatible_checkpoint_is_refused(kwargs: dict[str, object], message: 
     args.update(kwargs)
     with pytest.raises(CheckpointRefused, match=message):
         check_compatible(_manifest(), **args)  # type: ignore[arg-type]
+
+
+def test_entries_at_or_under_a_mount_point_are_left_alone() -> None:
+    from hermit_common.tree import Entry
+    from hermit_node.fsapply import outside_mounts
+
+    def e(path: str) -> Entry:
+        return Entry.from_dict({"path": path, "kind": "dir", "mode": 0o755, "uid": 0,
+                                "gid": 0, "mtime_ns": 0})
+
+    entries = [e("etc"), e("etc/resolv.conf"), e("etc/resolv.conf.d"), e("workspace"),
+               e("workspace/x"), e("home")]
+    kept = outside_mounts(entries, ["/etc/resolv.conf", "/workspace/", "/"])
+    assert [x.path for x in kept] == ["etc", "etc/resolv.conf.d", "home"]
