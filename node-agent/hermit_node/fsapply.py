@@ -4,10 +4,16 @@ The target is untrusted: it belongs to a container and may hold symlinks that po
 anywhere. So the work runs in a child process that chroots into the target first;
 every path then resolves inside it. Run as ``python -m hermit_node.fsapply`` with a
 JSON request on stdin; ``apply_tree`` does that for callers.
+
+A hardlink entry (``link``) becomes a second name of the inode its first name was
+just given (``os.link`` inside the chroot); its metadata is that inode's. Extended
+attributes are set after owner and mode: a chown clears ``security.capability``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -26,6 +32,8 @@ from hermit_common.tree import (
     KIND_SYMLINK,
     KIND_WHITEOUT,
     Entry,
+    check_links,
+    is_captured_xattr,
 )
 
 
@@ -34,10 +42,24 @@ def outside_mounts(entries: Sequence[Entry], mount_points: Sequence[str]) -> lis
 
     Replacing a path that is a mount point in the container's mount namespace (runc's
     /etc/resolv.conf, /etc/hosts, /etc/hostname, volumes) would detach that mount there;
-    what is under a mount belongs to the mounted volume, not to the writable layer."""
+    what is under a mount belongs to the mounted volume, not to the writable layer.
+
+    A hardlink whose first name is left out loses its ``link``: the first kept name
+    of that inode is then a plain file (its content is in staging under its own path),
+    and the later kept names link to it."""
     points = [m.strip("/") for m in mount_points if m.strip("/")]
-    return [e for e in entries
-            if not any(e.path == m or e.path.startswith(m + "/") for m in points)]
+    kept: list[Entry] = []
+    dropped: set[str] = set()
+    heads: dict[str, str] = {}  # a dropped first name -> the first kept name of its inode
+    for entry in entries:
+        if any(entry.path == m or entry.path.startswith(m + "/") for m in points):
+            dropped.add(entry.path)
+            continue
+        if entry.link is not None and entry.link in dropped:
+            head = heads.setdefault(entry.link, entry.path)
+            entry = dataclasses.replace(entry, link=None if head == entry.path else head)
+        kept.append(entry)
+    return kept
 
 
 def apply_tree(entries: Sequence[Entry], staging: Path, target: Path, *,
@@ -87,6 +109,43 @@ def _set_owner_mode(path: str, entry: Entry, *, symlink: bool = False) -> None:
         os.chmod(path, entry.mode)
 
 
+def _not_supported(exc: OSError) -> bool:
+    return exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP)
+
+
+def _set_xattrs(path: str, entry: Entry, *, symlink: bool = False) -> None:
+    """Makes the captured extended attributes of ``path`` exactly the entry's.
+
+    A filesystem without extended attributes (ENOTSUP) is left without them, as
+    before they were captured; any other failure fails the apply."""
+    follow = not symlink
+    wanted = dict(entry.xattrs)
+    try:
+        present = os.listxattr(path, follow_symlinks=follow)
+    except OSError as exc:
+        if not _not_supported(exc):
+            raise
+        present = []
+    for name in present:
+        if is_captured_xattr(name) and name not in wanted:
+            os.removexattr(path, name, follow_symlinks=follow)
+    for name, value in entry.xattrs:
+        try:
+            os.setxattr(path, name, value, follow_symlinks=follow)
+        except OSError as exc:
+            if not _not_supported(exc):
+                raise
+
+
+def _link(entry: Entry) -> None:
+    """A second name for the inode of an earlier entry, not following a symlink."""
+    assert entry.link is not None
+    source = "/" + entry.link
+    if not stat.S_ISREG(os.lstat(source).st_mode):
+        raise RestoreFailed(f"{entry.path} is a hardlink of {entry.link}, not a regular file")
+    os.link(source, "/" + entry.path, follow_symlinks=False)
+
+
 def _apply_one(entry: Entry, staging_fd: int) -> None:
     path = "/" + entry.path
     if entry.kind == KIND_WHITEOUT:
@@ -103,12 +162,17 @@ def _apply_one(entry: Entry, staging_fd: int) -> None:
         except FileNotFoundError:
             os.mkdir(path)
         _set_owner_mode(path, entry)
+        _set_xattrs(path, entry)
         return
     _remove(path)
+    if entry.kind == KIND_FILE and entry.link is not None:
+        _link(entry)  # the inode already has its metadata: a chown would clear capabilities
+        return
     if entry.kind == KIND_SYMLINK:
         assert entry.target is not None
         os.symlink(entry.target, path)
         _set_owner_mode(path, entry, symlink=True)
+        _set_xattrs(path, entry, symlink=True)
         os.utime(path, ns=(entry.mtime_ns, entry.mtime_ns), follow_symlinks=False)
         return
     if entry.kind == KIND_FIFO:
@@ -130,11 +194,13 @@ def _apply_one(entry: Entry, staging_fd: int) -> None:
         finally:
             os.close(src)
     _set_owner_mode(path, entry)
+    _set_xattrs(path, entry)
     os.utime(path, ns=(entry.mtime_ns, entry.mtime_ns))
 
 
 def _main(request: dict[str, Any]) -> None:
     entries = [Entry.from_dict(e) for e in request["entries"]]
+    check_links(entries, "tree")
     staging_fd = os.open(request["staging"], os.O_RDONLY | os.O_DIRECTORY)
     os.chroot(request["target"])
     os.chdir("/")

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import stat
+import struct
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -41,6 +42,8 @@ pytestmark = pytest.mark.integration
 CHUNK = 64 * 1024
 UID, GID = 1234, 5678
 BIG = bytes(range(256)) * (3 * CHUNK // 256) + b"tail"  # several chunks, odd length
+# security.capability, VFS_CAP_REVISION_2 with the effective bit: cap_net_raw (13), like ping.
+CAP_NET_RAW = struct.pack("<IIIII", 0x02000001, 1 << 13, 0, 0, 0)
 
 
 # -- mounts ---------------------------------------------------------------------------
@@ -230,11 +233,23 @@ def _change_merged(m: Path) -> None:
     # Extended attributes on a new file and on a copied-up lower file.
     os.setxattr(home / "secret", "user.agent", b"hello")
     os.setxattr(m / "etc" / "hosts", "user.origin", b"lower")
+    os.setxattr(home / "empty", "user.dir", b"on a directory")
+    os.setxattr(shared, "trusted.hermit-test", b"\x00\xffbinary")
+    # File capabilities (set after owner and mode: a chown clears them), one inode with
+    # two names; trusted.* on a symlink (user.* cannot be set on one).
+    (m / "usr" / "local" / "bin" / "ping").write_text("#!/bin/sh\n")
+    (m / "usr" / "local" / "bin" / "ping").chmod(0o755)
+    os.setxattr(m / "usr" / "local" / "bin" / "ping", "security.capability", CAP_NET_RAW)
+    os.link(m / "usr" / "local" / "bin" / "ping", home / "ping-too")
+    (home / "agent-ping").write_text("#!/bin/sh\n")
+    os.chown(home / "agent-ping", UID, GID)
+    os.setxattr(home / "agent-ping", "security.capability", CAP_NET_RAW)
     # Symlinks: relative, absolute, dangling, owned by the agent.
     os.symlink("../../etc/hosts", home / "link-rel")
     os.symlink("/etc/hosts", home / "link-abs")
     os.symlink("/nonexistent/target", home / "dangling")
     os.chown(home / "link-rel", UID, GID, follow_symlinks=False)
+    os.setxattr(home / "link-abs", "trusted.on-symlink", b"kept", follow_symlinks=False)
     # Hardlinks: two names, one inode.
     (home / "hl-a").write_text("shared inode\n")
     os.link(home / "hl-a", home / "hl-b")
@@ -302,6 +317,17 @@ def test_capture_holds_overlay_markers(scenario: tuple[Path, Path, Path],
     assert (entries["home/agent/secret"].uid, entries["home/agent/secret"].gid) == (UID, GID)
     assert entries["home/agent/big.bin"].chunks and len(entries["home/agent/big.bin"].chunks) == 4
     assert "lowerhl1" not in entries and "usr/bin/tool" not in entries  # untouched lower
+    # Hardlinks: later names point at the first; the same inode, so the same description.
+    assert entries["home/agent/hl-a"].link is None
+    assert entries["home/agent/hl-b"].link == "home/agent/hl-a"
+    assert entries["usr/local/bin/ping"].link == "home/agent/ping-too"
+    assert entries["home/agent/hl-b"].chunks == entries["home/agent/hl-a"].chunks
+    # Extended attributes, but never overlayfs' own (the opaque dir has trusted.overlay.opaque).
+    assert dict(entries["home/agent/secret"].xattrs) == {"user.agent": b"hello"}
+    assert dict(entries["home/agent/agent-ping"].xattrs) == {"security.capability": CAP_NET_RAW}
+    assert dict(entries["home/agent/link-abs"].xattrs) == {"trusted.on-symlink": b"kept"}
+    assert entries["data"].xattrs == ()
+    assert not [n for e in entries.values() for n, _ in e.xattrs if "overlay" in n]
 
 
 def test_apply_reproduces_the_merged_view(scenario: tuple[Path, Path, Path],
@@ -338,26 +364,46 @@ def test_apply_reproduces_the_merged_view(scenario: tuple[Path, Path, Path],
     assert os.lstat(second / "lowerhl1").st_ino == os.lstat(second / "lowerhl2").st_ino
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the manifest has no xattr field: scan_tree/Entry (hermit_common.tree) do not capture "
-    "user.*/security.* xattrs, so fsapply cannot restore them (file capabilities are lost)"))
 def test_apply_keeps_xattrs(scenario: tuple[Path, Path, Path], tmp_path: Path,
                             mount_overlay: MountOverlay) -> None:
     lower, first, upper = scenario
     _, second = _restore(tmp_path, mount_overlay, lower, upper)
     assert _all_xattrs(first)  # user.agent and user.origin are there to lose
     assert _all_xattrs(second) == _all_xattrs(first)
+    home = second / "home" / "agent"
+    for capable in (home / "agent-ping", home / "ping-too", second / "usr/local/bin/ping"):
+        assert os.getxattr(capable, "security.capability") == CAP_NET_RAW, capable
+    assert os.stat(home / "agent-ping").st_uid == UID
+    assert os.getxattr(home / "link-abs", "trusted.on-symlink", follow_symlinks=False) == b"kept"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "hardlinks are stored as separate files (hermit_common.tree: no link field in Entry), "
-    "so two names of one inode come back as two inodes"))
 def test_apply_keeps_hardlinks_one_inode(scenario: tuple[Path, Path, Path], tmp_path: Path,
                                          mount_overlay: MountOverlay) -> None:
     lower, first, upper = scenario
     _, second = _restore(tmp_path, mount_overlay, lower, upper)
     assert frozenset({"home/agent/hl-a", "home/agent/hl-b"}) in _inode_groups(first)
     assert _inode_groups(second) == _inode_groups(first)
+
+
+def test_hardlink_whose_first_name_is_under_a_mount_point(tmp_path: Path) -> None:
+    """The first name is left alone (a mount of the new container): the next kept name
+    gets the content from staging, and the later ones link to it."""
+    source, target = tmp_path / "src", tmp_path / "target"
+    (source / "mnt").mkdir(parents=True)
+    (source / "mnt" / "first").write_text("one inode\n")
+    (source / "mnt" / "first").chmod(0o640)
+    for name in ("second", "third"):
+        os.link(source / "mnt" / "first", source / name)
+    entries = _capture(source, tmp_path / "staging")
+    assert [e.link for e in entries if e.path in ("second", "third")] == ["mnt/first"] * 2
+    (target / "mnt").mkdir(parents=True)
+    (target / "mnt" / "first").write_text("the mount's own file\n")
+    apply_tree(entries, tmp_path / "staging", target, skip=["/mnt"])
+    assert (target / "mnt" / "first").read_text() == "the mount's own file\n"
+    assert (target / "second").read_text() == "one inode\n"
+    assert stat.S_IMODE(os.stat(target / "second").st_mode) == 0o640
+    assert os.stat(target / "second").st_ino == os.stat(target / "third").st_ino
+    assert os.stat(target / "second").st_ino != os.stat(target / "mnt" / "first").st_ino
 
 
 def test_apply_twice_is_idempotent(scenario: tuple[Path, Path, Path], tmp_path: Path,
@@ -497,6 +543,53 @@ def test_unknown_kinds_are_refused(jail: tuple[Path, Path, Path]) -> None:
     with pytest.raises(RestoreFailed, match="unknown kind 'chardev'"):
         apply_tree([Entry("null", "chardev", 0o666)], staging, target)
     assert os.listdir(target) == []
+
+
+@pytest.mark.parametrize("bad", ["later", "symlink", "missing", "chain", "differs"])
+def test_unsound_hardlinks_are_refused(jail: tuple[Path, Path, Path], bad: str) -> None:
+    target, staging, _ = jail
+    (staging / "a").write_text("pwned\n")
+    first, link = _file("a"), dataclasses.replace(_file("b"), link="a")
+    entries = {
+        "later": [link, first],
+        "symlink": [Entry("a", KIND_SYMLINK, 0o777, target="/etc/shadow"), link],
+        "missing": [dataclasses.replace(_file("b"), link="nope")],
+        "chain": [first, link, dataclasses.replace(_file("c"), link="b")],
+        "differs": [first, dataclasses.replace(link, mode=0o4755)],
+    }[bad]
+    with pytest.raises(RestoreFailed, match=r"ManifestError: file tree/.* hardlink of"):
+        apply_tree(entries, staging, target)
+    assert os.listdir(target) == []
+
+
+@pytest.mark.parametrize("name", ["trusted.overlay.opaque", "user.overlay.redirect",
+                                  "security.selinux", "system.posix_acl_access", "user.a b"])
+def test_foreign_xattrs_are_refused(jail: tuple[Path, Path, Path], name: str) -> None:
+    target, staging, _ = jail
+    entry = dataclasses.replace(Entry("d", KIND_DIR, 0o755), xattrs=((name, b"y"),))
+    with pytest.raises(RestoreFailed, match=r"ManifestError: .*extended attribute"):
+        apply_tree([entry], staging, target)
+    assert os.listdir(target) == []
+
+
+def test_hardlinks_through_a_planted_symlink_stay_inside(jail: tuple[Path, Path, Path],
+                                                         tmp_path: Path) -> None:
+    """The target's own symlink leads a (check_entries-inconsistent) tree's first name
+    "outside"; the hardlink to it resolves inside the chroot like every other path."""
+    target, staging, outside = jail
+    os.symlink(outside, target / "evil")
+    inner = target / str(outside).lstrip("/")
+    inner.mkdir(parents=True)
+    (staging / "evil").mkdir()
+    (staging / "evil" / "victim").write_text("pwned\n")
+    (staging / "copy").write_text("pwned\n")
+    before = _host_state(tmp_path, target)
+    apply_tree([_file("evil/victim"), dataclasses.replace(_file("copy"), link="evil/victim")],
+               staging, target)
+    assert (inner / "victim").read_text() == "pwned\n"
+    assert os.stat(target / "copy").st_ino == os.stat(inner / "victim").st_ino
+    assert _host_state(tmp_path, target) == before, "the tree changed the host"
+    assert (outside / "victim").read_text() == "host file\n"
 
 
 def _through_symlink_entries(outside: Path, link_target: str) -> list[Entry]:

@@ -118,3 +118,54 @@ def test_helpers() -> None:
     m = _manifest()
     assert m.chunk_digests() == {DIGEST}
     assert [(s, e.path) for s, e in m.files()] == [("criu", "pages-1.img")]
+
+
+def test_entries_without_links_or_xattrs_serialize_as_before() -> None:
+    """Manifests written before hardlinks and xattrs were kept keep their bytes (and so
+    their digests): the new fields are left out when unset."""
+    sections = json.loads(_manifest().to_json())["sections"]
+    assert sections == {
+        "criu": [{"path": "pages-1.img", "kind": "file", "mode": 0o600, "uid": 0, "gid": 0,
+                  "mtime_ns": 1, "size": 6, "chunks": [DIGEST, DIGEST]}],
+        "rootfs": [{"path": "etc", "kind": "dir", "mode": 0o755, "uid": 0, "gid": 0,
+                    "mtime_ns": 0, "opaque": True},
+                   {"path": "etc/gone", "kind": "whiteout"},
+                   {"path": "etc/link", "kind": "symlink", "mode": 0o777, "uid": 0, "gid": 0,
+                    "mtime_ns": 0, "target": "../x"}],
+    }
+
+
+def _linked_sections() -> dict[str, tuple[Entry, ...]]:
+    cap = b"\x01\x00\x00\x02 \x00\x00\x00"
+    ping = Entry("bin/ping", "file", 0o755, 0, 0, 1, size=6, chunks=(DIGEST, DIGEST),
+                 xattrs=(("security.capability", cap), ("user.note", b"")))
+    return {"rootfs": (Entry("bin", "dir", 0o755, xattrs=(("trusted.x", b"\x00"),)), ping,
+                       Entry("ping", "file", 0o755, 0, 0, 1, size=6, chunks=(DIGEST, DIGEST),
+                             link="bin/ping", xattrs=ping.xattrs))}
+
+
+def test_links_and_xattrs_round_trip() -> None:
+    m = _manifest(sections=_linked_sections())
+    raw = m.to_json()
+    assert Manifest.from_json(raw) == m
+    assert Manifest.from_json(raw).to_json() == raw
+    entries = json.loads(raw)["sections"]["rootfs"]
+    assert entries[0]["xattrs"] == {"trusted.x": "AA=="}
+    assert entries[1]["xattrs"] == {"security.capability": "AQAAAiAAAAA=", "user.note": ""}
+    assert "link" not in entries[1] and entries[2]["link"] == "bin/ping"
+    assert [e.path for _, e in m.files()] == ["bin/ping", "ping"]  # a hardlink is a file
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"link": "bin"}, "not an earlier file"),
+    ({"link": "nope"}, "not an earlier file"),
+    ({"link": "ping"}, "hardlink of itself"),
+    ({"mode": 0o4755}, "differ"),
+    ({"xattrs": {"user.note": ""}}, "differ"),
+    ({"xattrs": {"trusted.overlay.opaque": "eQ=="}}, "never captured"),
+])
+def test_unsound_links_and_xattrs_are_refused(change: dict[str, Any], match: str) -> None:
+    data = json.loads(_manifest(sections=_linked_sections()).to_json())
+    data["sections"]["rootfs"][2].update(change)
+    with pytest.raises(ManifestError, match=match):
+        Manifest.from_json(json.dumps(data).encode())
