@@ -312,7 +312,7 @@ class NodeAgent:
         began = time.monotonic()
         try:
             self._kube.patch_checkpoint_status(
-                namespace, name, planner.status_dumping(self.node, self._clock()))
+                namespace, name, planner.status_dumping(self.node, self._clock(), sp.restore_from))
         except KubeError as exc:
             log.warning("%s", exc)
             self._release(str(protocol.meta(ckpt).get("uid") or ""))

@@ -327,8 +327,14 @@ def restore_annotations(phase: str, message: str | None = None, *,
 
 # -- Checkpoint status ----------------------------------------------------------------
 
-def status_dumping(node: str, now: datetime) -> KubeObject:
-    return {"phase": protocol.DUMPING, "nodeName": node, "startedAt": protocol.rfc3339(now)}
+def status_dumping(node: str, now: datetime, parent: str | None = None) -> KubeObject:
+    """Dumping has started; ``parent`` is the Checkpoint the pod was restored from (its
+    ``restore-from`` annotation), recorded as ``status.parent``: the sandbox's lineage."""
+    status: KubeObject = {"phase": protocol.DUMPING, "nodeName": node,
+                          "startedAt": protocol.rfc3339(now)}
+    if parent:
+        status["parent"] = parent
+    return status
 
 
 def status_uploading(frozen_ms: int, dump_ms: int) -> KubeObject:

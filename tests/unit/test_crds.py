@@ -285,7 +285,7 @@ def test_printer_columns_point_at_existing_fields(plural: str) -> None:
     names = [c["name"] for c in columns if c.get("priority", 0) == 0]
     expected = {
         api.SANDBOX_PLURAL: ["Phase", "Node", "Last Checkpoint", "Restores", "Age"],
-        api.CHECKPOINT_PLURAL: ["Sandbox", "Reason", "Phase", "Size", "Age"],
+        api.CHECKPOINT_PLURAL: ["Sandbox", "Reason", "Phase", "Size", "Parent", "Age"],
     }
     assert names == expected[plural]
 
@@ -347,7 +347,7 @@ def test_sample_is_valid(name: str) -> None:
 def test_defaults_fill_the_minimal_sandbox() -> None:
     spec = defaulted(SAMPLES["agentsandbox-minimal.yaml"])["spec"]
     assert spec["workspace"] == {"size": "1Gi", "mountPath": "/workspace"}
-    assert spec["checkpoint"] == {"onPreemption": True, "onTurn": False, "retain": 3}
+    assert spec["checkpoint"] == {"onPreemption": True, "retain": 3}
     assert spec["placement"] == {"spot": True}
     assert spec["suspend"] is False
 
@@ -380,6 +380,7 @@ CHECKPOINT = SAMPLES["checkpoint-manual.yaml"]
 COMPLETED_STATUS = {
     "phase": "Completed",
     "nodeName": "node-a",
+    "parent": "minimal-preempt",
     "frozenMs": 120, "dumpMs": 100, "uploadMs": 900,
     "imageBytes": 20_000_000, "uploadedBytes": 3_000_000, "storedBytes": 6_000_000,
     "manifestURI": "s3://bucket/hermit/default/minimal/checkpoints/minimal-manual-1/manifest.json",
@@ -413,8 +414,6 @@ INVALID: dict[str, tuple[Doc, str]] = {
     "intervalSeconds below 30": (_set(SANDBOX, "spec.checkpoint.intervalSeconds", 10),
                                  "spec.checkpoint.intervalSeconds"),
     "retain 0": (_set(SANDBOX, "spec.checkpoint.retain", 0), "spec.checkpoint.retain"),
-    "negative fallback": (_set(SANDBOX, "spec.placement.fallbackToOnDemandAfterSeconds", -1),
-                          "spec.placement.fallbackToOnDemandAfterSeconds"),
     "no containers": (_set(SANDBOX, "spec.podTemplate.spec.containers", []),
                       "spec.podTemplate.spec.containers"),
     "container without image": (_drop(SANDBOX, "spec.podTemplate.spec.containers.0.image"),
@@ -424,7 +423,11 @@ INVALID: dict[str, tuple[Doc, str]] = {
     "relative mountPath": (_set(SANDBOX, "spec.workspace.mountPath", "work"),
                            "spec.workspace.mountPath"),
     "misspelt field": (_set(SANDBOX, "spec.checkpoint.intervalSecond", 60), "spec.checkpoint"),
-    "empty storage": (_set(SANDBOX, "spec.checkpoint.storage", {}), "spec.checkpoint.storage"),
+    "removed field storage": (_set(SANDBOX, "spec.checkpoint.storage", {"bucket": "b"}),
+                              "spec.checkpoint"),
+    "removed field storageClassName": (_set(SANDBOX, "spec.workspace.storageClassName", "gp3"),
+                                       "spec.workspace"),
+    "checkpoint spec.parent": (_set(CHECKPOINT, "spec.parent", "older"), "spec"),
     "bad sandbox phase": (_set(SANDBOX, "status", {"phase": "Sleeping"}), "status.phase"),
     "bad condition status": (
         _set(SANDBOX, "status", {"conditions": [
@@ -525,18 +528,13 @@ CEL_INVALID: dict[str, tuple[Doc, Doc | None, str]] = {
         _drop(SANDBOX, "spec.restoreFrom"), SANDBOX, "spec.restoreFrom can only be set"),
     "restoreFrom added": (
         SANDBOX, _drop(SANDBOX, "spec.restoreFrom"), "spec.restoreFrom can only be set"),
-    "fallback without spot": (
-        _set(SANDBOX, "spec.placement.spot", False), None,
-        "placement.fallbackToOnDemandAfterSeconds only applies"),
     "long sandbox name": (
         _set(SANDBOX, "metadata.name", "x" * 64), None, "at most 63 characters"),
     "checkpoint reason changed": (
         _set(CHECKPOINT, "spec.reason", "Interval"), CHECKPOINT, "Checkpoint spec is immutable"),
-    "checkpoint parent added": (
-        _set(CHECKPOINT, "spec.parent", "older"), CHECKPOINT, "Checkpoint spec is immutable"),
-    "checkpoint is its own parent": (
-        _set(CHECKPOINT, "spec.parent", CHECKPOINT["metadata"]["name"]), None,
-        "spec.parent cannot name the Checkpoint itself"),
+    "checkpoint sandboxRef changed": (
+        _set(CHECKPOINT, "spec.sandboxRef.name", "other"), CHECKPOINT,
+        "Checkpoint spec is immutable"),
     "completed without digest": (
         _set(CHECKPOINT, "status", {k: v for k, v in COMPLETED_STATUS.items()
                                     if k != "manifestDigest"}),

@@ -693,3 +693,22 @@ def test_a_failed_stopping_request_is_made_again_while_the_node_goes_away() -> N
     assert planner.stop_requests(pods, "Preemption", [failed, again, third]) == []
     # Without a list (the API did not answer) only the first request is (re)made.
     assert [n for _, n in planner.stop_requests(pods, "Eviction", None)] == ["box-1-evict"]
+
+
+def test_dumping_status_records_the_checkpoint_the_pod_was_restored_from() -> None:
+    restored = planner.status_dumping(NODE, NOW, parent="box-1-preempt")
+    assert restored == {"phase": "Dumping", "nodeName": NODE,
+                        "startedAt": "2026-01-02T03:04:05Z", "parent": "box-1-preempt"}
+    assert "parent" not in planner.status_dumping(NODE, NOW, parent=None)
+    assert "parent" not in planner.status_dumping(NODE, NOW)
+    # The value the agent passes: the pod's restore-from annotation, None on a fresh pod.
+    sp = planner.sandbox_pod(pod("box-2", incarnation=2, annotations={
+        protocol.ANNOTATION_RESTORE_FROM: "box-1-preempt",
+        protocol.ANNOTATION_RESTORE_PHASE: protocol.RESTORED}))
+    assert sp is not None
+    assert planner.status_dumping(NODE, NOW, sp.restore_from)["parent"] == "box-1-preempt"
+    fresh = planner.sandbox_pod(pod("box-1"))
+    assert fresh is not None and fresh.restore_from is None
+    assert schema_errors(_with_status(restored)) == []
+    assert schema_errors(_with_status(restored, planner.status_uploading(120, 100),
+                                      planner.status_completed(RESULT, NOW, stopped=False))) == []
