@@ -27,7 +27,19 @@ DEFAULT_WORKSPACE_PATH = protocol.DEFAULT_WORKSPACE_PATH
 RESTORE_TIMEOUT_SECONDS = 300
 TERMINATION_GRACE_SECONDS = 10
 
-SPOT_SELECTOR_KEY = "karpenter.sh/capacity-type"
+# The labels by which the usual provisioners mark spot (preemptible) nodes. With
+# placement.spot the pod requires a node that has any one of them: one nodeSelectorTerm per
+# label (terms are ORed), so a sandbox schedules with or without Karpenter.
+SPOT_NODE_LABELS: tuple[tuple[str, str], ...] = (
+    ("karpenter.sh/capacity-type", "spot"),             # Karpenter, any cloud
+    ("eks.amazonaws.com/capacityType", "SPOT"),         # EKS managed node groups
+    ("cloud.google.com/gke-spot", "true"),              # GKE Spot VMs
+    ("cloud.google.com/gke-provisioning", "spot"),      # GKE (node auto-provisioning, ...)
+    ("kubernetes.azure.com/scalesetpriority", "spot"),  # AKS spot node pools
+)
+# At most this many nodeSelectorTerms after the user's required terms are crossed with the
+# spot labels (user terms x spot labels); more is refused as InvalidSpec.
+MAX_NODE_SELECTOR_TERMS = 60
 # Taints that cloud spot pools commonly carry (AKS adds the first one itself).
 SPOT_TOLERATIONS: tuple[dict[str, str], ...] = (
     {"key": "kubernetes.azure.com/scalesetpriority", "operator": "Equal", "value": "spot",
@@ -87,6 +99,7 @@ def validate(sandbox: KubeObject) -> None:
                     f"{where}: {_describe(tol)} tolerates the {protocol.TAINT_INTERRUPTION} taint, "
                     "so a sandbox could be placed on a node that is going away; "
                     "name the taint keys to tolerate")
+    spot_node_selector_terms(spec)  # refuses a required node affinity too big to combine
     mount_path = _workspace(spec)[1]
     for mount in containers[0].get("volumeMounts") or []:
         if mount.get("mountPath") in (INIT_DIR, mount_path):
@@ -134,7 +147,7 @@ def build_sandbox_pod(sandbox: KubeObject, settings: OperatorSettings, incarnati
     pod_spec["restartPolicy"] = "Never"
     pod_spec.setdefault("terminationGracePeriodSeconds", TERMINATION_GRACE_SECONDS)
     pod_spec.setdefault("hostname", meta["name"])
-    _apply_placement(pod_spec, spec.get("placement") or {})
+    _apply_placement(pod_spec, spec)
 
     pod_meta = _pod_metadata(sandbox, incarnation, labels, annotations)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": pod_meta, "spec": pod_spec}
@@ -251,15 +264,83 @@ def _init_container(settings: OperatorSettings) -> KubeObject:
     }
 
 
-def _apply_placement(pod_spec: KubeObject, placement: KubeObject) -> None:
-    """Spot selector and tolerations, merged with what the user asked for."""
-    user_selector = pod_spec.get("nodeSelector") or {}
-    selector = {**user_selector, **(placement.get("nodeSelector") or {})}
-    spot = bool(placement.get("spot", True))
-    if spot and not user_selector:
-        selector.setdefault(SPOT_SELECTOR_KEY, "spot")
+def selects_spot_nodes(spec: KubeObject) -> bool:
+    """Whether the sandbox pod requires a spot node: placement.spot (default true), unless the
+    pod template has a nodeSelector of its own. A template nodeSelector means the user chose
+    the nodes (and their capacity type) and Hermit adds no spot requirement to it;
+    placement.nodeSelector is added to the spot requirement instead."""
+    placement = spec.get("placement") or {}
+    pod_spec = (spec.get("podTemplate") or {}).get("spec") or {}
+    return placement.get("spot", True) is not False and not pod_spec.get("nodeSelector")
+
+
+def spot_node_selector_terms(spec: KubeObject) -> list[KubeObject] | None:
+    """The nodeSelectorTerms of the sandbox pod's required node affinity, or None when Hermit
+    adds none (see ``selects_spot_nodes``).
+
+    One term per label of SPOT_NODE_LABELS. A pod template that already requires node
+    affinity gets those terms ANDed with the spot ones: each of its terms is repeated once per
+    spot label with that label's requirement appended to its matchExpressions (an empty term
+    matches no node and stays as it is). More than MAX_NODE_SELECTOR_TERMS terms is refused:
+    such a template should set placement.spot: false and require spot nodes itself."""
+    if not selects_spot_nodes(spec):
+        return None
+    spot_terms: list[KubeObject] = [
+        {"matchExpressions": [{"key": key, "operator": "In", "values": [value]}]}
+        for key, value in SPOT_NODE_LABELS]
+    user_terms = _required_node_selector_terms(
+        (spec.get("podTemplate") or {}).get("spec") or {})
+    if not user_terms:
+        return spot_terms
+    combined = [term for user in user_terms for term in _and_terms(user, spot_terms)]
+    if len(combined) > MAX_NODE_SELECTOR_TERMS:
+        raise InvalidSpec(
+            f"spec.podTemplate.spec.affinity.nodeAffinity."
+            f"requiredDuringSchedulingIgnoredDuringExecution: its {len(user_terms)} "
+            f"nodeSelectorTerms, each combined with the {len(SPOT_NODE_LABELS)} spot node "
+            f"labels, make more than {MAX_NODE_SELECTOR_TERMS} terms; set "
+            "spec.placement.spot: false and require spot nodes in these terms yourself")
+    return combined
+
+
+def _required_node_selector_terms(pod_spec: KubeObject) -> list[KubeObject]:
+    node_affinity = (pod_spec.get("affinity") or {}).get("nodeAffinity") or {}
+    required = node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}
+    return list(required.get("nodeSelectorTerms") or [])
+
+
+def _and_terms(user: KubeObject, spot_terms: list[KubeObject]) -> list[KubeObject]:
+    """The user's term ANDed with each spot term (one term each)."""
+    if not user.get("matchExpressions") and not user.get("matchFields"):
+        return [copy.deepcopy(user)]
+    return [{**copy.deepcopy(user),
+             "matchExpressions": [*copy.deepcopy(user.get("matchExpressions") or []),
+                                  *spot["matchExpressions"]]}
+            for spot in spot_terms]
+
+
+def _apply_placement(pod_spec: KubeObject, spec: KubeObject) -> None:
+    """Spot node affinity and tolerations, merged with what the user asked for.
+
+    The node selector is the template's with placement.nodeSelector added; spot nodes are
+    selected by a required node affinity (ANDed with the node selector by the scheduler), see
+    ``spot_node_selector_terms``. The spot tolerations come with placement.spot even when the
+    template's nodeSelector turned the spot affinity off: tolerating a taint never narrows
+    where the pod may run."""
+    placement = spec.get("placement") or {}
+    selector = {**(pod_spec.get("nodeSelector") or {}), **(placement.get("nodeSelector") or {})}
     if selector:
         pod_spec["nodeSelector"] = selector
+    terms = spot_node_selector_terms(spec)
+    if terms is not None:
+        affinity = pod_spec.get("affinity") or {}
+        node_affinity = affinity.get("nodeAffinity") or {}
+        required = node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}
+        pod_spec["affinity"] = {**affinity, "nodeAffinity": {
+            **node_affinity,
+            "requiredDuringSchedulingIgnoredDuringExecution": {**required,
+                                                              "nodeSelectorTerms": terms}}}
+    spot = placement.get("spot", True) is not False
     tolerations: list[KubeObject] = []
     extra = list(SPOT_TOLERATIONS) if spot else []
     for tol in [*(pod_spec.get("tolerations") or []), *(placement.get("tolerations") or []),

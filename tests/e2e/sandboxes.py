@@ -258,3 +258,12 @@ def pod_annotation(kube: Kube, ns: str, pod: str, key: str) -> str | None:
     obj = kube.pod(ns, pod) or {}
     value = (obj.get("metadata", {}).get("annotations") or {}).get(key)
     return str(value) if value is not None else None
+
+
+def node_agent_log(kube: Kube, release_ns: str, node: str) -> str:
+    """The current log of the node-agent on ``node``."""
+    pods = kube.api.list_namespaced_pod(release_ns, field_selector=f"spec.nodeName={node}")
+    for p in pods.items:
+        if "node-agent" in p.metadata.name:
+            return str(kube.api.read_namespaced_pod_log(p.metadata.name, release_ns))
+    return ""

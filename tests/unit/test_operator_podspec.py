@@ -49,7 +49,20 @@ def test_minimal_sample_runs_under_hermit_init() -> None:
     assert "emptyDir" in vols["hermit-init"]
     assert spec["restartPolicy"] == "Never"
     assert spec["terminationGracePeriodSeconds"] == 10
-    assert spec["nodeSelector"] == {"karpenter.sh/capacity-type": "spot"}
+    assert "nodeSelector" not in spec
+    assert spec["affinity"] == {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "karpenter.sh/capacity-type", "operator": "In",
+                                   "values": ["spot"]}]},
+            {"matchExpressions": [{"key": "eks.amazonaws.com/capacityType", "operator": "In",
+                                   "values": ["SPOT"]}]},
+            {"matchExpressions": [{"key": "cloud.google.com/gke-spot", "operator": "In",
+                                   "values": ["true"]}]},
+            {"matchExpressions": [{"key": "cloud.google.com/gke-provisioning", "operator": "In",
+                                   "values": ["spot"]}]},
+            {"matchExpressions": [{"key": "kubernetes.azure.com/scalesetpriority",
+                                   "operator": "In", "values": ["spot"]}]},
+        ]}}}
     assert {t["key"] for t in spec["tolerations"]} >= {"kubernetes.azure.com/scalesetpriority",
                                                        "cloud.google.com/gke-spot"}
 
@@ -86,8 +99,8 @@ def test_full_sample_keeps_user_metadata_workspace_and_placement() -> None:
     assert spec["containers"][0]["env"] == [{"name": "MODEL", "value": "small"}]
     vols = {v["name"]: v for v in spec["volumes"]}
     assert vols["hermit-workspace"]["emptyDir"] == {"sizeLimit": "20Gi"}
-    assert spec["nodeSelector"] == {"node.kubernetes.io/instance-type": "m7i.xlarge",
-                                    "karpenter.sh/capacity-type": "spot"}
+    assert spec["nodeSelector"] == {"node.kubernetes.io/instance-type": "m7i.xlarge"}
+    assert required_terms(spec) == spot_terms()  # placement.nodeSelector keeps the spot terms
     assert spec["tolerations"][0] == {"key": "spot", "operator": "Exists",
                                       "effect": "NoSchedule"}
     assert len(spec["tolerations"]) == 1 + len(podspec.SPOT_TOLERATIONS)
@@ -99,6 +112,8 @@ def test_user_node_selector_replaces_the_spot_selector() -> None:
     sb["spec"]["placement"] = {"spot": True, "nodeSelector": {"zone": "a"}}
     spec = build_sandbox_pod(sb, SETTINGS, 1, None)["spec"]
     assert spec["nodeSelector"] == {"pool": "gpu", "zone": "a"}
+    assert "affinity" not in spec  # the template's nodeSelector chose the nodes
+    assert len(spec["tolerations"]) == len(podspec.SPOT_TOLERATIONS)
 
 
 def test_on_demand_placement_adds_no_spot_terms_and_dedups_tolerations() -> None:
@@ -107,8 +122,180 @@ def test_on_demand_placement_adds_no_spot_terms_and_dedups_tolerations() -> None
     sb["spec"]["podTemplate"]["spec"]["tolerations"] = [tol]
     sb["spec"]["placement"] = {"spot": False, "tolerations": [tol]}
     spec = build_sandbox_pod(sb, SETTINGS, 1, None)["spec"]
-    assert "nodeSelector" not in spec
+    assert "nodeSelector" not in spec and "affinity" not in spec
     assert spec["tolerations"] == [tol]
+
+
+# A node label requirement, as the scheduler reads it (operator In only).
+def term_matches(term: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A nodeSelectorTerm against a node's labels: all its requirements hold; an empty term
+    matches no node."""
+    assert not term.get("matchFields")
+    expressions = term.get("matchExpressions") or []
+    for expr in expressions:
+        assert expr["operator"] == "In", expr
+    return bool(expressions) and all(labels.get(e["key"]) in e["values"] for e in expressions)
+
+
+def schedules_on(spec: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether the pod's nodeSelector and required node affinity admit a node with these labels
+    (nodeSelector ANDed with the affinity, whose terms are ORed)."""
+    if any(labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()):
+        return False
+    terms = required_terms(spec)
+    return terms is None or any(term_matches(t, labels) for t in terms)
+
+
+def required_terms(spec: dict[str, Any]) -> list[dict[str, Any]] | None:
+    required = (((spec.get("affinity") or {}).get("nodeAffinity") or {})
+                .get("requiredDuringSchedulingIgnoredDuringExecution"))
+    return None if required is None else list(required["nodeSelectorTerms"])
+
+
+def spot_terms() -> list[dict[str, Any]]:
+    return [{"matchExpressions": [{"key": k, "operator": "In", "values": [v]}]}
+            for k, v in podspec.SPOT_NODE_LABELS]
+
+
+SPOT_NODES = {
+    "karpenter": {"karpenter.sh/capacity-type": "spot"},
+    "eks": {"eks.amazonaws.com/capacityType": "SPOT"},
+    "gke-spot": {"cloud.google.com/gke-spot": "true"},
+    "gke-provisioning": {"cloud.google.com/gke-provisioning": "spot"},
+    "aks": {"kubernetes.azure.com/scalesetpriority": "spot"},
+    # what hack/cluster.d labels the local e2e cluster's spot nodes with
+    "local-cluster": {"karpenter.sh/capacity-type": "spot",
+                      "eks.amazonaws.com/capacityType": "SPOT",
+                      "cloud.google.com/gke-spot": "true"},
+}
+ON_DEMAND_NODES = {
+    "plain": {"kubernetes.io/hostname": "n1"},
+    "karpenter": {"karpenter.sh/capacity-type": "on-demand"},
+    "eks": {"eks.amazonaws.com/capacityType": "ON_DEMAND"},
+    "gke": {"cloud.google.com/gke-provisioning": "standard"},
+    "aks": {"kubernetes.azure.com/scalesetpriority": "regular"},
+    "local-cluster": {"karpenter.sh/capacity-type": "on-demand",
+                      "eks.amazonaws.com/capacityType": "ON_DEMAND"},
+}
+
+
+@pytest.mark.parametrize("convention", sorted(SPOT_NODES))
+def test_a_spot_node_of_each_convention_schedules_the_default_sandbox(convention: str) -> None:
+    spec = build_sandbox_pod(sample("agentsandbox-minimal.yaml"), SETTINGS, 1, None)["spec"]
+    labels = {"kubernetes.io/hostname": "n1", **SPOT_NODES[convention]}
+    assert schedules_on(spec, labels)
+
+
+@pytest.mark.parametrize("kind", sorted(ON_DEMAND_NODES))
+def test_an_on_demand_node_does_not_schedule_the_default_sandbox(kind: str) -> None:
+    spec = build_sandbox_pod(sample("agentsandbox-minimal.yaml"), SETTINGS, 1, None)["spec"]
+    assert not schedules_on(spec, ON_DEMAND_NODES[kind])
+
+
+def test_each_spot_label_is_its_own_term() -> None:
+    spec = build_sandbox_pod(sample("agentsandbox-minimal.yaml"), SETTINGS, 1, None)["spec"]
+    terms = required_terms(spec)
+    assert terms == spot_terms()
+    assert {k for k, _ in podspec.SPOT_NODE_LABELS} == {
+        k for labels in SPOT_NODES.values() for k in labels}
+
+
+def test_placement_node_selector_is_anded_with_the_spot_terms() -> None:
+    sb = sample("agentsandbox-full.yaml")
+    spec = build_sandbox_pod(sb, SETTINGS, 1, None)["spec"]
+    m7i = {"node.kubernetes.io/instance-type": "m7i.xlarge"}
+    assert schedules_on(spec, {**m7i, "eks.amazonaws.com/capacityType": "SPOT"})
+    assert not schedules_on(spec, {**m7i, "eks.amazonaws.com/capacityType": "ON_DEMAND"})
+    assert not schedules_on(spec, {"node.kubernetes.io/instance-type": "c7i.large",
+                                   "eks.amazonaws.com/capacityType": "SPOT"})
+
+
+def test_template_node_selector_means_the_user_chose_the_nodes() -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    sb["spec"]["podTemplate"]["spec"]["nodeSelector"] = {"pool": "gpu"}
+    spec = build_sandbox_pod(sb, SETTINGS, 1, None)["spec"]
+    assert spec["nodeSelector"] == {"pool": "gpu"}
+    assert required_terms(spec) is None
+    assert schedules_on(spec, {"pool": "gpu"})  # on-demand or spot, as the user chose
+
+
+def test_spot_false_requires_nothing_of_the_node() -> None:
+    sb = sample("agentsandbox-full.yaml")
+    sb["spec"]["placement"]["spot"] = False
+    spec = build_sandbox_pod(sb, SETTINGS, 1, None)["spec"]
+    assert required_terms(spec) is None
+    assert spec["nodeSelector"] == {"node.kubernetes.io/instance-type": "m7i.xlarge"}
+    assert schedules_on(spec, {"node.kubernetes.io/instance-type": "m7i.xlarge",
+                               **ON_DEMAND_NODES["eks"]})
+    assert spec["tolerations"] == [{"key": "spot", "operator": "Exists", "effect": "NoSchedule"}]
+
+
+def test_user_required_affinity_is_anded_with_the_spot_terms() -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    zone_a = {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["a"]}
+    gpu = {"key": "pool", "operator": "In", "values": ["gpu"]}
+    preferred = [{"weight": 1, "preference": {"matchExpressions": [gpu]}}]
+    pod_anti = {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"a": "b"}}}]}
+    sb["spec"]["podTemplate"]["spec"]["affinity"] = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [zone_a]},
+                                      {"matchExpressions": [gpu]}]},
+            "preferredDuringSchedulingIgnoredDuringExecution": preferred},
+        "podAntiAffinity": pod_anti}
+    before = copy.deepcopy(sb)
+    spec = build_sandbox_pod(sb, SETTINGS, 1, None)["spec"]
+    assert sb == before
+    affinity = spec["affinity"]
+    assert affinity["podAntiAffinity"] == pod_anti
+    assert affinity["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"] == preferred
+    terms = required_terms(spec)
+    assert terms == [{"matchExpressions": [user, *spot["matchExpressions"]]}
+                     for user in (zone_a, gpu) for spot in spot_terms()]
+    for convention, labels in SPOT_NODES.items():
+        assert schedules_on(spec, {"topology.kubernetes.io/zone": "a", **labels}), convention
+        assert schedules_on(spec, {"pool": "gpu", **labels}), convention
+        assert not schedules_on(spec, {"topology.kubernetes.io/zone": "b", **labels}), convention
+    for kind, labels in ON_DEMAND_NODES.items():
+        assert not schedules_on(spec, {"topology.kubernetes.io/zone": "a", "pool": "gpu",
+                                       **labels}), kind
+
+
+def test_an_empty_user_term_still_matches_no_node() -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    zone_a = {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["a"]}
+    sb["spec"]["podTemplate"]["spec"]["affinity"] = {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{}, {"matchExpressions": [zone_a]}]}}}
+    terms = required_terms(build_sandbox_pod(sb, SETTINGS, 1, None)["spec"])
+    assert terms is not None
+    assert terms[0] == {} and len(terms) == 1 + len(podspec.SPOT_NODE_LABELS)
+
+
+def test_user_required_affinity_with_spot_false_is_kept_as_is() -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "eks.amazonaws.com/capacityType", "operator": "In", "values": ["SPOT"]}]}]}}}
+    sb["spec"]["podTemplate"]["spec"]["affinity"] = affinity
+    sb["spec"]["placement"] = {"spot": False}
+    assert build_sandbox_pod(sb, SETTINGS, 1, None)["spec"]["affinity"] == affinity
+
+
+def test_too_many_user_terms_to_combine_is_an_invalid_spec() -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    n = podspec.MAX_NODE_SELECTOR_TERMS // len(podspec.SPOT_NODE_LABELS) + 1
+    sb["spec"]["podTemplate"]["spec"]["affinity"] = {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "zone", "operator": "In", "values": [str(i)]}]}
+            for i in range(n)]}}}
+    with pytest.raises(InvalidSpec, match=r"set spec\.placement\.spot: false and require spot "
+                       "nodes"):
+        podspec.validate(sb)
+    sb["spec"]["placement"] = {"spot": False}
+    podspec.validate(sb)
+    build_sandbox_pod(sb, SETTINGS, 1, None)
 
 
 def test_workspace_mount_path_and_integer_size() -> None:
