@@ -8,8 +8,10 @@ variable and what is wrong with it. ``redacted()`` gives a copy safe to log.
 from __future__ import annotations
 
 import dataclasses
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlparse
 
 from hermit_common.errors import SettingsError
@@ -222,6 +224,11 @@ class OperatorSettings:
     init_image: str = DEFAULT_HERMIT_IMAGE  # the image holding the static hermit-init
     init_path: str = "/usr/local/bin/hermit-init"  # hermit-init's path inside init_image
     store: StoreSettings | None = None  # None: no default checkpoint store configured
+    # One active replica: the holder of a Lease in the operator's own namespace.
+    leader_election: bool = False
+    lease_name: str = "hermit-operator"
+    namespace: str | None = None  # the operator pod's namespace (downward API)
+    identity: str = "hermit-operator"  # this replica's name in the Lease (its pod name)
 
     @property
     def clusterwide(self) -> bool:
@@ -246,7 +253,20 @@ class OperatorSettings:
             init_image=env.text("HERMIT_INIT_IMAGE", DEFAULT_HERMIT_IMAGE),
             init_path=init_path,
             store=store,
+            **_leader_settings(env),
         )
+
+
+def _leader_settings(env: Env) -> dict[str, Any]:
+    enabled = env.flag("HERMIT_LEADER_ELECTION", False)
+    namespace = env.optional_str("HERMIT_NAMESPACE")
+    if enabled and namespace is None:
+        raise SettingsError("HERMIT_NAMESPACE must name the operator's namespace when "
+                            "HERMIT_LEADER_ELECTION is true (the Lease lives there)")
+    return {"leader_election": enabled,
+            "lease_name": env.text("HERMIT_LEADER_ELECTION_LEASE", "hermit-operator"),
+            "namespace": namespace,
+            "identity": env.optional_str("HERMIT_POD_NAME") or socket.gethostname()}
 
 
 _SECRET_FIELDS = {"secret_access_key", "access_key_id"}

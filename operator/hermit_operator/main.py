@@ -54,6 +54,8 @@ def main() -> None:
         start_http_server(settings.metrics_port)
     except OSError as exc:
         _fail(f"cannot serve metrics on port {settings.metrics_port}: {exc.strerror}", 1)
+    if settings.leader_election:
+        _lead(settings)
     kopf.configure(verbose=settings.log_level == "DEBUG")
     logging.getLogger().setLevel(settings.log_level)
     kopf.run(
@@ -64,6 +66,20 @@ def main() -> None:
         liveness_endpoint=LIVENESS_ENDPOINT,
         memo=kopf.Memo(settings=settings, kube=kube),
     )
+
+
+def _lead(settings: OperatorSettings) -> None:
+    """Wait for the Lease, then keep it in the background (losing it ends the process)."""
+    from kubernetes import client
+
+    from hermit_common.kubeclient import load_configuration
+    from hermit_operator.leader import LeaseElector
+
+    assert settings.namespace is not None  # checked with the settings
+    elector = LeaseElector(client.CoordinationV1Api(client.ApiClient(load_configuration())),
+                           settings.namespace, settings.lease_name, settings.identity)
+    elector.acquire()
+    elector.keep()
 
 
 if __name__ == "__main__":

@@ -146,15 +146,11 @@ def test_chart_crds_are_byte_identical_copies() -> None:
 
 # Variables the chart sets that no settings class reads: identity from the downward API
 # and the operator's leader election (its settings are not in hermit_common yet).
-CHART_ONLY_ENV = {"HERMIT_NAMESPACE", "HERMIT_POD_NAME",
-                  "HERMIT_LEADER_ELECTION", "HERMIT_LEADER_ELECTION_LEASE"}
-
-
 def test_chart_env_names_are_read_by_the_settings() -> None:
     templates = "\n".join(p.read_text() for p in (CHART / "templates").iterdir())
     in_chart = set(re.findall(r"name: (HERMIT_[A-Z0-9_]+)", templates))
     in_settings = set(re.findall(r'"(HERMIT_[A-Z0-9_]+)"', SETTINGS_PY.read_text()))
-    assert in_chart - CHART_ONLY_ENV <= in_settings, sorted(in_chart - CHART_ONLY_ENV - in_settings)
+    assert in_chart <= in_settings, sorted(in_chart - in_settings)
     # What the node-agent cannot start without.
     assert {"HERMIT_NODE_NAME", "HERMIT_S3_BUCKET"} <= in_chart
 
