@@ -325,3 +325,62 @@ def test_node_agent_killed_while_it_restores(
     finally:
         out, _ = preempt.communicate(timeout=300)
     assert preempt.returncode == 0, out
+
+
+def test_operator_failover_during_a_migration_completes_it_once(
+    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
+) -> None:
+    """Two operator replicas (leader election on a Lease); the active one is killed while
+    a preemption checkpoint is being taken: the standby takes over and the sandbox moves
+    exactly once."""
+    from kubernetes import client
+
+    apps, coordination = client.AppsV1Api(), client.CoordinationV1Api()
+    deployment = f"{hermit_release}-operator"
+    apps.patch_namespaced_deployment_scale(deployment, hermit_release,
+                                           {"spec": {"replicas": 2}})
+    try:
+        wait_until("two Ready operator replicas", 120, lambda: (
+            apps.read_namespaced_deployment(deployment, hermit_release).status.ready_replicas
+            or 0) >= 2)
+        sb.ensure_spot_nodes(kube, e2e_config, 2)
+        name = f"agent-{uuid.uuid4().hex[:6]}"
+        sb.create_sandbox(namespace, name, sb.stateful_spec(e2e_config.sandbox_image))
+        where = sb.wait_running(kube, namespace, name, min_ticks=5)
+        preempt = run_cluster_command(e2e_config.preempt_cmd, node=where.node, notice="40")
+        try:
+            def under_way() -> Obj | None:
+                for c in sb.checkpoints(namespace):
+                    if (c.get("status") or {}).get("phase") in ("Dumping", "Uploading",
+                                                                 "Completed"):
+                        return c
+                return None
+
+            wait_until("the Preemption checkpoint under way", 40, under_way, 0.1)
+            leader = coordination.read_namespaced_lease(
+                "hermit-operator", hermit_release).spec.holder_identity
+            kube.api.delete_namespaced_pod(leader, hermit_release, grace_period_seconds=0)
+            killed = time.monotonic()
+            last_probe = sb.completed_checkpoint(namespace, "Preemption", sandbox_name=name)
+            wait_until("the Preemption checkpoint Completed", 40, last_probe, 0.2)
+            last = sb.ticks(kube, namespace, where.pod)
+            after = sb.wait_running(kube, namespace, name, restores=1, avoid=where.node,
+                                    timeout=180, min_ticks=1)
+            sb.assert_continues(kube, namespace, after.pod, last[-1] if last else 0,
+                                exact=bool(last))
+            new_leader = coordination.read_namespaced_lease(
+                "hermit-operator", hermit_release).spec.holder_identity
+            assert new_leader != leader, "the killed operator still holds the Lease"
+            pods = [p for p in kube.api.list_namespaced_pod(namespace).items
+                    if (p.metadata.labels or {}).get(protocol.LABEL_SANDBOX) == name
+                    and p.metadata.deletion_timestamp is None]
+            assert [p.metadata.name for p in pods] == [after.pod], "more than one live pod"
+            assert sb.status(namespace, name)["restores"] == 1
+            print(f"operator {leader} killed during the migration; {new_leader} took over "
+                  f"and the sandbox runs on {after.node} {sb.since(killed)} s later")
+        finally:
+            out, _ = preempt.communicate(timeout=240)
+        assert preempt.returncode == 0, out
+    finally:
+        apps.patch_namespaced_deployment_scale(deployment, hermit_release,
+                                               {"spec": {"replicas": 1}})
