@@ -58,7 +58,8 @@ lock_take() {
 }
 
 # with_lock NAME CMD...: runs CMD (a command or a shell function) holding lock
-# NAME; concurrent callers wait their turn. Returns CMD's status.
+# NAME; concurrent callers wait their turn. Returns CMD's status. Call it as a
+# plain command: under `if`, `||` or `&&`, errexit is off inside a function CMD.
 with_lock() {
   local name=$1 fd rc; shift
   lock_take "$name"
