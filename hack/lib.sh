@@ -39,9 +39,46 @@ go_env() {
   export CGO_ENABLED="${CGO_ENABLED:-0}"
 }
 
-# with_lock NAME CMD...: serialises concurrent builds of the same thing.
-with_lock() {
-  local name=$1; shift
+# Locks serialise concurrent runs of the same thing. Lock NAME is the file
+# $HERMIT_CACHE/locks/NAME.lock, held with flock(1) on a file descriptor of this
+# shell that bash numbers (HERMIT_LOCK_FDS lists them). Processes started while a
+# lock is held inherit its descriptor and with it the lock: a daemon meant to
+# outlive the script is started after locks_close (see start_daemon).
+HERMIT_LOCK_FDS=" "
+
+# lock_take NAME [SECONDS]: takes lock NAME on a new descriptor (HERMIT_LOCK_FD),
+# waiting at most SECONDS for it, or as long as it takes; fails on timeout.
+lock_take() {
+  local wait=()
+  [ -z "${2:-}" ] || wait=(-w "$2")
   mkdir -p "$HERMIT_CACHE/locks"
-  flock "$HERMIT_CACHE/locks/$name.lock" "$@"
+  exec {HERMIT_LOCK_FD}>"$HERMIT_CACHE/locks/$1.lock" || return
+  HERMIT_LOCK_FDS+="$HERMIT_LOCK_FD "
+  flock "${wait[@]}" "$HERMIT_LOCK_FD"
+}
+
+# with_lock NAME CMD...: runs CMD (a command or a shell function) holding lock
+# NAME; concurrent callers wait their turn. Returns CMD's status. Call it as a
+# plain command: under `if`, `||` or `&&`, errexit is off inside a function CMD.
+with_lock() {
+  local name=$1 fd rc; shift
+  lock_take "$name"
+  fd=$HERMIT_LOCK_FD
+  "$@"
+  rc=$?
+  exec {fd}>&-
+  HERMIT_LOCK_FDS=${HERMIT_LOCK_FDS/ $fd / }
+  return "$rc"
+}
+
+# lock_script NAME [SECONDS]: holds lock NAME until this script exits, waiting at
+# most SECONDS for it, or as long as it takes; fails on timeout.
+lock_script() { lock_take "$@"; }
+
+# locks_close: closes this shell's lock descriptors (in the subshell that
+# becomes a daemon).
+locks_close() {
+  local fd
+  for fd in $HERMIT_LOCK_FDS; do exec {fd}>&-; done
+  HERMIT_LOCK_FDS=" "
 }

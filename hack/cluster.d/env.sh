@@ -45,13 +45,14 @@ wait_for() {
   done
 }
 
-# start_daemon NAME LOG CMD...: runs CMD detached (own session), pid in $CLUSTER_DIR/pids/NAME.
+# start_daemon NAME LOG CMD...: runs CMD detached (own session, without this
+# shell's locks), pid in $CLUSTER_DIR/pids/NAME.
 start_daemon() {
   local name=$1 logf=$2; shift 2
   local pidf="$CLUSTER_DIR/pids/$name.pid"
   mkdir -p "$CLUSTER_DIR/pids" "$(dirname "$logf")"
   if pid_alive "$pidf"; then return 0; fi
-  setsid "$@" </dev/null >>"$logf" 2>&1 8>&- 9>&- &
+  ( locks_close; exec setsid "$@" ) </dev/null >>"$logf" 2>&1 &
   echo $! >"$pidf"
 }
 

@@ -120,12 +120,25 @@ node_mntns_down() {
   if [ -e "$f" ]; then umount "$f" 2>/dev/null || umount -l "$f" 2>/dev/null || true; rm -f "$f"; fi
 }
 
+# node_write_configs NAME: the node's config files in its dir (its kubeconfig is
+# pki_node's), and its directories under $CLUSTER_VAR and $CLUSTER_RUN.
 node_write_configs() {
-  local name=$1 i ip dir var run
-  i=$(node_index "$name"); ip=$(node_ip "$name"); dir=$(node_dir "$name")
-  var=$CLUSTER_VAR/$name; run=$CLUSTER_RUN/$name
-  mkdir -p "$dir/cni" "$var" "$run"
-  cat >"$dir/containerd.toml" <<TOML
+  local name=$1 dir
+  dir=$(node_dir "$name")
+  mkdir -p "$dir/cni" "$CLUSTER_VAR/$name" "$CLUSTER_RUN/$name"
+  node_containerd_config "$name" >"$dir/containerd.toml"
+  node_cni_config "$name" >"$dir/cni/10-hermit.conflist"
+  node_kubelet_config "$name" >"$dir/kubelet.yaml"
+  node_labels "$name" >"$dir/labels"
+  node_kube_proxy_config "$name" >"$dir/kube-proxy.yaml"
+}
+
+# node_containerd_config NAME: containerd's config.toml; its CNI config is in
+# the node's dir.
+node_containerd_config() {
+  local dir
+  dir=$(node_dir "$1")
+  cat <<TOML
 version = 2
 # paths as seen in the node's mount namespace (node_bind_map)
 root = "/var/lib/containerd"
@@ -160,7 +173,14 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
     conf_dir = "$dir/cni"
     max_conf_num = 1
 TOML
-  cat >"$dir/cni/10-hermit.conflist" <<JSON
+}
+
+# node_cni_config NAME: the CNI network (bridge cni0, host-local IPAM on the
+# node's pod CIDR).
+node_cni_config() {
+  local i
+  i=$(node_index "$1")
+  cat <<JSON
 {
   "cniVersion": "0.4.0",
   "name": "hermit",
@@ -177,7 +197,13 @@ TOML
   ]
 }
 JSON
-  cat >"$dir/kubelet.yaml" <<YAML
+}
+
+# node_kubelet_config NAME: the KubeletConfiguration.
+node_kubelet_config() {
+  local name=$1 i ip
+  i=$(node_index "$name"); ip=$(node_ip "$name")
+  cat <<YAML
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
 address: $ip
@@ -212,14 +238,27 @@ rotateCertificates: false
 serverTLSBootstrap: false
 protectKernelDefaults: false
 YAML
-  local labels="node.kubernetes.io/instance-type=hermit-local,topology.kubernetes.io/zone=local-$(( (i - 1) % 2 + 1 ))"
+}
+
+# node_labels NAME: the node's labels (instance type, zone, capacity type as
+# Karpenter, EKS and GKE spell it), comma-separated for kubelet --node-labels.
+node_labels() {
+  local name=$1 i labels
+  i=$(node_index "$name")
+  labels="node.kubernetes.io/instance-type=hermit-local,topology.kubernetes.io/zone=local-$(( (i - 1) % 2 + 1 ))"
   if [ "$(node_capacity "$name")" = spot ]; then
     labels+=",karpenter.sh/capacity-type=spot,eks.amazonaws.com/capacityType=SPOT,cloud.google.com/gke-spot=true"
   else
     labels+=",karpenter.sh/capacity-type=on-demand,eks.amazonaws.com/capacityType=ON_DEMAND"
   fi
-  echo "$labels" >"$dir/labels"
-  cat >"$dir/kube-proxy.yaml" <<YAML
+  echo "$labels"
+}
+
+# node_kube_proxy_config NAME: the KubeProxyConfiguration (iptables mode).
+node_kube_proxy_config() {
+  local name=$1 ip
+  ip=$(node_ip "$name")
+  cat <<YAML
 apiVersion: kubeproxy.config.k8s.io/v1alpha1
 kind: KubeProxyConfiguration
 clientConnection: {kubeconfig: $CLUSTER_DIR/kube-proxy.kubeconfig}

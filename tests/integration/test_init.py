@@ -1,7 +1,7 @@
 """hermit-init and hermit-stateful as real processes on the host.
 
-The binaries are built by hack/build-init and hack/build-workloads (cached, so a
-second run takes well under a second). Restore mode runs hermit-init as PID 1 of
+The binaries are built by hack/build-init and hack/build-init stateful (cached, so
+a second run takes well under a second). Restore mode runs hermit-init as PID 1 of
 a real pid namespace (unshare) and makes a process tree appear under it from the
 outside (nsenter + a parent that exits), as `criu restore --restore-detached` does.
 """
@@ -28,15 +28,20 @@ ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 
 
-def _build(script: str) -> Path:
+def _build(script: str, *args: str) -> Path:
+    what = " ".join(["hack/" + script, *args])
     result = subprocess.run(
-        [str(ROOT / "hack" / script)], capture_output=True, text=True, timeout=900, check=False
+        [str(ROOT / "hack" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
     )
     if result.returncode != 0:
-        pytest.fail(f"hack/{script} failed (exit {result.returncode}): {result.stderr[-2000:]}")
+        pytest.fail(f"{what} failed (exit {result.returncode}): {result.stderr[-2000:]}")
     path = Path(result.stdout.strip().splitlines()[-1])
     if not os.access(path, os.X_OK):
-        pytest.fail(f"hack/{script} printed {path}, which is not an executable")
+        pytest.fail(f"{what} printed {path}, which is not an executable")
     return path
 
 
@@ -47,7 +52,7 @@ def init_bin() -> Path:
 
 @pytest.fixture(scope="module")
 def stateful_bin() -> Path:
-    return _build("build-workloads")
+    return _build("build-init", "stateful")
 
 
 def wait_for(cond: Callable[[], T | None], what: str, timeout: float = 10.0) -> T:
