@@ -695,6 +695,17 @@ def _drop(out: KubeObject, status: KubeObject, *keys: str) -> None:
             out[key] = None
 
 
+def rejected_status(sandbox: KubeObject, p: Plan, message: str, now: datetime) -> KubeObject:
+    """The status patch when the API refused the plan's pod: the plan's, with the spec
+    recorded invalid (Accepted=False) and the incarnation, pod and node the sandbox had."""
+    seen = sit.Seen(sit.SpecInvalid(message), p.status_patch.get("conditions") or [])
+    conditions = sit.conditions(seen, (sandbox.get("metadata") or {}).get("generation"), now)
+    status = sandbox.get("status") or {}
+    return {**p.status_patch, "conditions": conditions, "phase": derive_phase(conditions),
+            "incarnation": status.get("incarnation") or 0, "podName": status.get("podName"),
+            "nodeName": status.get("nodeName")}
+
+
 def _seen(st: _State, situation: sit.Situation) -> sit.Seen:
     return sit.Seen(situation, st.before, st.ckpts)
 
