@@ -648,27 +648,28 @@ def _observe(st: _State, out: KubeObject, pod: KubeObject) -> Plan:
     node = (pod.get("spec") or {}).get("nodeName")
     out.update(podName=name, nodeName=node)
     restored = _restore_completed(st, out, pod)
-    seen = sit.PodObserved(name, node, _pod_state(pod), container_message(pod), restored)
-    if seen.state is sit.PodState.SUCCEEDED and not _was(st.status, api.COND_SUCCEEDED, TRUE):
+    state = _pod_state(pod)
+    observed = sit.PodObserved(name, node, state, container_message(pod), restored)
+    if state is sit.PodState.SUCCEEDED and not _was(st.status, api.COND_SUCCEEDED, TRUE):
         st.events.append(Event(NORMAL, api.REASON_POD_SUCCEEDED,
                                f"the sandbox's command in pod {name} exited 0"))
-    elif seen.state is sit.PodState.FAILED and not _was(st.status, api.COND_FAILED, TRUE):
+    elif state is sit.PodState.FAILED and not _was(st.status, api.COND_FAILED, TRUE):
         st.events.append(Event(WARNING, api.REASON_POD_FAILED,
-                               f"pod {name} failed: {seen.detail}"))
-    elif seen.state is sit.PodState.RUNNING and not _was(st.status, api.COND_READY, TRUE):
+                               f"pod {name} failed: {observed.detail}"))
+    elif state is sit.PodState.RUNNING and not _was(st.status, api.COND_READY, TRUE):
         st.events.append(Event(NORMAL, api.REASON_POD_RUNNING,
                                f"pod {name} is running on node {node}"))
-    _interval(st, out, pod, seen)
-    return _finish(st, out, pod, seen)
+    _interval(st, out, pod, observed)
+    return _finish(st, out, pod, observed)
 
 
-def _interval(st: _State, out: KubeObject, pod: KubeObject, seen: sit.PodObserved) -> None:
+def _interval(st: _State, out: KubeObject, pod: KubeObject, observed: sit.PodObserved) -> None:
     """spec.checkpoint.intervalSeconds: request an Interval Checkpoint of a running, ready
     pod (not restoring, not finished, as this plan leaves it) once one is due; the
     node-agent serves it."""
     interval = ck.interval_seconds(st.sandbox)
     if (interval is None or st.create_checkpoint is not None or not pod_is_ready(pod)
-            or any(sit.true_after(_seen(st, seen), t)
+            or any(sit.true_after(_seen(st, observed), t)
                    for t in (api.COND_RESTORING, api.COND_SUCCEEDED, api.COND_FAILED))):
         return
     if ck.interval_due(st.ckpts, pod, interval, st.now):

@@ -162,7 +162,7 @@ class Seen:
     def was(self, type_: str, status: str | None = None) -> bool:
         """Whether the condition was there (with this status, when given)."""
         cond = get_condition(self.before, type_)
-        return cond is not None and status in (None, cond.get("status"))
+        return cond is not None and (status is None or cond.get("status") == status)
 
 
 # -- one function per condition type --------------------------------------------------------
