@@ -19,10 +19,9 @@ from hermit_common.errors import HermitError
 from hermit_common.settings import OperatorSettings
 from hermit_operator import metrics
 from hermit_operator.checkpoints import orphan_status, sandbox_of
-from hermit_operator.conditions import FALSE, derive_phase, set_condition
 from hermit_operator.kube import Kube, KubeTransient
 from hermit_operator.podspec import InvalidSpec
-from hermit_operator.reconcile import Event, Plan, plan
+from hermit_operator.reconcile import Event, Plan, plan, rejected_status
 
 KubeObject = dict[str, Any]
 Poster = Callable[[KubeObject, Event], None]
@@ -179,9 +178,7 @@ def _apply(kube: Kube, sandbox: KubeObject, p: Plan, post: Poster, now: datetime
             kube.create_pod(p.create_pod)
         except InvalidSpec as exc:
             # The API rejected the pod: record it like any other invalid spec.
-            status = dict(p.status_patch)
-            status.update(_invalid_status(sandbox, p, str(exc), now))
-            kube.patch_sandbox_status(namespace, name, status)
+            kube.patch_sandbox_status(namespace, name, rejected_status(sandbox, p, str(exc), now))
             post(sandbox, Event("Warning", api.REASON_INVALID_SPEC, str(exc)))
             raise
         annotations = p.create_pod["metadata"].get("annotations") or {}
@@ -199,13 +196,3 @@ def _apply(kube: Kube, sandbox: KubeObject, p: Plan, post: Poster, now: datetime
         # The S3 side (manifest and unreferenced chunks) is not collected yet.
         kube.delete_checkpoint(namespace, ckpt)
         metrics.CHECKPOINTS_DELETED.inc()
-
-
-def _invalid_status(sandbox: KubeObject, p: Plan, message: str, now: datetime) -> KubeObject:
-    conds = set_condition(p.status_patch.get("conditions") or [], api.COND_ACCEPTED, FALSE,
-                          api.REASON_INVALID_SPEC, message,
-                          (sandbox.get("metadata") or {}).get("generation"), now)
-    status = sandbox.get("status") or {}
-    return {"conditions": conds, "phase": derive_phase(conds),
-            "incarnation": status.get("incarnation") or 0, "podName": status.get("podName"),
-            "nodeName": status.get("nodeName")}

@@ -4,7 +4,9 @@
 Checkpoints of its namespace, and returns a ``Plan``: a pod to create, a pod to
 delete, Checkpoints to create, adopt or delete, the sandbox's PodDisruptionBudget, the
 status to patch, the Events to emit and when to look again. The caller (driver.py)
-applies it; nothing here talks to the API.
+applies it; nothing here talks to the API. The decisions do not write conditions: each
+plan ends in a situation (situations.py: what it saw and decided), and ``_finish``
+computes every condition from that once, one function per condition type.
 
 The checkpoint/restore protocol (docs/protocol.md), seen from the operator:
 - the newest Completed Checkpoint becomes status.lastCheckpoint; Dumping/Uploading
@@ -37,6 +39,7 @@ from hermit_common import api, protocol
 from hermit_common.settings import OperatorSettings
 from hermit_operator import checkpoints as ck
 from hermit_operator import podspec
+from hermit_operator import situations as sit
 from hermit_operator.conditions import (
     FALSE,
     TRUE,
@@ -45,20 +48,18 @@ from hermit_operator.conditions import (
     format_time,
     get_condition,
     is_true,
-    set_condition,
+)
+from hermit_operator.situations import (
+    REASON_CHECKPOINT_COMPLETED,
+    REASON_CHECKPOINT_FAILED,
+    REASON_CHECKPOINT_IN_PROGRESS,
+    REASON_RESTORE_FAILED,
 )
 
 KubeObject = dict[str, Any]
 
 NORMAL = "Normal"
 WARNING = "Warning"
-
-# Condition and Event reasons of the checkpoint/restore protocol (candidates for api.py).
-REASON_CHECKPOINT_IN_PROGRESS: Final = "CheckpointInProgress"
-REASON_CHECKPOINT_COMPLETED: Final = "CheckpointCompleted"
-REASON_CHECKPOINT_FAILED: Final = "CheckpointFailed"
-REASON_NO_CHECKPOINT_IN_PROGRESS: Final = "NoCheckpointInProgress"
-REASON_RESTORE_FAILED: Final = "RestoreFailed"
 
 # A Failed pod with one of these reasons (or a DisruptionTarget condition) was taken
 # away from a live sandbox; it is replaced, not reported as the sandbox failing.
@@ -91,9 +92,10 @@ class Plan:
 
 @dataclass
 class _State:
-    """The status being built; conditions are replaced, never edited in place."""
+    """What one plan reads and builds. The conditions are not written here: the plan ends
+    in a situation (situations.py), and _finish computes every condition from it once."""
 
-    conditions: list[Condition]
+    before: list[Condition]  # the conditions as read
     generation: int | None
     now: datetime
     sandbox: KubeObject = field(default_factory=dict)
@@ -108,10 +110,6 @@ class _State:
     pdb: KubeObject | None = None
     delete_pdb: str | None = None
     requeue_after: float | None = None
-
-    def set(self, type_: str, status: str, reason: str, message: str) -> None:
-        self.conditions = set_condition(self.conditions, type_, status, reason, message,
-                                        self.generation, self.now)
 
     @property
     def status(self) -> KubeObject:
@@ -212,8 +210,7 @@ def plan(sandbox: KubeObject, pod: KubeObject | None, now: datetime, *,
     except podspec.InvalidSpec as exc:
         if not _was(status, api.COND_ACCEPTED, FALSE):
             st.events.append(Event(WARNING, api.REASON_INVALID_SPEC, str(exc)))
-        st.set(api.COND_ACCEPTED, FALSE, api.REASON_INVALID_SPEC, str(exc))
-        return _finish(st, out, pod, invalid_spec=str(exc))
+        return _finish(st, out, pod, sit.SpecInvalid(str(exc)), invalid_spec=str(exc))
     _accept(st, out, pod)
     if spec.get("suspend"):
         return _suspend(st, out, pod, incarnation)
@@ -221,9 +218,8 @@ def plan(sandbox: KubeObject, pod: KubeObject | None, now: datetime, *,
 
 
 def _accept(st: _State, out: KubeObject, pod: KubeObject | None) -> None:
-    """A valid spec: Accepted, its disruption budget, its checkpoints tracked."""
+    """A valid spec: its disruption budget, its checkpoints tracked."""
     sandbox = st.sandbox
-    st.set(api.COND_ACCEPTED, TRUE, api.REASON_SPEC_VALID, "the spec can be run")
     st.pdb = podspec.disruption_budget(sandbox)
     st.delete_pdb = None if st.pdb is not None else podspec.pdb_name(st.name)
     st.ckpts = ck.of_sandbox(sandbox, st.namespace_ckpts)
@@ -235,15 +231,13 @@ def _accept(st: _State, out: KubeObject, pod: KubeObject | None) -> None:
 
 def _run(st: _State, out: KubeObject, pod: KubeObject | None, incarnation: int) -> Plan:
     """Not suspended: start, watch, move or replace the sandbox's pod."""
-    resuming = _not_suspended(st)
-    terminal = is_true(st.conditions, api.COND_SUCCEEDED) or is_true(st.conditions,
-                                                                       api.COND_FAILED)
+    resuming = _was(st.status, api.COND_SUSPENDED, TRUE)
+    terminal = is_true(st.before, api.COND_SUCCEEDED) or is_true(st.before, api.COND_FAILED)
     if pod is None:
         return _without_pod(st, out, incarnation, resuming, terminal)
     pod_name = pod["metadata"]["name"]
     if (pod.get("metadata") or {}).get("deletionTimestamp"):
-        st.set(api.COND_READY, FALSE, api.REASON_POD_TERMINATING, f"pod {pod_name} is terminating")
-        return _finish(st, out, pod)
+        return _finish(st, out, pod, sit.PodTerminating(pod_name))
     if terminal:
         return _observe(st, out, pod)
     stopped = _stopping(st, out, incarnation, pod)
@@ -273,21 +267,11 @@ def wants_ticks(spec: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
 
 def _protect_restore_sources(st: _State, pod: KubeObject | None) -> None:
     """While a restore is under way (or waits for a retry) retention keeps its checkpoint."""
-    if not is_true(st.conditions, api.COND_RESTORING):
+    if not is_true(st.before, api.COND_RESTORING):
         return
     for name in (_restore_source(pod), (st.status.get("restoredFrom") or {}).get("name")):
         if name:
             st.protect.add(str(name))
-
-
-def _not_suspended(st: _State) -> bool:
-    """Suspended=False; True when this plan resumes a suspended sandbox."""
-    resuming = _was(st.status, api.COND_SUSPENDED, TRUE)
-    if resuming:
-        st.set(api.COND_SUSPENDED, FALSE, api.REASON_RESUMED, "spec.suspend is false")
-    elif get_condition(st.conditions, api.COND_SUSPENDED) is None:
-        st.set(api.COND_SUSPENDED, FALSE, api.REASON_NOT_SUSPENDED, "spec.suspend is false")
-    return resuming
 
 
 def _stopping(st: _State, out: KubeObject, incarnation: int, pod: KubeObject) -> Plan | None:
@@ -307,7 +291,7 @@ def _without_pod(st: _State, out: KubeObject, incarnation: int, resuming: bool,
                  terminal: bool) -> Plan:
     """No current pod: wait for a stopping checkpoint or a restore retry, else replace it."""
     if terminal:
-        return _finish(st, out, None)
+        return _finish(st, out, None, sit.Finished())
     gone = st.status.get("podName")
     flight = ck.stopping_in_flight(st.ckpts, None, st.now)
     if flight is not None and gone:
@@ -321,7 +305,8 @@ def _without_pod(st: _State, out: KubeObject, incarnation: int, resuming: bool,
 
 
 def _track_checkpoints(st: _State, out: KubeObject, status: KubeObject) -> None:
-    """status.lastCheckpoint and the Checkpointing condition from the sandbox's checkpoints."""
+    """status.lastCheckpoint from the sandbox's checkpoints; Events for the newly completed
+    one and for a failure (the Checkpointing condition follows from them: situations.py)."""
     last = ck.last_completed(st.ckpts)
     if last is not None:
         record = ck.last_checkpoint_status(last)
@@ -330,24 +315,14 @@ def _track_checkpoints(st: _State, out: KubeObject, status: KubeObject) -> None:
                                    f"checkpoint {record['name']} ({record.get('reason')}) "
                                    "is complete"))
         out["lastCheckpoint"] = record
-    busy = ck.active(st.ckpts)
-    if busy is not None:
-        st.set(api.COND_CHECKPOINTING, TRUE, REASON_CHECKPOINT_IN_PROGRESS,
-               f"checkpoint {ck.name_of(busy)} ({ck.reason_of(busy)}) is {ck.phase_of(busy)}")
+    if ck.active(st.ckpts) is not None:
         return
     done = ck.newest_finished(st.ckpts)
-    if done is not None and ck.phase_of(done) == ck.COMPLETED:
-        st.set(api.COND_CHECKPOINTING, FALSE, REASON_CHECKPOINT_COMPLETED,
-               f"checkpoint {ck.name_of(done)} ({ck.reason_of(done)}) completed")
-    elif done is not None:
+    if done is not None and ck.phase_of(done) != ck.COMPLETED:
         message = ck.failure_message(done)
         before = get_condition(status.get("conditions") or [], api.COND_CHECKPOINTING) or {}
         if before.get("message") != message:
             st.events.append(Event(WARNING, REASON_CHECKPOINT_FAILED, message))
-        st.set(api.COND_CHECKPOINTING, FALSE, REASON_CHECKPOINT_FAILED, message)
-    elif is_true(st.conditions, api.COND_CHECKPOINTING):
-        st.set(api.COND_CHECKPOINTING, FALSE, REASON_NO_CHECKPOINT_IN_PROGRESS,
-               "no checkpoint is being taken")
 
 
 
@@ -358,7 +333,7 @@ def _suspend(st: _State, out: KubeObject, pod: KubeObject | None, incarnation: i
     name = (pod.get("metadata") or {}).get("name") if pod else None
     live = (pod is not None and not (pod.get("metadata") or {}).get("deletionTimestamp")
             and (pod.get("status") or {}).get("phase") == "Running"
-            and not is_true(st.conditions, api.COND_RESTORING))
+            and not is_true(st.before, api.COND_RESTORING))
     suspended = ck.stopping_completed(st.ckpts, pod, (protocol.SUSPEND,)) if pod else None
     if pod is not None and live and suspended is None:
         wanted = ck.suspend_checkpoint_name(st.name, incarnation)
@@ -368,30 +343,24 @@ def _suspend(st: _State, out: KubeObject, pod: KubeObject | None, incarnation: i
                 st.create_checkpoint = ck.suspend_checkpoint(st.sandbox, incarnation)
                 st.events.append(Event(NORMAL, api.REASON_SUSPEND_REQUESTED,
                                        f"checkpointing pod {name} before it is released"))
-            st.set(api.COND_SUSPENDED, FALSE, api.REASON_SUSPEND_REQUESTED,
-                   f"checkpoint {wanted} is taken before pod {name} is released")
             out.update(podName=name, nodeName=(pod.get("spec") or {}).get("nodeName"))
-            return _finish(st, out, pod)
+            return _finish(st, out, pod, sit.Suspending(wanted, name))
         if ck.phase_of(request) == ck.FAILED:
             last = (out.get("lastCheckpoint") or {}).get("name")
             st.events.append(Event(WARNING, REASON_CHECKPOINT_FAILED,
                                    f"{ck.failure_message(request)}; releasing pod {name} "
                                    f"anyway: resuming restores {last or 'nothing'}"))
-    st.set(api.COND_SUSPENDED, TRUE, api.REASON_SUSPEND_REQUESTED,
-           "spec.suspend is true: the sandbox's pod is released")
-    st.set(api.COND_READY, FALSE, api.REASON_SUSPEND_REQUESTED, "the sandbox is suspended")
     if pod is not None:
         st.events.append(Event(NORMAL, api.REASON_SUSPEND_REQUESTED,
                                f"deleting pod {name}: the sandbox is suspended"))
     out.update(podName=None, nodeName=None)
-    return _finish(st, out, None, delete=name)
+    return _finish(st, out, None, sit.Suspended(), delete=name)
 
 
 def _wait_for(st: _State, out: KubeObject, flight: KubeObject, why: str) -> Plan:
     """A stopping checkpoint is in flight: the replacement waits for it to finish."""
-    st.set(api.COND_READY, FALSE, REASON_CHECKPOINT_IN_PROGRESS,
-           f"{why}; waiting for checkpoint {ck.name_of(flight)} to finish")
-    return _finish(st, out, None)
+    return _finish(st, out, None, sit.WaitingForCheckpoint(
+        f"{why}; waiting for checkpoint {ck.name_of(flight)} to finish"))
 
 
 def _next_pod(st: _State, incarnation: int) -> str:
@@ -404,9 +373,6 @@ def _migrate(st: _State, out: KubeObject, incarnation: int, pod: KubeObject, sto
     name = pod["metadata"]["name"]
     node = (pod.get("spec") or {}).get("nodeName")
     source = ck.name_of(stop)
-    st.set(api.COND_MIGRATING, TRUE, REASON_CHECKPOINT_COMPLETED,
-           f"checkpoint {source} ({ck.reason_of(stop)}) of pod {name} is complete: "
-           "moving the sandbox to a new pod")
     st.events.append(Event(NORMAL, REASON_CHECKPOINT_COMPLETED,
                            f"deleting pod {name} on node {node}: checkpoint {source} "
                            f"({ck.reason_of(stop)}) is durable"))
@@ -414,7 +380,9 @@ def _migrate(st: _State, out: KubeObject, incarnation: int, pod: KubeObject, sto
                   f"creating pod {_next_pod(st, incarnation)} to restore checkpoint {source}")
     _drop(out, st.status, *_RETRY_FIELDS)
     return _create(st, out, incarnation, name,
-                   _Restore(source, ck.restore_record(stop, st.now, clean=True), event))
+                   _Restore(source, ck.restore_record(stop, st.now, clean=True), event),
+                   migration=f"checkpoint {source} ({ck.reason_of(stop)}) of pod {name} is "
+                             "complete: moving the sandbox to a new pod")
 
 
 def _replace(st: _State, out: KubeObject, incarnation: int, *, lost: str | None,
@@ -465,7 +433,7 @@ def _unfinished_restore(st: _State) -> str | None:
     """The checkpoint the last incarnation was still restoring (Restoring is True), when it
     still exists: a pod lost before its restore finished loses nothing more than that."""
     name = (st.status.get("restoredFrom") or {}).get("name")
-    if not name or not is_true(st.conditions, api.COND_RESTORING):
+    if not name or not is_true(st.before, api.COND_RESTORING):
         return None
     return str(name) if ck.find(st.namespace_ckpts, str(name)) is not None else None
 
@@ -481,12 +449,9 @@ def _fork(st: _State, out: KubeObject, source: str, delete: str | None) -> Plan:
     phase = ck.phase_of(ckpt)
     if phase in ck.IN_FLIGHT:
         message = f"waiting for Checkpoint {source} ({phase}) to complete before restoring it"
-        st.set(api.COND_RESTORING, TRUE, REASON_CHECKPOINT_IN_PROGRESS, message)
         return _fork_blocked(st, out, REASON_CHECKPOINT_IN_PROGRESS, message, warn=False)
     if phase == ck.FAILED:
         message = f"spec.restoreFrom: {ck.failure_message(ckpt)}; no pod is created"
-        if get_condition(st.conditions, api.COND_RESTORING) is not None:
-            st.set(api.COND_RESTORING, FALSE, REASON_CHECKPOINT_FAILED, message)
         return _fork_blocked(st, out, REASON_CHECKPOINT_FAILED, message, warn=True)
     event = Event(NORMAL, api.REASON_RESTORE_STARTED,
                   f"creating pod {_next_pod(st, 0)} to restore checkpoint {source}")
@@ -499,33 +464,29 @@ def _fork_blocked(st: _State, out: KubeObject, reason: str, message: str, *, war
     before = get_condition(st.status.get("conditions") or [], api.COND_READY) or {}
     if warn and (before.get("reason"), before.get("message")) != (reason, message):
         st.events.append(Event(WARNING, reason, message))
-    st.set(api.COND_READY, FALSE, reason, message)
-    return _finish(st, out, None)
+    return _finish(st, out, None, sit.ForkBlocked(reason, message))
 
 
 def _create(st: _State, out: KubeObject, incarnation: int, delete: str | None,
             restore: _Restore | None, *, fresh: Event | None = None,
-            fresh_reason: tuple[str, str] | None = None) -> Plan:
+            migration: str | None = None, no_usable: str | None = None) -> Plan:
     """Create incarnation N+1, restoring ``restore`` (or from scratch, announced by
-    ``fresh``; ``fresh_reason`` is the Restoring condition's reason and message then)."""
+    ``fresh``; ``no_usable`` says why when a restore was wanted). ``migration``: a
+    stopping checkpoint of the old pod moves the sandbox."""
     new_incarnation = incarnation + 1
     source = restore.name if restore is not None else None
     manifest = podspec.build_sandbox_pod(st.sandbox, st.settings, new_incarnation, source)
     name = manifest["metadata"]["name"]
-    st.set(api.COND_READY, FALSE, api.REASON_POD_CREATING, f"creating pod {name}")
     if restore is not None:
-        st.set(api.COND_RESTORING, TRUE, restore.reason,
-               restore.message or f"restoring checkpoint {source} into pod {name}")
+        situation = sit.PodCreating(name, source, restore.reason, restore.message, migration)
         st.events.append(restore.event)
         out["restoredFrom"] = restore.record
     else:
+        situation = sit.PodCreating(name, migration=migration, no_usable=no_usable)
         st.events.append(fresh or Event(NORMAL, api.REASON_POD_CREATING, f"creating pod {name}"))
-        reason, message = fresh_reason or (api.REASON_POD_CREATING, "nothing to restore")
-        if fresh_reason is not None or get_condition(st.conditions, api.COND_RESTORING):
-            st.set(api.COND_RESTORING, FALSE, reason, message)
         _drop(out, st.status, "restoredFrom")
     out.update(incarnation=new_incarnation, podName=name, nodeName=None)
-    return _finish(st, out, None, create=manifest, delete=delete)
+    return _finish(st, out, None, situation, create=manifest, delete=delete)
 
 
 def pod_incarnation(pod: KubeObject) -> int | None:
@@ -555,7 +516,7 @@ def _restore_failure(st: _State, out: KubeObject, pod: KubeObject) -> _Failure |
                         _one_line(annotations.get(protocol.ANNOTATION_RESTORE_MESSAGE))
                         or "no message", retryable.strip().lower() != "false")
     ended = (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
-    if outcome != protocol.RESTORED and ended and is_true(st.conditions, api.COND_RESTORING):
+    if outcome != protocol.RESTORED and ended and is_true(st.before, api.COND_RESTORING):
         return _Failure(name, str(source),
                         f"the pod ended before its restore finished: {container_message(pod)}",
                         True)
@@ -592,9 +553,6 @@ def _schedule_retry(st: _State, out: KubeObject, failure: _Failure, attempts: in
                f"{attempts} of {ck.MAX_RESTORE_ATTEMPTS}): {failure.detail}; attempt "
                f"{attempts + 1} at {at}")
     st.events.append(Event(WARNING, REASON_RESTORE_FAILED, message))
-    st.set(api.COND_RESTORING, TRUE, api.REASON_RESTORE_RETRYING, message)
-    st.set(api.COND_READY, FALSE, api.REASON_RESTORE_RETRYING, message)
-    _not_finished(st)
     record = st.status.get("restoredFrom") or {}
     if record.get("name") != failure.source:  # restored by an older operator: no record yet
         record = ck.restore_record(_checkpoint_or_record(st, failure.source), st.now,
@@ -602,7 +560,7 @@ def _schedule_retry(st: _State, out: KubeObject, failure: _Failure, attempts: in
     out.update(podName=None, nodeName=None, restoreAttempts=attempts, nextRestoreAt=at,
                restoredFrom=record)
     st.requeue_after = delay
-    return _finish(st, out, None, delete=failure.pod)
+    return _finish(st, out, None, sit.RestoreRetrying(message), delete=failure.pod)
 
 
 def _retry_restore(st: _State, out: KubeObject, incarnation: int) -> Plan:
@@ -619,7 +577,7 @@ def _retry_restore(st: _State, out: KubeObject, incarnation: int) -> Plan:
     due = ck.parse_time(st.status.get("nextRestoreAt"))
     if due is not None and due > st.now:
         st.requeue_after = max(1.0, (due - st.now).total_seconds())
-        return _finish(st, out, None)
+        return _finish(st, out, None, sit.RestoreWaiting())
     new = _next_pod(st, incarnation)
     message = (f"restoring checkpoint {source} into pod {new} (attempt {attempts + 1} of "
                f"{ck.MAX_RESTORE_ATTEMPTS})")
@@ -649,91 +607,74 @@ def _fall_back(st: _State, out: KubeObject, incarnation: int, delete: str | None
                                 message))
     message = (f"checkpoint {source} could not be restored ({why}) and no older checkpoint "
                f"exists: pod {new} starts from scratch")
-    if is_true(st.conditions, api.COND_MIGRATING):
-        st.set(api.COND_MIGRATING, FALSE, api.REASON_NO_USABLE_CHECKPOINT, message)
     return _create(st, out, incarnation, delete, None,
                    fresh=Event(WARNING, api.REASON_NO_USABLE_CHECKPOINT, message),
-                   fresh_reason=(api.REASON_NO_USABLE_CHECKPOINT, message))
+                   no_usable=message)
 
 
-def _restore_completed(st: _State, out: KubeObject, pod: KubeObject) -> None:
-    """The restore pod's restore-phase Restored ends Restoring and counts one restore."""
+def _restore_completed(st: _State, out: KubeObject, pod: KubeObject) -> str | None:
+    """The restore pod's restore-phase Restored ends Restoring and counts one restore:
+    the checkpoint it restored, or None."""
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
     source = annotations.get(protocol.ANNOTATION_RESTORE_FROM)
     if (not source or pod_incarnation(pod) != int(out["incarnation"])
             or annotations.get(protocol.ANNOTATION_RESTORE_PHASE) != protocol.RESTORED
-            or not is_true(st.conditions, api.COND_RESTORING)):
-        return
+            or not is_true(st.before, api.COND_RESTORING)):
+        return None
     name = pod["metadata"]["name"]
     node = (pod.get("spec") or {}).get("nodeName")
     # Restoring flips to False in the same status patch: a re-reconcile does not count again.
-    st.set(api.COND_RESTORING, FALSE, api.REASON_RESTORE_COMPLETED,
-           f"pod {name} restored checkpoint {source}")
     out["restores"] = int(out["restores"]) + 1
     _drop(out, st.status, *_RETRY_FIELDS)
     st.events.append(Event(NORMAL, api.REASON_RESTORE_COMPLETED,
                            f"pod {name} on node {node} restored checkpoint {source}"))
-    if is_true(st.conditions, api.COND_MIGRATING):
-        st.set(api.COND_MIGRATING, FALSE, api.REASON_RESTORE_COMPLETED,
-               f"the sandbox moved to pod {name} on node {node}")
+    return str(source)
+
+
+def _pod_state(pod: KubeObject) -> sit.PodState:
+    phase = (pod.get("status") or {}).get("phase")
+    if phase == "Succeeded":
+        return sit.PodState.SUCCEEDED
+    if phase == "Failed":
+        return sit.PodState.FAILED
+    if pod_is_ready(pod):
+        return sit.PodState.RUNNING
+    return sit.PodState.PENDING if phase in (None, "Pending") else sit.PodState.NOT_READY
 
 
 def _observe(st: _State, out: KubeObject, pod: KubeObject) -> Plan:
-    """The current pod exists: mirror its state into the conditions."""
-    status = st.status
+    """The current pod exists: its state becomes the sandbox's (an Event on a change)."""
     name = pod["metadata"]["name"]
     node = (pod.get("spec") or {}).get("nodeName")
-    phase = (pod.get("status") or {}).get("phase")
     out.update(podName=name, nodeName=node)
-    _restore_completed(st, out, pod)
-    if phase in ("Succeeded", "Failed") and is_true(st.conditions, api.COND_RESTORING):
-        st.set(api.COND_RESTORING, FALSE, REASON_RESTORE_FAILED,
-               f"pod {name} ended before its restore finished")
-    if phase == "Succeeded":
-        if not _was(status, api.COND_SUCCEEDED, TRUE):
-            st.events.append(Event(NORMAL, api.REASON_POD_SUCCEEDED,
-                                   f"the sandbox's command in pod {name} exited 0"))
-        st.set(api.COND_SUCCEEDED, TRUE, api.REASON_POD_SUCCEEDED,
-               f"the sandbox's command in pod {name} exited 0")
-        st.set(api.COND_READY, FALSE, api.REASON_POD_SUCCEEDED, f"pod {name} has completed")
-    elif phase == "Failed":
-        message = f"pod {name} failed: {container_message(pod)}"
-        if not _was(status, api.COND_FAILED, TRUE):
-            st.events.append(Event(WARNING, api.REASON_POD_FAILED, message))
-        st.set(api.COND_FAILED, TRUE, api.REASON_POD_FAILED, message)
-        st.set(api.COND_READY, FALSE, api.REASON_POD_FAILED, message)
-    elif pod_is_ready(pod):
-        if not _was(status, api.COND_READY, TRUE):
-            st.events.append(Event(NORMAL, api.REASON_POD_RUNNING,
-                                   f"pod {name} is running on node {node}"))
-        st.set(api.COND_READY, TRUE, api.REASON_POD_RUNNING,
-               f"pod {name} is running on node {node}")
-    else:
-        reason = api.REASON_POD_PENDING if phase in (None, "Pending") else api.REASON_POD_NOT_READY
-        st.set(api.COND_READY, FALSE, reason, f"pod {name}: {container_message(pod)}")
-    _not_finished(st)
-    _interval(st, out, pod)
-    return _finish(st, out, pod)
+    restored = _restore_completed(st, out, pod)
+    state = _pod_state(pod)
+    observed = sit.PodObserved(name, node, state, container_message(pod), restored)
+    if state is sit.PodState.SUCCEEDED and not _was(st.status, api.COND_SUCCEEDED, TRUE):
+        st.events.append(Event(NORMAL, api.REASON_POD_SUCCEEDED,
+                               f"the sandbox's command in pod {name} exited 0"))
+    elif state is sit.PodState.FAILED and not _was(st.status, api.COND_FAILED, TRUE):
+        st.events.append(Event(WARNING, api.REASON_POD_FAILED,
+                               f"pod {name} failed: {observed.detail}"))
+    elif state is sit.PodState.RUNNING and not _was(st.status, api.COND_READY, TRUE):
+        st.events.append(Event(NORMAL, api.REASON_POD_RUNNING,
+                               f"pod {name} is running on node {node}"))
+    _interval(st, out, pod, observed)
+    return _finish(st, out, pod, observed)
 
 
-def _interval(st: _State, out: KubeObject, pod: KubeObject) -> None:
+def _interval(st: _State, out: KubeObject, pod: KubeObject, observed: sit.PodObserved) -> None:
     """spec.checkpoint.intervalSeconds: request an Interval Checkpoint of a running, ready
-    pod (not restoring, not finished) once one is due; the node-agent serves it."""
+    pod (not restoring, not finished, as this plan leaves it) once one is due; the
+    node-agent serves it."""
     interval = ck.interval_seconds(st.sandbox)
     if (interval is None or st.create_checkpoint is not None or not pod_is_ready(pod)
-            or any(is_true(st.conditions, t)
+            or any(sit.true_after(_seen(st, observed), t)
                    for t in (api.COND_RESTORING, api.COND_SUCCEEDED, api.COND_FAILED))):
         return
     if ck.interval_due(st.ckpts, pod, interval, st.now):
         st.create_checkpoint = ck.interval_checkpoint(st.sandbox, int(out["incarnation"]),
                                                       st.now)
-
-
-def _not_finished(st: _State) -> None:
-    """Succeeded/Failed=False (Running) when not set yet."""
-    for type_ in (api.COND_SUCCEEDED, api.COND_FAILED):
-        if get_condition(st.conditions, type_) is None:
-            st.set(type_, FALSE, api.REASON_RUNNING, "the sandbox has not finished")
 
 
 def _was(status: KubeObject, type_: str, value: str) -> bool:
@@ -755,12 +696,30 @@ def _drop(out: KubeObject, status: KubeObject, *keys: str) -> None:
             out[key] = None
 
 
-def _finish(st: _State, out: KubeObject, pod: KubeObject | None, *,
+def rejected_status(sandbox: KubeObject, p: Plan, message: str, now: datetime) -> KubeObject:
+    """The status patch when the API refused the plan's pod: the plan's, with the spec
+    recorded invalid (Accepted=False) and the incarnation, pod and node the sandbox had."""
+    seen = sit.Seen(sit.SpecInvalid(message), p.status_patch.get("conditions") or [])
+    conditions = sit.conditions(seen, (sandbox.get("metadata") or {}).get("generation"), now)
+    status = sandbox.get("status") or {}
+    return {**p.status_patch, "conditions": conditions, "phase": derive_phase(conditions),
+            "incarnation": status.get("incarnation") or 0, "podName": status.get("podName"),
+            "nodeName": status.get("nodeName")}
+
+
+def _seen(st: _State, situation: sit.Situation) -> sit.Seen:
+    return sit.Seen(situation, st.before, st.ckpts)
+
+
+def _finish(st: _State, out: KubeObject, pod: KubeObject | None, situation: sit.Situation, *,
             create: KubeObject | None = None, delete: str | None = None,
             invalid_spec: str | None = None) -> Plan:
+    """The plan, with every condition computed from ``situation`` (the only place they are
+    written) and the phase derived from them."""
     pod_phase = (pod.get("status") or {}).get("phase") if pod else None
-    out["conditions"] = st.conditions
-    out["phase"] = derive_phase(st.conditions, pod_phase)
+    conditions = sit.conditions(_seen(st, situation), st.generation, st.now)
+    out["conditions"] = conditions
+    out["phase"] = derive_phase(conditions, pod_phase)
     protect = {*st.protect, (out.get("lastCheckpoint") or {}).get("name"),
                _restore_source(create)}
     drop = tuple(ck.to_delete(st.ckpts, st.retain, protect))
