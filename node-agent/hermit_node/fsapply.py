@@ -146,6 +146,25 @@ def _link(entry: Entry) -> None:
     os.link(source, "/" + entry.path, follow_symlinks=False)
 
 
+def _write_file(entry: Entry, staging_fd: int, path: str) -> None:
+    """A new file at ``path`` with the staged content (never through a symlink)."""
+    src = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=staging_fd)
+    try:
+        dst = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            remaining = entry.size
+            while remaining > 0:
+                # sendfile works across filesystems (copy_file_range may not).
+                copied = os.sendfile(dst, src, None, min(remaining, 1 << 30))
+                if copied == 0:
+                    raise RestoreFailed(f"{entry.path} is shorter than its manifest says")
+                remaining -= copied
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+
+
 def _apply_one(entry: Entry, staging_fd: int) -> None:
     path = "/" + entry.path
     if entry.kind == KIND_WHITEOUT:
@@ -178,21 +197,7 @@ def _apply_one(entry: Entry, staging_fd: int) -> None:
     if entry.kind == KIND_FIFO:
         os.mkfifo(path)
     elif entry.kind == KIND_FILE:
-        src = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=staging_fd)
-        try:
-            dst = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            try:
-                remaining = entry.size
-                while remaining > 0:
-                    # sendfile works across filesystems (copy_file_range may not).
-                    copied = os.sendfile(dst, src, None, min(remaining, 1 << 30))
-                    if copied == 0:
-                        raise RestoreFailed(f"{entry.path} is shorter than its manifest says")
-                    remaining -= copied
-            finally:
-                os.close(dst)
-        finally:
-            os.close(src)
+        _write_file(entry, staging_fd, path)
     _set_owner_mode(path, entry)
     _set_xattrs(path, entry)
     os.utime(path, ns=(entry.mtime_ns, entry.mtime_ns))
