@@ -13,6 +13,7 @@ import sys
 
 from hermit_common.errors import HermitError, SettingsError
 from hermit_common.settings import OperatorSettings, redacted
+from hermit_operator.leader import LeaseElector
 
 LIVENESS_ENDPOINT = "http://0.0.0.0:8080/healthz"
 log = logging.getLogger("hermit.operator")
@@ -54,8 +55,7 @@ def main() -> None:
         start_http_server(settings.metrics_port)
     except OSError as exc:
         _fail(f"cannot serve metrics on port {settings.metrics_port}: {exc.strerror}", 1)
-    if settings.leader_election:
-        _lead(settings)
+    elector = _lead(settings) if settings.leader_election else None
     kopf.configure(verbose=settings.log_level == "DEBUG")
     logging.getLogger().setLevel(settings.log_level)
     kopf.run(
@@ -64,22 +64,22 @@ def main() -> None:
         standalone=settings.peering_name is None,
         peering_name=settings.peering_name,
         liveness_endpoint=LIVENESS_ENDPOINT,
-        memo=kopf.Memo(settings=settings, kube=kube),
+        memo=kopf.Memo(settings=settings, kube=kube, elector=elector),
     )
 
 
-def _lead(settings: OperatorSettings) -> None:
+def _lead(settings: OperatorSettings) -> LeaseElector:
     """Wait for the Lease, then keep it in the background (losing it ends the process)."""
     from kubernetes import client
 
     from hermit_common.kubeclient import load_configuration
-    from hermit_operator.leader import LeaseElector
 
     assert settings.namespace is not None  # checked with the settings
     elector = LeaseElector(client.CoordinationV1Api(client.ApiClient(load_configuration())),
                            settings.namespace, settings.lease_name, settings.identity)
     elector.acquire()
     elector.keep()
+    return elector
 
 
 if __name__ == "__main__":
