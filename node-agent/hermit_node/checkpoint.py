@@ -9,11 +9,15 @@ durable and only then kills it, so a failed upload leaves the sandbox running.
 
 from __future__ import annotations
 
+import array
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
 import signal
 import subprocess
+import termios
 import threading
 import time
 from collections.abc import Callable
@@ -108,6 +112,41 @@ def _copy_tree(source: Path, dest: Path) -> None:
     )
     if proc.returncode != 0:
         raise CheckpointFailed(f"cannot copy {source}: {proc.stderr.strip()}")
+
+
+STDIO_DRAIN_SECONDS = 1.0
+
+
+def wait_stdio_drained(view: container.ContainerView,
+                       timeout: float = STDIO_DRAIN_SECONDS) -> None:
+    """Wait (briefly) until the runtime has read what the frozen tree wrote to its
+    stdout/stderr pipes. CRIU copies the data queued in a pipe into the images and puts it
+    back at restore, while the runtime still reads the original: a line in flight at the
+    dump would appear in the logs of both pods. The runtime is outside the frozen cgroup,
+    so the pipes empty by themselves; past ``timeout`` the dump goes ahead anyway."""
+    fds = []
+    for n, link in ((1, view.stdio[1]), (2, view.stdio[2])):
+        if link.startswith("pipe:"):
+            with contextlib.suppress(OSError):
+                fds.append(os.open(f"/proc/{view.init_pid}/fd/{n}",
+                                   os.O_RDONLY | os.O_NONBLOCK))
+    try:
+        deadline = time.monotonic() + timeout
+        while any(_queued(fd) for fd in fds) and time.monotonic() < deadline:
+            time.sleep(0.002)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _queued(fd: int) -> int:
+    """Bytes waiting in a pipe (read nothing)."""
+    count = array.array("i", [0])
+    try:
+        fcntl.ioctl(fd, termios.FIONREAD, count)
+    except OSError:
+        return 0
+    return count[0]
 
 
 def _ms(start: float) -> int:
@@ -254,6 +293,7 @@ class CheckpointEngine:
             watchdog.daemon = True
             watchdog.start()
         try:
+            wait_stdio_drained(plan.view)
             started = time.monotonic()
             images = plan.local / SECTION_IMAGES
             self._criu.dump(DumpRequest(

@@ -267,3 +267,10 @@ def node_agent_log(kube: Kube, release_ns: str, node: str) -> str:
         if "node-agent" in p.metadata.name:
             return str(kube.api.read_namespaced_pod_log(p.metadata.name, release_ns))
     return ""
+
+
+def wait_agent_ready(kube: Kube, release_ns: str, node: str, timeout: float = 120) -> None:
+    """A node that joined a moment ago may not run its node-agent yet: a notice there
+    would go unseen. Wait for it (a cluster would start it with the node)."""
+    wait_until(f"the node-agent of {node} Ready", timeout,
+               lambda: _agent_ready(kube, release_ns, node))

@@ -22,6 +22,7 @@ import pytest
 from hermit_common import protocol
 from tests.e2e import sandboxes as sb
 from tests.e2e.conftest import (
+    RELEASE_NS,
     REPO,
     S3,
     E2EConfig,
@@ -40,6 +41,7 @@ NOTICE_SECONDS = 20
 def _preempt(kube: Kube, cfg: E2EConfig, ns: str, name: str, where: sb.Running,
              generation: int, done: set[str]) -> tuple[sb.Running, dict[str, Any]]:
     """One spot notice on the sandbox's node; returns where it runs next and the timings."""
+    sb.wait_agent_ready(kube, RELEASE_NS, where.node)
     started = time.monotonic()
     preempt = run_cluster_command(cfg.preempt_cmd, node=where.node, notice=str(NOTICE_SECONDS))
     try:
@@ -124,6 +126,7 @@ def test_node_lost_without_notice_restores_the_interval_checkpoint(
     sb.create_sandbox(namespace, name, sb.stateful_spec(
         e2e_config.sandbox_image, checkpoint={"intervalSeconds": interval}))
     where = sb.wait_running(kube, namespace, name, min_ticks=5)
+    sb.wait_agent_ready(kube, hermit_release, where.node)
     ckpt = wait_until("a Completed Interval checkpoint", interval + 60,
                       sb.completed_checkpoint(namespace, "Interval", sandbox_name=name), 1)
     assert sb.status(namespace, name)["phase"] == "Running", "a routine checkpoint stops nothing"
@@ -161,6 +164,7 @@ def test_kubectl_drain_checkpoints_and_moves_the_sandbox(
     name = f"agent-{uuid.uuid4().hex[:6]}"
     sb.create_sandbox(namespace, name, sb.stateful_spec(e2e_config.sandbox_image))
     where = sb.wait_running(kube, namespace, name, min_ticks=5)
+    sb.wait_agent_ready(kube, hermit_release, where.node)
     kubectl = _kubectl()
     started = time.monotonic()
     drain = subprocess.Popen(
@@ -201,6 +205,7 @@ def test_restore_retried_while_s3_is_unreachable(
     name = f"agent-{uuid.uuid4().hex[:6]}"
     sb.create_sandbox(namespace, name, sb.stateful_spec(e2e_config.sandbox_image))
     where = sb.wait_running(kube, namespace, name, min_ticks=5)
+    sb.wait_agent_ready(kube, hermit_release, where.node)
     preempt = run_cluster_command(e2e_config.preempt_cmd, node=where.node,
                                   notice=str(NOTICE_SECONDS))
     stopped = False
@@ -247,6 +252,7 @@ def test_node_agent_killed_while_the_sandbox_is_frozen(
     sb.create_sandbox(namespace, name,
                       sb.stateful_spec(e2e_config.sandbox_image, mem_mb=BIG_MEM_MB))
     where = sb.wait_running(kube, namespace, name, min_ticks=5)
+    sb.wait_agent_ready(kube, hermit_release, where.node)
     preempt = run_cluster_command(e2e_config.preempt_cmd, node=where.node, notice="90")
     try:
         def frozen() -> Obj | None:
@@ -307,6 +313,7 @@ def test_node_agent_killed_while_it_restores(
     sb.create_sandbox(namespace, name,
                       sb.stateful_spec(e2e_config.sandbox_image, mem_mb=BIG_MEM_MB))
     where = sb.wait_running(kube, namespace, name, min_ticks=5)
+    sb.wait_agent_ready(kube, hermit_release, where.node)
     preempt = run_cluster_command(e2e_config.preempt_cmd, node=where.node,
                                   notice=str(NOTICE_SECONDS + 20))
     try:
@@ -358,6 +365,7 @@ def test_operator_failover_during_a_migration_completes_it_once(
         name = f"agent-{uuid.uuid4().hex[:6]}"
         sb.create_sandbox(namespace, name, sb.stateful_spec(e2e_config.sandbox_image))
         where = sb.wait_running(kube, namespace, name, min_ticks=5)
+        sb.wait_agent_ready(kube, hermit_release, where.node)
         preempt = run_cluster_command(e2e_config.preempt_cmd, node=where.node, notice="40")
         try:
             def under_way() -> Obj | None:

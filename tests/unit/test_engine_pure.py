@@ -111,3 +111,41 @@ def test_entries_at_or_under_a_mount_point_are_left_alone() -> None:
                e("workspace/x"), e("home")]
     kept = outside_mounts(entries, ["/etc/resolv.conf", "/workspace/", "/"])
     assert [x.path for x in kept] == ["etc", "etc/resolv.conf.d", "home"]
+
+
+def test_the_dump_waits_until_the_runtime_has_read_the_stdout_pipe() -> None:
+    """A line still queued in the stdout pipe at the dump would be in both pods' logs."""
+    import os
+    import subprocess
+    import threading
+    import time
+    from pathlib import Path
+
+    from hermit_node.checkpoint import _queued, wait_stdio_drained
+    from hermit_node.container import ContainerView
+
+    read_end, write_end = os.pipe()
+    child = subprocess.Popen(["sh", "-c", "echo tick 1; exec sleep 5"], stdout=write_end)
+    os.close(write_end)
+    try:
+        link = os.readlink(f"/proc/{child.pid}/fd/1")
+        view = ContainerView(init_pid=child.pid, bundle=Path("/"), rootfs=Path("/"),
+                             upperdir=None, netns_inode=0, stdio=("", link, link),
+                             bind_mounts=())
+        deadline = time.monotonic() + 5
+        probe = os.open(f"/proc/{child.pid}/fd/1", os.O_RDONLY | os.O_NONBLOCK)
+        while not _queued(probe) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _queued(probe) == len(b"tick 1\n")
+        reader = threading.Timer(0.2, os.read, (read_end, 100))  # the runtime, a bit late
+        reader.start()
+        started = time.monotonic()
+        wait_stdio_drained(view, timeout=3)
+        assert 0.15 < time.monotonic() - started < 2.5
+        assert _queued(probe) == 0
+        os.close(probe)
+        reader.join()
+    finally:
+        child.kill()
+        child.wait()
+        os.close(read_end)
