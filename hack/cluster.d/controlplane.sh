@@ -21,6 +21,12 @@ net_up() {
 
 net_down() {
   ip link del "$BRIDGE" 2>/dev/null || true
+  # A node's host-side veth goes with its netns, unless something still pinned that
+  # netns when the node was killed: remove the strays by name.
+  local link
+  for link in $(ip -o link show | awk -F': ' '{print $2}' | cut -d@ -f1 | grep -E '^hmv[0-9]+$'); do
+    ip link del "$link" 2>/dev/null || true
+  done
   if [ -f "$CLUSTER_DIR/sysctl.orig" ]; then
     sysctl -q -p "$CLUSTER_DIR/sysctl.orig" >/dev/null
     rm -f "$CLUSTER_DIR/sysctl.orig"
