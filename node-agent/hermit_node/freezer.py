@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from hermit_common.errors import CheckpointFailed
+from hermit_node.container import freezer_cgroup, parse_cgroups
 
 
 def _is_v1(cgroup: Path) -> bool:
@@ -49,8 +50,6 @@ def settle(init_pid: int, *, kill: bool) -> bool:
     """After a restart of the node-agent: thaw the container of ``init_pid`` if an earlier
     run left it frozen, first ending its tree (SIGKILL to the pid namespace's init) when
     ``kill``. True when it was frozen."""
-    from hermit_node.container import freezer_cgroup, parse_cgroups
-
     cgroup = freezer_cgroup(parse_cgroups(Path(f"/proc/{init_pid}/cgroup").read_text()))
     if cgroup is None or not is_frozen(cgroup):
         return False

@@ -14,7 +14,7 @@ from typing import Any
 
 from kubernetes import client
 
-from hermit_common import api
+from hermit_common import api, protocol
 from hermit_common.kubeapi import (
     KubeApi,
     KubeApiError,
@@ -86,7 +86,7 @@ class Kube(KubeApi):
         """Record an Event on a Checkpoint."""
         meta = ckpt.get("metadata") or {}
         namespace, name = str(meta.get("namespace")), str(meta.get("name"))
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = protocol.rfc3339(datetime.now(UTC))
         body = {
             "metadata": {"generateName": f"{name}.", "namespace": namespace},
             "involvedObject": {"apiVersion": api.API_VERSION, "kind": api.CHECKPOINT_KIND,

@@ -31,7 +31,7 @@ from hermit_common.protocol import (  # the shared vocabulary, re-exported for t
     sandbox_of,
 )
 from hermit_common.protocol import meta as _meta
-from hermit_operator.conditions import TRUE, format_time, get_condition
+from hermit_operator.conditions import TRUE, get_condition
 
 __all__ = ["ACTIVE", "COMPLETED", "FAILED", "IN_FLIGHT", "MIGRATING_REASONS", "PENDING",
            "incarnation_of", "name_of", "owner_reference", "parse_time", "phase_of",
@@ -319,7 +319,7 @@ def orphan_status(ckpt: Mapping[str, Any], now: datetime) -> KubeObject | None:
     if meta.get("deletionTimestamp") or phase_of(ckpt) != PENDING:
         return None
     namespace = meta.get("namespace") or "default"
-    return {"phase": FAILED, "completedAt": format_time(now),
+    return {"phase": FAILED, "completedAt": protocol.rfc3339(now),
             "message": f"AgentSandbox {sandbox_of(ckpt)} does not exist in namespace {namespace}"}
 
 

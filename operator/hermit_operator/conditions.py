@@ -7,6 +7,7 @@ from datetime import datetime
 from typing import Any
 
 from hermit_common import api
+from hermit_common.protocol import rfc3339
 
 Condition = dict[str, Any]
 
@@ -14,11 +15,6 @@ TRUE = "True"
 FALSE = "False"
 UNKNOWN = "Unknown"
 _STATUSES = (TRUE, FALSE, UNKNOWN)
-
-
-def format_time(now: datetime) -> str:
-    """RFC 3339 in UTC with second precision, as the API server writes it."""
-    return now.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def get_condition(conditions: Sequence[Condition] | None, type_: str) -> Condition | None:
@@ -61,10 +57,10 @@ def set_condition(
             continue
         found = True
         same = cond.get("status") == status and cond.get("lastTransitionTime")
-        new["lastTransitionTime"] = cond["lastTransitionTime"] if same else format_time(now)
+        new["lastTransitionTime"] = cond["lastTransitionTime"] if same else rfc3339(now)
         out.append(new)
     if not found:
-        new["lastTransitionTime"] = format_time(now)
+        new["lastTransitionTime"] = rfc3339(now)
         out.append(new)
     return out
 

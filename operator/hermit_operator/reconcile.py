@@ -45,7 +45,6 @@ from hermit_operator.conditions import (
     TRUE,
     Condition,
     derive_phase,
-    format_time,
     get_condition,
     is_true,
 )
@@ -548,7 +547,7 @@ def _checkpoint_or_record(st: _State, name: str) -> KubeObject:
 def _schedule_retry(st: _State, out: KubeObject, failure: _Failure, attempts: int) -> Plan:
     """Delete the failed pod; the same checkpoint is restored again at nextRestoreAt."""
     delay = ck.restore_backoff(attempts)
-    at = format_time(st.now + timedelta(seconds=delay))
+    at = protocol.rfc3339(st.now + timedelta(seconds=delay))
     message = (f"pod {failure.pod} could not restore checkpoint {failure.source} (attempt "
                f"{attempts} of {ck.MAX_RESTORE_ATTEMPTS}): {failure.detail}; attempt "
                f"{attempts + 1} at {at}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -274,3 +275,15 @@ def wait_agent_ready(kube: Kube, release_ns: str, node: str, timeout: float = 12
     would go unseen. Wait for it (a cluster would start it with the node)."""
     wait_until(f"the node-agent of {node} Ready", timeout,
                lambda: _agent_ready(kube, release_ns, node))
+
+
+def start_on_spot(kube: Kube, cfg: E2EConfig, release_ns: str, ns: str, **spec: Any
+                  ) -> tuple[str, Running]:
+    """A new self-checking sandbox (``spec``: stateful_spec's extras) running on a spot
+    node whose node-agent is ready, with a spare spot node to move to."""
+    ensure_spot_nodes(kube, cfg, 2)
+    name = f"agent-{uuid.uuid4().hex[:6]}"
+    create_sandbox(ns, name, stateful_spec(cfg.sandbox_image, **spec))
+    where = wait_running(kube, ns, name, min_ticks=5)
+    wait_agent_ready(kube, release_ns, where.node)
+    return name, where

@@ -120,13 +120,9 @@ def test_three_preemptions_in_a_row_then_suspend_resume_and_fork(
 def test_node_lost_without_notice_restores_the_interval_checkpoint(
     kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
 ) -> None:
-    sb.ensure_spot_nodes(kube, e2e_config, 2)
-    name = f"agent-{uuid.uuid4().hex[:6]}"
     interval = 30
-    sb.create_sandbox(namespace, name, sb.stateful_spec(
-        e2e_config.sandbox_image, checkpoint={"intervalSeconds": interval}))
-    where = sb.wait_running(kube, namespace, name, min_ticks=5)
-    sb.wait_agent_ready(kube, hermit_release, where.node)
+    name, where = sb.start_on_spot(kube, e2e_config, hermit_release, namespace,
+                                   checkpoint={"intervalSeconds": interval})
     ckpt = wait_until("a Completed Interval checkpoint", interval + 60,
                       sb.completed_checkpoint(namespace, "Interval", sandbox_name=name), 1)
     assert sb.status(namespace, name)["phase"] == "Running", "a routine checkpoint stops nothing"
@@ -160,11 +156,7 @@ def test_node_lost_without_notice_restores_the_interval_checkpoint(
 def test_kubectl_drain_checkpoints_and_moves_the_sandbox(
     kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
 ) -> None:
-    sb.ensure_spot_nodes(kube, e2e_config, 2)
-    name = f"agent-{uuid.uuid4().hex[:6]}"
-    sb.create_sandbox(namespace, name, sb.stateful_spec(e2e_config.sandbox_image))
-    where = sb.wait_running(kube, namespace, name, min_ticks=5)
-    sb.wait_agent_ready(kube, hermit_release, where.node)
+    name, where = sb.start_on_spot(kube, e2e_config, hermit_release, namespace)
     kubectl = _kubectl()
     started = time.monotonic()
     drain = subprocess.Popen(
@@ -201,11 +193,7 @@ def _kubectl() -> str:
 def test_restore_retried_while_s3_is_unreachable(
     kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig, s3_for_pods: S3,
 ) -> None:
-    sb.ensure_spot_nodes(kube, e2e_config, 2)
-    name = f"agent-{uuid.uuid4().hex[:6]}"
-    sb.create_sandbox(namespace, name, sb.stateful_spec(e2e_config.sandbox_image))
-    where = sb.wait_running(kube, namespace, name, min_ticks=5)
-    sb.wait_agent_ready(kube, hermit_release, where.node)
+    name, where = sb.start_on_spot(kube, e2e_config, hermit_release, namespace)
     preempt = run_cluster_command(e2e_config.preempt_cmd, node=where.node,
                                   notice=str(NOTICE_SECONDS))
     stopped = False
@@ -247,12 +235,8 @@ def test_node_agent_killed_while_the_sandbox_is_frozen(
     """SIGKILL of the node-agent while a migrating checkpoint keeps the sandbox frozen:
     the restarted agent thaws it, fails the cut-short checkpoint, takes another (the
     node is still going away) and the sandbox moves with nothing lost."""
-    sb.ensure_spot_nodes(kube, e2e_config, 2)
-    name = f"agent-{uuid.uuid4().hex[:6]}"
-    sb.create_sandbox(namespace, name,
-                      sb.stateful_spec(e2e_config.sandbox_image, mem_mb=BIG_MEM_MB))
-    where = sb.wait_running(kube, namespace, name, min_ticks=5)
-    sb.wait_agent_ready(kube, hermit_release, where.node)
+    name, where = sb.start_on_spot(kube, e2e_config, hermit_release, namespace,
+                                   mem_mb=BIG_MEM_MB)
     preempt = run_cluster_command(e2e_config.preempt_cmd, node=where.node, notice="90")
     try:
         def frozen() -> Obj | None:
@@ -308,12 +292,8 @@ def test_node_agent_killed_while_it_restores(
 ) -> None:
     """SIGKILL of the node-agent during a restore: the restarted agent reports the restore
     as a retryable failure and the operator restores the same checkpoint on a fresh pod."""
-    sb.ensure_spot_nodes(kube, e2e_config, 2)
-    name = f"agent-{uuid.uuid4().hex[:6]}"
-    sb.create_sandbox(namespace, name,
-                      sb.stateful_spec(e2e_config.sandbox_image, mem_mb=BIG_MEM_MB))
-    where = sb.wait_running(kube, namespace, name, min_ticks=5)
-    sb.wait_agent_ready(kube, hermit_release, where.node)
+    name, where = sb.start_on_spot(kube, e2e_config, hermit_release, namespace,
+                                   mem_mb=BIG_MEM_MB)
     preempt = run_cluster_command(e2e_config.preempt_cmd, node=where.node,
                                   notice=str(NOTICE_SECONDS + 20))
     try:
@@ -361,11 +341,7 @@ def test_operator_failover_during_a_migration_completes_it_once(
         wait_until("two Ready operator replicas", 120, lambda: (
             apps.read_namespaced_deployment(deployment, hermit_release).status.ready_replicas
             or 0) >= 2)
-        sb.ensure_spot_nodes(kube, e2e_config, 2)
-        name = f"agent-{uuid.uuid4().hex[:6]}"
-        sb.create_sandbox(namespace, name, sb.stateful_spec(e2e_config.sandbox_image))
-        where = sb.wait_running(kube, namespace, name, min_ticks=5)
-        sb.wait_agent_ready(kube, hermit_release, where.node)
+        name, where = sb.start_on_spot(kube, e2e_config, hermit_release, namespace)
         preempt = run_cluster_command(e2e_config.preempt_cmd, node=where.node, notice="40")
         try:
             def under_way() -> Obj | None:
