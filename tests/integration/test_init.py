@@ -281,7 +281,15 @@ def start_restore_ns(
 
     pid = wait_for(init_pid, "hermit-init to start in its pid namespace")
     cleanup.append(pid)
+    # A namespace's PID 1 drops SIGTERM while it neither handles nor blocks it, so a signal
+    # sent between exec and hermit-init's sigprocmask would be lost: wait for its signal loop.
+    wait_for(lambda: waits_for_signals(pid), "hermit-init to wait for signals")
     return proc, pid
+
+
+def waits_for_signals(pid: int) -> bool:
+    """The process sleeps in sigtimedwait (while it does, /proc shows its mask as empty)."""
+    return "sigtimedwait" in (read_text(Path(f"/proc/{pid}/wchan")) or "")
 
 
 def detach_into(init_pid: int, argv: list[str | Path]) -> None:
