@@ -145,3 +145,16 @@ def test_settings_read_the_policy_and_name_a_wrong_value() -> None:
         OperatorSettings.from_env({"HERMIT_POD_POLICY_ALLOW": "everything"})
     with pytest.raises(SettingsError, match="HERMIT_POD_POLICY_CAPABILITIES"):
         OperatorSettings.from_env({"HERMIT_POD_POLICY_CAPABILITIES": "SYS ADMIN"})
+
+
+def test_fixing_the_template_starts_the_sandbox() -> None:
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    bad = sandbox(template(container={"securityContext": {"privileged": True}}))
+    refused = reconcile.plan(bad, None, now, settings=OperatorSettings())
+    fixed = sandbox(template())
+    fixed["metadata"]["generation"] = 2
+    fixed["status"] = refused.status_patch
+    plan = reconcile.plan(fixed, None, now, settings=OperatorSettings())
+    assert plan.invalid_spec is None and plan.create_pod is not None
+    accepted = [c for c in plan.status_patch["conditions"] if c["type"] == api.COND_ACCEPTED]
+    assert accepted[0]["status"] == "True"
