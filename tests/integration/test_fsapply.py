@@ -35,8 +35,10 @@ from hermit_common.tree import (
     Entry,
     scan_tree,
 )
+from hermit_node.admit import FROM_IMAGE, drop_privileges
 from hermit_node.checkpoint import SECTION_ROOTFS, SECTION_WORKSPACE, _copy_tree
 from hermit_node.fsapply import apply_tree
+from hermit_node.imagefiles import image_lookup
 
 pytestmark = pytest.mark.integration
 
@@ -756,3 +758,86 @@ def test_nothing_is_imported_from_the_target_after_chroot(
     assert state["imports"] == [], f"imported after chroot: {state['imports']}"
     assert (target / "d" / "f").read_text() == "hello\n"
 
+
+# -- privileges: setuid/setgid bits and file capabilities only where the image has them --
+
+def _build_privileged_lower(lower: Path) -> None:
+    """An image with setuid, setgid and capable binaries, and symlinks to the host's."""
+    (lower / "usr" / "bin").mkdir(parents=True)
+    for name, mode, owner in (("su", 0o4755, (0, 0)), ("games", 0o4755, (5, 60)),
+                              ("wall", 0o2755, (0, 5)), ("passwd", 0o4755, (0, 0)),
+                              ("plain", 0o755, (0, 0)), ("ping", 0o755, (0, 0))):
+        path = lower / "usr" / "bin" / name
+        path.write_text(f"#!/bin/sh\necho {name}\n")
+        os.chown(path, *owner)
+        path.chmod(mode)
+    os.setxattr(lower / "usr" / "bin" / "ping", "security.capability", CAP_NET_RAW)
+    os.symlink("usr/bin", lower / "bin")
+    os.symlink("/usr/bin", lower / "host-bin")  # the host's, if a lookup followed it
+
+
+def _change_privileged(m: Path) -> None:
+    """What a tenant (or a forged manifest) puts in the writable layer."""
+    ubin = m / "usr" / "bin"
+    for name in ("su", "ping"):  # new content, the image's privileges
+        with open(ubin / name, "a") as f:
+            f.write("# upgraded\n")
+    (ubin / "su").chmod(0o4755)  # (a write may clear it)
+    os.setxattr(ubin / "ping", "security.capability", CAP_NET_RAW)
+    os.chown(ubin / "games", 0, 0)  # setuid root where the image has setuid games
+    (ubin / "games").chmod(0o4755)
+    (ubin / "plain").chmod(0o6755)  # the image has neither bit
+    (m / "usr" / "local" / "bin").mkdir(parents=True)
+    (m / "usr" / "local" / "bin" / "sudo").write_text("#!/bin/sh\n")
+    (m / "usr" / "local" / "bin" / "sudo").chmod(0o4755)
+    (m / "tool").write_text("#!/bin/sh\n")
+    os.setxattr(m / "tool", "security.capability", CAP_NET_RAW)
+    os.link(ubin / "passwd", m / "passwd-too")  # a second name the image does not have
+    (m / "shared").mkdir()
+    (m / "shared").chmod(0o2775)  # a setgid directory grants nothing: kept
+    # Where the image has symlinks (one to the host's /usr/bin, whose su is setuid root),
+    # real directories with a setuid su: the lookup must not follow the image's symlinks.
+    for name in ("bin", "host-bin"):
+        (m / name).unlink()
+        (m / name).mkdir()
+        (m / name / "su").write_text("#!/bin/sh\n")
+        (m / name / "su").chmod(0o4755)
+
+
+def test_privileges_are_kept_only_where_the_image_grants_them(
+        tmp_path: Path, mount_overlay: MountOverlay) -> None:
+    """A checkpoint's writable layer applied onto a real overlay through the manifest
+    policy: setuid/setgid bits and file capabilities survive only where the new
+    container's image has the same bit (same owner) or capability at the same path."""
+    lower = tmp_path / "lower"
+    _build_privileged_lower(lower)
+    first = mount_overlay(lower, tmp_path / "ov1")
+    _change_privileged(first)
+    entries = _capture(tmp_path / "ov1" / "upper", tmp_path / "staging")
+    second = mount_overlay(lower, tmp_path / "ov2")
+    lookup = image_lookup(second)
+    assert lookup("usr/bin/su") is not None and lookup("bin/su") is None
+    assert lookup("host-bin/su") is None and lookup("usr/bin/nope") is None
+
+    admitted, stripped = drop_privileges(entries, FROM_IMAGE, lookup)
+    apply_tree(admitted, tmp_path / "staging", second)
+
+    def mode(rel: str) -> int:
+        return stat.S_IMODE(os.lstat(second / rel).st_mode)
+
+    def capability(rel: str) -> bytes | None:
+        return _xattrs(str(second / rel)).get("security.capability")
+
+    assert (mode("usr/bin/su"), (second / "usr/bin/su").read_text()) == \
+        (0o4755, "#!/bin/sh\necho su\n# upgraded\n")
+    assert capability("usr/bin/ping") == CAP_NET_RAW
+    assert (mode("usr/bin/games"), mode("usr/bin/plain")) == (0o755, 0o755)
+    assert (mode("usr/local/bin/sudo"), capability("tool")) == (0o755, None)
+    assert mode("passwd-too") == mode("usr/bin/passwd") == 0o755  # one inode, both names
+    assert os.stat(second / "passwd-too").st_ino == os.stat(second / "usr/bin/passwd").st_ino
+    assert mode("shared") == 0o2775
+    assert (mode("bin/su"), mode("host-bin/su")) == (0o755, 0o755)
+    assert sorted(stripped) == [
+        "bin/su (setuid)", "host-bin/su (setuid)", "passwd-too (setuid)",
+        "tool (file capability)", "usr/bin/games (setuid)", "usr/bin/passwd (setuid)",
+        "usr/bin/plain (setuid, setgid)", "usr/local/bin/sudo (setuid)"]
