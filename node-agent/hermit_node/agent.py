@@ -475,7 +475,7 @@ class NodeAgent:
         return self._restorer.restore(RestoreTarget(
             namespace=sp.namespace, sandbox=origin.sandbox, sandbox_uid=sandbox_uid,
             checkpoint=name, init_pid=pid, image_digest=sp.image_digest,
-            expect_manifest_digest=origin.manifest_digest))
+            expect_manifest_digest=origin.manifest_digest, workspace_path=sp.workspace_path))
 
     def _annotate(self, sp: SandboxPod, annotations: dict[str, str | None]) -> None:
         self._retry(f"annotating pod {sp.namespace}/{sp.pod}", False,
