@@ -19,7 +19,6 @@ import pytest
 
 from hermit_common import protocol
 from tests.e2e.conftest import (
-    RELEASE,
     RELEASE_NS,
     REPO,
     E2EConfig,
@@ -30,7 +29,7 @@ from tests.e2e.conftest import (
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-ACCOUNTS = {"operator": f"{RELEASE}-hermit-operator", "node-agent": f"{RELEASE}-hermit-node-agent"}
+COMPONENTS = ("operator", "node-agent")
 # Rules every authenticated user has (system:basic-user, system:discovery, ...).
 EVERYONE = re.compile(r"^self\w+reviews\.|^selfsubject")
 
@@ -70,11 +69,19 @@ def granted_rules(cfg: E2EConfig, account: str) -> dict[str, set[str]]:
     return out
 
 
+def service_account(kube: Kube, component: str) -> str:
+    """The service account the chart's pods of this component run as."""
+    pods = kube.api.list_namespaced_pod(
+        RELEASE_NS, label_selector=f"app.kubernetes.io/component={component}").items
+    assert pods, f"no {component} pod in {RELEASE_NS}"
+    return str(pods[0].spec.service_account_name)
+
+
 def test_each_account_holds_exactly_the_documented_rules(
-        hermit_release: str, e2e_config: E2EConfig) -> None:
+        kube: Kube, hermit_release: str, e2e_config: E2EConfig) -> None:
     documented = documented_rules()
-    for account, sa in ACCOUNTS.items():
-        granted = granted_rules(e2e_config, sa)
+    for account in COMPONENTS:
+        granted = granted_rules(e2e_config, service_account(kube, account))
         print(f"\n{account}: " + "; ".join(f"{r} {sorted(v)}" for r, v in sorted(granted.items())))
         assert granted == documented[account], (
             f"{account}: can-i --list differs from docs/security.md:\n"
@@ -92,8 +99,9 @@ class NodeAgentToken:
     def __init__(self, cfg: E2EConfig, kube: Kube, pod: str, workdir: Path) -> None:
         token = subprocess.run(
             [kubectl(cfg), "--kubeconfig", cfg.kubeconfig, "-n", RELEASE_NS, "create", "token",
-             ACCOUNTS["node-agent"], "--bound-object-kind", "Pod", "--bound-object-name", pod,
-             "--duration", "10m"], capture_output=True, text=True, check=True).stdout.strip()
+             service_account(kube, "node-agent"), "--bound-object-kind", "Pod",
+             "--bound-object-name", pod, "--duration", "10m"],
+            capture_output=True, text=True, check=True).stdout.strip()
         conf = kube.api.api_client.configuration
         ca = workdir / "ca.crt"
         ca.write_text(Path(conf.ssl_ca_cert).read_text())
