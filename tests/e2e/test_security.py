@@ -151,8 +151,10 @@ def test_a_node_agent_token_is_refused_on_another_nodes_objects(
         kube.create_pod(namespace, pod_manifest(name, node, e2e_config.sandbox_image,
                                                 ["sleep", "3600"]))
         wait_pod_phase(kube, namespace, name, {"Running"})
-    _accepted(agent.run("-n", namespace, "annotate", "pod", "here", "hermit.dev/e2e=x"))
-    _refused(agent.run("-n", namespace, "annotate", "pod", "there", "hermit.dev/e2e=x"),
+    note = ["--type", "merge", "-p",
+            json.dumps({"metadata": {"annotations": {"hermit.dev/e2e": "x"}}})]
+    _accepted(agent.run("-n", namespace, "patch", "pod", "here", *note))
+    _refused(agent.run("-n", namespace, "patch", "pod", "there", *note),
              f"only pods on its own node ({mine})")
     container = pod_manifest("here", mine, "", [])["spec"]["containers"][0]["name"]
     image = ["-p", json.dumps({"spec": {"containers": [{"name": container,
