@@ -1,23 +1,23 @@
 """Least privilege on the cluster: each service account holds exactly the rules
 docs/security.md lists, and a node-agent's own token is refused on another node's objects
-(the chart's ValidatingAdmissionPolicy). Writes are server-side dry runs: admission runs,
-nothing changes."""
+(the chart's ValidatingAdmissionPolicy). Its writes are server-side dry runs: admission
+runs, nothing changes."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
-import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
 
-from hermit_common import protocol
+from hermit_common import api, protocol
 from tests.e2e.conftest import (
     RELEASE_NS,
     REPO,
@@ -94,86 +94,91 @@ def _diff(a: dict[str, set[str]], b: dict[str, set[str]]) -> dict[str, list[str]
 
 
 class NodeAgentToken:
-    """kubectl as one node-agent pod (its bound token names its node)."""
+    """API calls as one node-agent pod (its bound token names its node), as dry runs."""
 
-    def __init__(self, cfg: E2EConfig, kube: Kube, pod: str, workdir: Path) -> None:
+    def __init__(self, cfg: E2EConfig, kube: Kube, pod: str) -> None:
         token = subprocess.run(
             [kubectl(cfg), "--kubeconfig", cfg.kubeconfig, "-n", RELEASE_NS, "create", "token",
              service_account(kube, "node-agent"), "--bound-object-kind", "Pod",
              "--bound-object-name", pod, "--duration", "10m"],
             capture_output=True, text=True, check=True).stdout.strip()
-        conf = kube.api.api_client.configuration
-        ca = workdir / "ca.crt"
-        ca.write_text(Path(conf.ssl_ca_cert).read_text())
-        self._base = [kubectl(cfg), "--kubeconfig", "/dev/null", "--server", conf.host,
-                      "--certificate-authority", str(ca), "--token", token]
+        admin = kube.api.api_client.configuration
+        conf = client.Configuration()
+        conf.host, conf.ssl_ca_cert = admin.host, admin.ssl_ca_cert
+        conf.api_key = {"authorization": f"Bearer {token}"}
+        api_client = client.ApiClient(conf)
+        self.core = client.CoreV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
 
-    def run(self, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*self._base, *args, "--dry-run=server"], input=stdin,
-                              capture_output=True, text=True, check=False)
+    @staticmethod
+    def attempt(call: Callable[..., Any], *args: Any) -> str | None:
+        """None when the API server admits the call (a server-side dry run), else why not."""
+        try:
+            call(*args, dry_run="All")
+        except ApiException as exc:
+            return f"{exc.status} {exc.reason}: {exc.body}"
+        return None
 
 
 @pytest.fixture
 def node_agent(kube: Kube, hermit_release: str, e2e_config: E2EConfig
-               ) -> Iterator[tuple[NodeAgentToken, str, str]]:
+               ) -> tuple[NodeAgentToken, str, str]:
     """(a token of the node-agent on node A, node A, another node B)."""
     pods = kube.api.list_namespaced_pod(
         RELEASE_NS, label_selector="app.kubernetes.io/component=node-agent").items
     running = [p for p in pods if p.status.phase == "Running" and p.spec.node_name]
     assert len(running) >= 2, "needs node-agents on two nodes"
     mine, other = running[0], running[1]
-    with tempfile.TemporaryDirectory() as work:
-        yield (NodeAgentToken(e2e_config, kube, mine.metadata.name, Path(work)),
-               mine.spec.node_name, other.spec.node_name)
+    return (NodeAgentToken(e2e_config, kube, mine.metadata.name), mine.spec.node_name,
+            other.spec.node_name)
 
 
-def _refused(proc: subprocess.CompletedProcess[str], says: str) -> None:
-    assert proc.returncode != 0, f"accepted: {proc.stdout}"
-    assert says in proc.stderr, proc.stderr
-    print(f"  refused: {proc.stderr.strip()[:240]}")
-
-
-def _accepted(proc: subprocess.CompletedProcess[str]) -> None:
-    assert proc.returncode == 0, proc.stderr
+def _refused(why: str | None, says: str) -> None:
+    assert why is not None, f"admitted, but should be refused ({says})"
+    assert says in why, why
+    print(f"  refused: {why[:200]}")
 
 
 def test_a_node_agent_token_is_refused_on_another_nodes_objects(
         kube: Kube, namespace: str, e2e_config: E2EConfig,
         node_agent: tuple[NodeAgentToken, str, str]) -> None:
     agent, mine, other = node_agent
-    label = ["-p", json.dumps({"metadata": {"labels": {"hermit.dev/e2e": "x"}}})]
+    label = {"metadata": {"labels": {"hermit.dev/e2e": "x"}}}
     print(f"\nnode-agent of {mine}:")
-    _accepted(agent.run("patch", "node", mine, "--type", "merge", *label))
-    _refused(agent.run("patch", "node", other, "--type", "merge", *label),
+    assert agent.attempt(agent.core.patch_node, mine, label) is None
+    _refused(agent.attempt(agent.core.patch_node, other, label),
              f"may change only its own node ({mine})")
 
     for name, node in (("here", mine), ("there", other)):
         kube.create_pod(namespace, pod_manifest(name, node, e2e_config.sandbox_image,
                                                 ["sleep", "3600"]))
         wait_pod_phase(kube, namespace, name, {"Running"})
-    note = ["--type", "merge", "-p",
-            json.dumps({"metadata": {"annotations": {"hermit.dev/e2e": "x"}}})]
-    _accepted(agent.run("-n", namespace, "patch", "pod", "here", *note))
-    _refused(agent.run("-n", namespace, "patch", "pod", "there", *note),
+    note = {"metadata": {"annotations": {"hermit.dev/e2e": "x"}}}
+    assert agent.attempt(agent.core.patch_namespaced_pod, "here", namespace, note) is None
+    _refused(agent.attempt(agent.core.patch_namespaced_pod, "there", namespace, note),
              f"only pods on its own node ({mine})")
     container = pod_manifest("here", mine, "", [])["spec"]["containers"][0]["name"]
-    image = ["-p", json.dumps({"spec": {"containers": [{"name": container,
-                                                         "image": "evil:1"}]}})]
-    _refused(agent.run("-n", namespace, "patch", "pod", "here", "--type", "strategic", *image),
+    swap = {"spec": {"containers": [{"name": container, "image": "evil:1"}]}}
+    _refused(agent.attempt(agent.core.patch_namespaced_pod, "here", namespace, swap),
              "never its spec")
 
-    def checkpoint(node: str, **annotations: str) -> str:
+    def checkpoint(node: str, **annotations: str) -> dict[str, Any]:
         obj: Any = protocol.checkpoint_object("box", f"box-{uuid.uuid4().hex[:6]}",
                                               protocol.PREEMPTION, 1, namespace=namespace,
                                               node=node)
         if annotations:
             obj["metadata"]["annotations"] = annotations
-        return json.dumps(obj)
+        return dict(obj)
 
-    _accepted(agent.run("create", "-f", "-", stdin=checkpoint(mine)))
-    _refused(agent.run("create", "-f", "-", stdin=checkpoint(other)),
+    create = agent.custom.create_namespaced_custom_object
+    where = (api.GROUP, api.VERSION, namespace, api.CHECKPOINT_PLURAL)
+    assert agent.attempt(create, *where, checkpoint(mine)) is None
+    _refused(agent.attempt(create, *where, checkpoint(other)),
              f"Checkpoints labelled hermit.dev/node={mine}")
-    _refused(agent.run("create", "-f", "-", stdin=checkpoint(
+    _refused(agent.attempt(create, *where, checkpoint(
         mine, **{protocol.ANNOTATION_NODE_VERIFIED: "true"})), "only the operator marks")
-    _refused(agent.run("-n", RELEASE_NS, "get", "secrets"), "forbidden")
-
+    try:
+        agent.core.list_namespaced_secret(RELEASE_NS)
+        raise AssertionError("the node-agent can list Secrets")
+    except ApiException as exc:
+        assert exc.status == 403
