@@ -178,7 +178,7 @@ class NodeAgent:
         for sp, name in planner.stop_requests(pods, reason, checkpoints):
             try:
                 made.append(self._kube.create_checkpoint(protocol.checkpoint_object(
-                    sp.sandbox, name, reason, sp.incarnation), sp.namespace))
+                    sp.sandbox, name, reason, sp.incarnation, node=self.node), sp.namespace))
             except KubeError as exc:
                 log.warning("cannot request checkpoint %s/%s yet: %s", sp.namespace, name, exc)
         return made
