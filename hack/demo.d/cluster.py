@@ -304,19 +304,19 @@ class Move:
     def _preempt_lines(self, preempt: Preemption) -> None:
         for when, text in preempt.new_lines():
             if "terminating the instance" in text:
-                self.line.at("terminated", f"the notice's deadline: {self.before.node} is "
-                             "terminated (hack/cluster kills all its processes)", when)
+                self.line.at("terminated", f"{self.before.node}: the notice's deadline, "
+                             "instance terminated (all its processes killed)", when)
             elif "node gone" in text:
                 self.node_gone = True
-                self.line.at("gone", f"Node {self.before.node} deleted, as the cloud's node "
-                             "lifecycle controller does", when)
+                self.line.at("gone", f"Node {self.before.node} deleted (as the cloud's node "
+                             "lifecycle controller does)", when)
 
     def _node(self) -> None:
         node = self.kube.node(self.before.node)
         taints = ((node or {}).get("spec") or {}).get("taints") or []
         if any(t.get("key") == protocol.TAINT_INTERRUPTION for t in taints):
-            self.line.at("taint", f"node-agent on {self.before.node} saw the notice: tainted "
-                         f"{protocol.TAINT_INTERRUPTION}:NoSchedule and cordoned")
+            self.line.at("taint", f"{self.before.node}: node-agent tainted "
+                         f"{protocol.TAINT_INTERRUPTION} and cordoned the node")
 
     def _old_pod(self) -> None:
         if self.old_gone:
@@ -329,8 +329,8 @@ class Move:
         seen = self.kube.ticks(self.before.pod)
         self.last_tick = max([self.last_tick, *seen])
         if pod["metadata"].get("deletionTimestamp"):
-            self.line.at("old-deleted", f"operator deleted old pod {self.before.pod} "
-                         f"(its last tick: {self.last_tick})")
+            self.line.at("old-deleted", f"old pod {self.before.pod} deleted by the operator; "
+                         f"its last tick: {self.last_tick}")
 
     def _checkpoint(self) -> None:
         if self.completed:
@@ -340,7 +340,7 @@ class Move:
                     protocol.sandbox_of(c) != SANDBOX:
                 continue
             name, phase = protocol.name_of(c), protocol.phase_of(c)
-            self.line.at("ckpt", f"node-agent created Checkpoint {name} (reason Preemption)")
+            self.line.at("ckpt", f"checkpoint {name} (Preemption) created by the node-agent")
             if phase in protocol.ACTIVE:
                 self.line.at(f"ckpt-{phase}", f"checkpoint {name}: {phase}")
             elif phase == protocol.FAILED:
@@ -348,10 +348,10 @@ class Move:
             elif phase == protocol.COMPLETED:
                 self.completed = c
                 s = c["status"]
-                self.line.at("durable", f"checkpoint durable: {mb(s.get('imageBytes'))} captured"
-                             f", {mb(s.get('uploadedBytes'))} uploaded as zstd chunks; frozen "
-                             f"{s.get('frozenMs')} ms (dump {s.get('dumpMs')} ms, upload "
-                             f"{s.get('uploadMs')} ms); {s.get('manifestURI')}")
+                self.line.at("durable", f"checkpoint durable: {mb(s.get('imageBytes'))} of "
+                             f"images, {mb(s.get('uploadedBytes'))} uploaded; frozen "
+                             f"{s.get('frozenMs')} ms (dump {s.get('dumpMs')}, upload "
+                             f"{s.get('uploadMs')})")
 
     def _new_pod(self) -> None:
         status = self.kube.sandbox().get("status") or {}
@@ -364,8 +364,8 @@ class Move:
         pod = self.kube.pod(SANDBOX_NS, name) or {"metadata": {}, "spec": {}}
         notes = pod["metadata"].get("annotations") or {}
         source = notes.get(protocol.ANNOTATION_RESTORE_FROM)
-        self.line.at("new-pod", f"operator created pod {name} "
-                     f"({protocol.ANNOTATION_RESTORE_FROM}={source})")
+        self.line.at("new-pod", f"new pod {name} created, "
+                     f"{protocol.ANNOTATION_RESTORE_FROM}={source}")
         self.new_node = pod["spec"].get("nodeName") or ""
         if self.new_node:
             self.line.at("scheduled", f"{name} scheduled on {self.new_node}")
@@ -383,9 +383,9 @@ class Move:
         phase = notes.get(protocol.ANNOTATION_RESTORE_PHASE)
         message = notes.get(protocol.ANNOTATION_RESTORE_MESSAGE) or ""
         if phase == protocol.RESTORING:
-            self.line.at("restoring", f"node-agent on {self.new_node}: restoring")
+            self.line.at("restoring", f"{self.new_node}: node-agent restoring {self.new_pod}")
         elif phase == protocol.RESTORED:
-            self.line.at("restored", f"node-agent on {self.new_node}: restored ({message})")
+            self.line.at("restored", f"{self.new_node}: {message}")
         elif phase == protocol.RESTORE_FAILED:
             raise DemoError(f"the restore failed: {message}")
 
@@ -413,19 +413,17 @@ def check_continued(kube: Kube, line: Timeline, move: Move, before: Before) -> N
     statuses = (pod.get("status") or {}).get("containerStatuses") or []
     if not statuses or any("running" not in (s.get("state") or {}) for s in statuses):
         raise DemoError(f"the restored container is not running: {statuses}")
-    line.at("continued", f"state continued: ticks {seen[0]}..{seen[-1]} follow the old pod's "
-            f"{move.last_tick}; the workload answers counter={answer.get('counter')} "
-            f"child={answer.get('child')} (the same child) db={answer.get('db')} "
-            f"gen={answer.get('gen')}, and its self-checks of memory, child, pipes, "
-            "socket, thread, database and files hold")
+    line.at("continued", f"state continued: ticks {seen[0]}..{seen[-1]} follow "
+            f"{move.last_tick}; counter={answer.get('counter')} child={answer.get('child')} "
+            f"(same) db={answer.get('db')} gen={answer.get('gen')}; self-checks hold")
 
 
 def summary(line: Timeline, move: Move) -> None:
     """Seconds from the notice to each milestone, and the work lost (none after a move)."""
     s = (move.completed or {}).get("status") or {}
-    line.note(f"notice -> durable {line.when('durable'):.1f} s (frozen {s.get('frozenMs')} ms), "
-              f"-> running on {move.new_node} {line.when('running'):.1f} s; "
-              f"the node went at {line.when('terminated'):.1f} s; no tick lost or repeated")
+    line.note(f"notice -> durable {line.when('durable'):.1f} s (frozen {s.get('frozenMs')} ms)"
+              f", -> running on {move.new_node} {line.when('running'):.1f} s; node gone at "
+              f"{line.when('terminated'):.1f} s; no tick lost or repeated")
 
 
 class Demo:
@@ -446,14 +444,13 @@ class Demo:
         self.remove(quiet=True)  # what an interrupted earlier run left
         self.install(workdir)
         before = self.start_sandbox()
-        self.line.note(f"preempting {before.node}: {HACK_CLUSTER} preempt-node {before.node} "
-                       f"--notice {self.notice}")
+        self.line.note(f"hack/cluster preempt-node {before.node} --notice {self.notice}")
         preempt = Preemption(before.node, self.notice)
         self.preempted = True
         when, notice = wait_until("the spot notice", 60, preempt.notice, 0.1)
         self.line.t0 = when
-        self.line.at("notice", f"spot interruption notice in {before.node}'s instance "
-                     f"metadata: {notice}", when)
+        self.line.at("notice", f"{before.node}: spot notice in its instance metadata: "
+                     f"{notice}", when)
         move = Move(self.kube, self.line, before)
         move.follow(preempt, 240)
         check_continued(self.kube, self.line, move, before)
@@ -477,8 +474,8 @@ class Demo:
         done = subprocess.run(argv, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise DemoError(f"helm install failed: {done.stdout}{done.stderr}")
-        shown = " ".join(argv[1:]).replace(str(REPO) + "/", "")
-        self.line.note(f"helm {shown}: ready in {time.monotonic() - started:.1f} s")
+        self.line.note(f"helm install {RELEASE} charts/hermit -n {RELEASE_NS} (s3.endpoint: "
+                       f"that MinIO): ready in {time.monotonic() - started:.1f} s")
 
     def start_sandbox(self) -> Before:
         self.spot_before = len(self.kube.ready_spot_nodes())
@@ -501,10 +498,10 @@ class Demo:
         for n in [node, *spare]:
             wait_until(f"the node-agent of {n} Ready", 120, self.agent_probe(n))
         answer = self.kube.ask(pod)
-        self.line.note(f"sandbox {SANDBOX_NS}/{SANDBOX} running {WORKLOAD} on {node} (pod {pod}):"
-                       f" counter={answer.get('counter')} child={answer.get('child')} "
-                       f"db={answer.get('db')}, {self.mem_mb} MiB of patterned memory; "
-                       f"spare spot node(s): {', '.join(spare)}")
+        self.line.note(f"sandbox {SANDBOX} ({WORKLOAD}, {self.mem_mb} MiB of patterned memory)"
+                       f" on {node}, pod {pod}: counter={answer.get('counter')} "
+                       f"child={answer.get('child')} db={answer.get('db')}; spare: "
+                       f"{', '.join(spare)}")
         return Before(node, pod, answer.get("child", ""), spare)
 
     def agent_probe(self, node: str) -> Callable[[], bool]:
@@ -518,7 +515,7 @@ class Demo:
             if added.returncode != 0:
                 raise DemoError(f"add-node failed: {added.stdout}{added.stderr}")
             self.line.note(f"added spot node {added.stdout.strip()} (hack/cluster add-node "
-                           "--spot), as a spot pool replaces a lost node")
+                           "--spot), as a spot pool would")
 
     def remove(self, quiet: bool = False) -> None:
         """Removes the sandbox namespace (while the operator runs), the release, its
