@@ -174,6 +174,7 @@ def test_helm_template_renders() -> None:
         "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding",
         "DaemonSet", "Deployment", "Role", "RoleBinding", "Service", "Service",
         "ServiceAccount", "ServiceAccount", "ServiceMonitor", "ServiceMonitor",
+        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
     ])
     missing = subprocess.run(
         [helm, "template", "hermit", str(CHART)], capture_output=True, text=True, timeout=60)
