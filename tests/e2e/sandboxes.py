@@ -297,21 +297,21 @@ def start_on_spot(kube: Kube, cfg: E2EConfig, release_ns: str, ns: str, **spec: 
 METRICS_PORT = 9101  # the chart's metrics.port
 
 
-def operator_metric(kube: Kube, release_ns: str, sample: str) -> float:
-    """The sum of ``sample`` (e.g. ``..._count``) over every label set and every operator
-    pod, read from their /metrics through the API server's pod proxy (no port-forward,
-    and the same on any cluster)."""
+def operator_metrics(kube: Kube, release_ns: str) -> dict[str, str]:
+    """The /metrics text of every running operator pod, read through the API server's
+    pod proxy (no port-forward, and the same on any cluster)."""
     pods = kube.api.list_namespaced_pod(
         release_ns, label_selector="app.kubernetes.io/component=operator")
-    total = 0.0
-    for p in pods.items:
-        if p.status.phase != "Running":
-            continue
-        text = kube.api.connect_get_namespaced_pod_proxy_with_path(
-            f"{p.metadata.name}:{METRICS_PORT}", release_ns, "metrics")
-        total += sum(s.value for family in text_string_to_metric_families(str(text))
-                     for s in family.samples if s.name == sample)
-    return total
+    return {p.metadata.name: str(kube.api.connect_get_namespaced_pod_proxy_with_path(
+        f"{p.metadata.name}:{METRICS_PORT}", release_ns, "metrics"))
+        for p in pods.items if p.status.phase == "Running"}
+
+
+def metric_sum(texts: dict[str, str], sample: str) -> float:
+    """The sum of ``sample`` (e.g. ``..._count``) over every label set and every text."""
+    return sum(s.value for text in texts.values()
+               for family in text_string_to_metric_families(text)
+               for s in family.samples if s.name == sample)
 
 
 def kubectl_table(kubectl: str, kubeconfig: str, *args: str) -> list[dict[str, str]]:

@@ -127,9 +127,20 @@ def _assert_moves_are_observable(kube: Kube, cfg: E2EConfig, ns: str, name: str,
                                  moves: set[str]) -> None:
     """What a user of the operator looks at after the moves: the downtime histogram on the
     operator's /metrics, and sizes, durations and progress in `kubectl get`."""
-    count = wait_until(f"{len(moves)} moves in the downtime histogram", 30, lambda: (
-        n := sb.operator_metric(kube, RELEASE_NS, f"{metrics.OPERATOR_DOWNTIME}_count"))
-        >= len(moves) and n)
+    seen: dict[str, str] = {}
+
+    def counted() -> float | None:
+        seen.update(sb.operator_metrics(kube, RELEASE_NS))
+        n = sb.metric_sum(seen, f"{metrics.OPERATOR_DOWNTIME}_count")
+        return n if n >= len(moves) else None
+
+    try:
+        count = wait_until(f"{len(moves)} moves in the downtime histogram", 30, counted)
+    finally:
+        print("operator metrics:", *[line for text in seen.values()
+                                     for line in text.splitlines()
+                                     if line.startswith("hermit_operator_")], sep="\n  ")
+        print("sandbox status:", sb.status(ns, name))
     status = sb.status(ns, name)
     assert DURATION.match(status.get("lastDowntime", "")), status
     assert SIZE.match((status.get("lastCheckpoint") or {}).get("size", "")), status
