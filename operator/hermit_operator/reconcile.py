@@ -209,7 +209,7 @@ def plan(sandbox: KubeObject, pod: KubeObject | None, now: datetime, *,
                      "restores": int(status.get("restores") or 0)}
 
     try:
-        podspec.validate(sandbox)
+        podspec.validate(sandbox, settings.pod_policy)
     except podspec.InvalidSpec as exc:
         if not _was(status, api.COND_ACCEPTED, FALSE):
             st.events.append(Event(WARNING, api.REASON_INVALID_SPEC, str(exc)))
