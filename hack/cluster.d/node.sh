@@ -293,7 +293,9 @@ node_import_images() {
   touch "$done_f"
   for img in ${NODE_IMAGES:-${IMAGES[*]}}; do
     tar=$(readlink -f "$HERMIT_CACHE/images/$img.tar")
-    grep -qxF "$tar" "$done_f" && continue
+    # Skip only when this tar is the last one imported for the image: another worktree's
+    # build of the same image (same ref) may have been imported since.
+    [ "$(grep -F "/$img-" "$done_f" | tail -n 1)" = "$tar" ] && continue
     ctr --address "$(node_sock "$name")" -n k8s.io images import --no-unpack=false "$tar" >/dev/null \
       || die "importing $tar into $name failed"
     echo "$tar" >>"$done_f"

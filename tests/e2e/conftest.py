@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
@@ -290,9 +291,32 @@ def _apply_secret(kube: Kube, s3: S3) -> None:
         kube.api.replace_namespaced_secret("hermit-s3", RELEASE_NS, secret)
 
 
+def _apply_crds() -> None:
+    """This worktree's CRDs (the API of record): Helm installs a chart's crds/ only when
+    they do not exist yet and never upgrades them, so a cluster that another branch's
+    tests installed would keep its schema (and prune the status fields it lacks)."""
+    ext = client.ApiextensionsV1Api()
+    for path in sorted((REPO / "crds").glob("*.yaml")):
+        body: Any = yaml.safe_load(path.read_text())
+        name = body["metadata"]["name"]
+        try:
+            current = ext.read_custom_resource_definition(name)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            ext.create_custom_resource_definition(body)
+        else:
+            body["metadata"]["resourceVersion"] = current.metadata.resource_version
+            ext.replace_custom_resource_definition(name, body)
+        wait_until(f"CRD {name} Established", 60, lambda n=name: any(
+            c.type == "Established" and c.status == "True"
+            for c in ext.read_custom_resource_definition(n).status.conditions or []))
+
+
 @pytest.fixture(scope="session")
 def hermit_release(kube: Kube, s3_for_pods: S3, e2e_config: E2EConfig) -> Iterator[str]:
-    """The chart installed with S3 credentials in a Secret; removed afterwards."""
+    """The chart installed with S3 credentials in a Secret, and this worktree's CRDs; the
+    operator on an on-demand node (a spot preemption would restart it); removed afterwards."""
     helm = helm_binary()
     env = {**os.environ, "KUBECONFIG": e2e_config.kubeconfig}
     subprocess.run([helm, "uninstall", RELEASE, "-n", RELEASE_NS, "--wait"], env=env,
@@ -304,10 +328,12 @@ def hermit_release(kube: Kube, s3_for_pods: S3, e2e_config: E2EConfig) -> Iterat
         if exc.status != 409:
             raise
     _apply_secret(kube, s3_for_pods)
+    _apply_crds()
     proc = subprocess.run(
         [helm, "install", RELEASE, str(REPO / "charts/hermit"), "-n", RELEASE_NS,
          "--set", f"s3.bucket={BUCKET}", "--set", f"s3.endpoint={s3_for_pods.endpoint}",
          "--set", "s3.existingSecret=hermit-s3", "--set", "nodeAgent.logLevel=DEBUG",
+         "--set-string", "operator.nodeSelector.karpenter\\.sh/capacity-type=on-demand",
          "--wait", "--timeout", "180s"],
         env=env, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, f"helm install failed: {proc.stdout}{proc.stderr}"
