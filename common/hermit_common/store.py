@@ -487,16 +487,17 @@ class CheckpointStore:
                 expect_uid: str | None) -> tuple[bytes, ChunkCipher | None]:
         """The manifest JSON in stored bytes ``raw``, and the cipher of its chunks (None:
         plain). Refuses what this store may not read or what does not verify."""
-        where = f"checkpoint {namespace}/{checkpoint} of sandbox {namespace}/{sandbox}"
+        where = f"checkpoint {namespace}/{checkpoint}"
         if not is_sealed(raw):
             if self._sealing is not None and not self._sealing.accept_plain:
                 raise CheckpointRefused(
-                    f"{where} is not sealed; this node-agent reads only sealed checkpoints "
-                    "(HERMIT_SEAL_ACCEPT_PLAIN=true reads plain ones, for a migration)")
+                    f"{where} is refused: it is not sealed; this node-agent reads only sealed "
+                    "checkpoints (HERMIT_SEAL_ACCEPT_PLAIN=true reads plain ones, for a "
+                    "migration)")
             return raw, None
         if self._sealing is None:
             raise CheckpointRefused(
-                f"{where} is sealed, and this node-agent has no sealing keys "
+                f"{where} is refused: it is sealed, and this node-agent has no sealing keys "
                 "(HERMIT_SEAL_KEYS_DIR)")
         location = Context(namespace, sandbox, "", checkpoint)
         try:

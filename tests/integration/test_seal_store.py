@@ -164,7 +164,7 @@ def test_tampered_swapped_and_foreign_manifests_are_refused(
     flipped = bytearray(original)
     flipped[len(flipped) // 2] ^= 0x01
     _put(minio_server, bucket, key2, bytes(flipped))
-    _refused(store, tmp_path / "d1", "c2", "c2 of sandbox team-a/agent-1 is refused")
+    _refused(store, tmp_path / "d1", "c2", "checkpoint team-a/c2 is refused: ")
 
     # c2's manifest swapped for c1's
     _copy(minio_server, bucket, key1, key2)
