@@ -229,6 +229,10 @@ def test_plain_checkpoints_need_the_migration_setting(
         minio_server: MinioServer, bucket: str, tmp_path: Path) -> None:
     plain = _store(minio_server, bucket, None)
     plain.upload(_binding("c-plain"), _sections(tmp_path / "src"), {"engine": 1})
+    # the control of the no-plaintext checks: unsealed, the marker is there to be found
+    plain_objects = _raw_objects(minio_server, bucket)
+    assert any(_reveals(data, MARKER) for data in plain_objects.values())
+    assert any(_reveals(data, b"notes.txt") for data in plain_objects.values())
     secret = _Secret()
     secret.add("k1")
     _refused(_store(minio_server, bucket, secret.sealing()), tmp_path / "d1", "c-plain",
