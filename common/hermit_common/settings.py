@@ -152,6 +152,20 @@ class StoreSettings:
 
 
 @dataclass(frozen=True)
+class SealSettings:
+    """Sealed checkpoints (docs/security.md): where the key-encryption keys are mounted."""
+
+    keys_dir: str | None = None  # a mounted Secret (current + KEKs); None: written plain
+    accept_plain: bool = False  # read plain (unsealed) checkpoints too: a migration only
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> SealSettings:
+        env = Env(environ)
+        return cls(keys_dir=env.optional_str("HERMIT_SEAL_KEYS_DIR"),
+                   accept_plain=env.flag("HERMIT_SEAL_ACCEPT_PLAIN", False))
+
+
+@dataclass(frozen=True)
 class WatcherSettings:
     """Which interruption notices the node-agent watches, and where."""
 
@@ -190,6 +204,7 @@ class NodeSettings:
     log_level: str = "INFO"
     reconcile_interval_seconds: float = 2.0  # how often pods and Checkpoints are listed
     max_frozen_seconds: float = 60.0  # a routine checkpoint thaws the sandbox by then
+    seal: SealSettings = SealSettings()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> NodeSettings:
@@ -207,6 +222,7 @@ class NodeSettings:
                 "HERMIT_RECONCILE_INTERVAL_SECONDS", 2.0, minimum=0.1, maximum=300.0),
             max_frozen_seconds=env.number(
                 "HERMIT_MAX_FROZEN_SECONDS", 60.0, minimum=1.0, maximum=3600.0),
+            seal=SealSettings.from_env(environ),
         )
 
 

@@ -535,6 +535,7 @@ def _watch(agent: NodeAgent, settings: NodeSettings, stop: threading.Event,
 def build_agent(settings: NodeSettings, stop: threading.Event,
                 health: agent_health.AgentHealth | None = None) -> NodeAgent:
     """Everything built once at start-up; HermitError when a piece cannot be built."""
+    from hermit_common.seal import sealing_from
     from hermit_common.store import CheckpointStore
     from hermit_node.checkpoint import CheckpointEngine
     from hermit_node.criu import Criu
@@ -542,7 +543,7 @@ def build_agent(settings: NodeSettings, stop: threading.Event,
 
     kube = Kube.connect(settings.node_name)
     criu = Criu(settings.criu_path)
-    store = CheckpointStore(settings.store)
+    store = CheckpointStore(settings.store, sealing=sealing_from(settings.seal))
     work_dir = Path(settings.work_dir)
     return NodeAgent(settings.node_name, kube,
                      CheckpointEngine(criu, store, work_dir,

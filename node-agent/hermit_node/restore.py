@@ -207,8 +207,11 @@ class RestoreEngine:
         """Reads the manifest, admits it, then fetches and verifies the checkpoint into
         ``local``. Returns the manifest, what to apply, and the duration in milliseconds."""
         started = time.monotonic()
+        # A sealed manifest is verified here (signature, namespace, sandbox uid, name):
+        # nothing is downloaded or written for one that does not verify.
         manifest, digest = self._store.read_manifest(
-            target.namespace, target.sandbox, target.checkpoint)
+            target.namespace, target.sandbox, target.checkpoint,
+            expect_uid=target.sandbox_uid)
         if target.expect_manifest_digest is not None and digest != target.expect_manifest_digest:
             raise CheckpointRefused(
                 f"checkpoint {target.namespace}/{target.checkpoint}: manifest digest {digest} "

@@ -176,7 +176,7 @@ def test_helm_template_renders() -> None:
     kinds = sorted(d["kind"] for d in yaml.safe_load_all(out) if d)
     assert kinds == sorted([
         "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding",
-        "DaemonSet", "Deployment", "Role", "RoleBinding", "Service", "Service",
+        "DaemonSet", "Deployment", "Role", "RoleBinding", "Secret", "Service", "Service",
         "ServiceAccount", "ServiceAccount", "ServiceMonitor", "ServiceMonitor",
         "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
     ])
