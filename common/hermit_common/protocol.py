@@ -51,6 +51,9 @@ RESTORE_PHASES: Final = (RESTORING, RESTORED, RESTORE_FAILED)
 # On sandbox pods and Checkpoints: which sandbox, which incarnation (pod) of it.
 LABEL_SANDBOX: Final = f"{GROUP}/sandbox"
 LABEL_INCARNATION: Final = f"{GROUP}/incarnation"
+# On sandbox pods, set by the operator: the capacity the pod asks for (api.CAPACITIES);
+# absent when the sandbox does not require spot nodes. Only the operator reads it.
+LABEL_CAPACITY: Final = f"{GROUP}/capacity"
 # Pods, set by the operator: restore this Checkpoint (the init waits for it).
 ANNOTATION_RESTORE_FROM: Final = f"{GROUP}/restore-from"
 # Pods, set by the operator: the workspace mount path to capture.

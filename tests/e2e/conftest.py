@@ -32,6 +32,14 @@ REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 
 SPOT_LABEL = "karpenter.sh/capacity-type"
+# How each provider marks a spot node (hack/cluster gives each spot node one of them).
+SPOT_NODE_LABELS = {
+    "karpenter": ("karpenter.sh/capacity-type", "spot"),
+    "eks": ("eks.amazonaws.com/capacityType", "SPOT"),
+    "gke-spot": ("cloud.google.com/gke-spot", "true"),
+    "gke-provisioning": ("cloud.google.com/gke-provisioning", "spot"),
+    "aks": ("kubernetes.azure.com/scalesetpriority", "spot"),
+}
 IMDS_ANNOTATION = "hermit.dev/imds-url"
 
 
@@ -128,6 +136,16 @@ def name_of(obj: Obj) -> str:
 def labels_of(obj: Obj) -> dict[str, str]:
     labels: dict[str, str] = obj["metadata"].get("labels") or {}
     return labels
+
+
+def spot_conventions(node: Obj) -> list[str]:
+    """The conventions by which the node is labelled spot (empty: an on-demand node)."""
+    labels = labels_of(node)
+    return [name for name, (key, value) in SPOT_NODE_LABELS.items() if labels.get(key) == value]
+
+
+def is_spot(node: Obj) -> bool:
+    return bool(spot_conventions(node))
 
 
 def is_ready(node: Obj) -> bool:
