@@ -257,8 +257,8 @@ def _run(st: _State, out: KubeObject, pod: KubeObject | None, incarnation: int) 
 
 def wants_ticks(spec: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
     """Whether a sandbox needs the frequent timer: interval checkpoints are on, a restore
-    retry is scheduled, a fork waits for its checkpoint, or a spot pod that is not Ready
-    may fall back to on-demand. The plans decide the rest."""
+    retry is scheduled, a fork waits for its checkpoint, or a spot pod that no node has
+    taken yet may fall back to on-demand. The plans decide the rest."""
     if status.get("nextRestoreAt"):
         return True
     if spec.get("suspend") or status.get("phase") in ("Succeeded", "Failed"):
@@ -267,7 +267,7 @@ def wants_ticks(spec: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
         return True
     if (status.get("capacity") == api.CAPACITY_SPOT
             and podspec.fallback_after_seconds({"spec": spec}) is not None
-            and not is_true(status.get("conditions") or [], api.COND_READY)):
+            and not status.get("nodeName")):
         return True
     return bool(spec.get("restoreFrom")) and not status.get("incarnation")
 
@@ -695,7 +695,7 @@ def _observe(st: _State, out: KubeObject, pod: KubeObject,
              waiting: placement.Unplaced | None = None) -> Plan:
     """The current pod exists: its state becomes the sandbox's (an Event on a change).
     ``waiting``: no node has taken it (the tick timer, on while a spot pod with a fallback
-    is not Ready, looks again until the fallback is due: wants_ticks)."""
+    has no node, looks again until the fallback is due: wants_ticks)."""
     name = pod["metadata"]["name"]
     node = (pod.get("spec") or {}).get("nodeName")
     out.update(podName=name, nodeName=node)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
@@ -308,13 +309,35 @@ def _apply_secret(kube: Kube, s3: S3) -> None:
         kube.api.replace_namespaced_secret("hermit-s3", RELEASE_NS, secret)
 
 
+def _apply_crds() -> None:
+    """This checkout's CRDs (crds/, the API of record) on the cluster: Helm installs a
+    chart's CRDs only when they are missing and never updates them, so a cluster shared by
+    several checkouts would keep whichever schema came first (and prune new fields)."""
+    ext = client.ApiextensionsV1Api()
+    for path in sorted((REPO / "crds").glob("*.yaml")):
+        body: Any = yaml.safe_load(path.read_text())
+        name = body["metadata"]["name"]
+        try:
+            raw: Any = ext.read_custom_resource_definition(name, _preload_content=False)
+            current = json.loads(raw.data)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            ext.create_custom_resource_definition(body)
+            continue
+        body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+        ext.replace_custom_resource_definition(name, body)
+
+
 @pytest.fixture(scope="session")
 def hermit_release(kube: Kube, s3_for_pods: S3, e2e_config: E2EConfig) -> Iterator[str]:
-    """The chart installed with S3 credentials in a Secret; removed afterwards."""
+    """This checkout's CRDs, and its chart installed with S3 credentials in a Secret; the
+    release is removed afterwards (the CRDs stay, as Helm leaves them)."""
     helm = helm_binary()
     env = {**os.environ, "KUBECONFIG": e2e_config.kubeconfig}
     subprocess.run([helm, "uninstall", RELEASE, "-n", RELEASE_NS, "--wait"], env=env,
                    capture_output=True, check=False)
+    _apply_crds()
     try:
         body: Any = {"metadata": {"name": RELEASE_NS}}
         kube.api.create_namespace(body)

@@ -188,6 +188,7 @@ def test_without_spare_spot_capacity_it_falls_back_to_on_demand_then_returns_to_
         print(f"sandbox {name} on {where.node} ({spot_conventions(kube.node(where.node) or {})})"
               f"; cordoned spot nodes {cordoned}; on-demand nodes {on_demand}")
         where = _fall_back(kube, e2e_config, namespace, name, where, on_demand, t)
+        print("timeline: " + ", ".join(f"{k} {v}" for k, v in t.items()))
         started = time.monotonic()
         spot = _spot_node_added(kube, e2e_config, set(cordoned))
         t["spot_node_added_s"] = sb.since(started)
@@ -198,7 +199,8 @@ def test_without_spare_spot_capacity_it_falls_back_to_on_demand_then_returns_to_
         assert sb.status(namespace, name).get("capacity") == api.CAPACITY_SPOT
         print(f"spot node {spot} ({spot_conventions(kube.node(spot) or {})}) added; resumed "
               f"on it at tick {seen[0]}")
-        print("timeline: " + ", ".join(f"{k} {v}" for k, v in t.items()))
+        print(f"spot node added in {t['spot_node_added_s']} s; resumed on it "
+              f"{t['add_to_resumed_on_spot_s']} s after the add began")
     finally:
         for node in cordoned:
             if kube.node(node) is not None:

@@ -286,7 +286,7 @@ def test_a_lost_on_demand_pod_is_replaced_on_spot() -> None:
     [
         ({"placement": {"fallbackToOnDemandAfterSeconds": 30}}, {"capacity": "spot"}, True),
         ({"placement": {"fallbackToOnDemandAfterSeconds": 30}},
-         {"capacity": "spot", "conditions": [{"type": "Ready", "status": "True"}]}, False),
+         {"capacity": "spot", "nodeName": "spot-1"}, False),  # bound: it can only run there
         ({"placement": {"fallbackToOnDemandAfterSeconds": 30}}, {"capacity": "on-demand"},
          False),
         ({"placement": {}}, {"capacity": "spot"}, False),
@@ -296,7 +296,7 @@ def test_a_lost_on_demand_pod_is_replaced_on_spot() -> None:
          {"capacity": "spot"}, False),
     ],
 )
-def test_the_tick_timer_runs_while_a_spot_pod_may_fall_back(spec: Obj, status: Obj,
+def test_the_tick_timer_runs_while_a_spot_pod_without_a_node_may_fall_back(spec: Obj, status: Obj,
                                                              ticks: bool) -> None:
     assert wants_ticks(spec, status) is ticks
 
