@@ -52,8 +52,18 @@ start_daemon() {
   local pidf="$CLUSTER_DIR/pids/$name.pid"
   mkdir -p "$CLUSTER_DIR/pids" "$(dirname "$logf")"
   if pid_alive "$pidf"; then return 0; fi
-  ( locks_close; exec setsid "$@" ) </dev/null >>"$logf" 2>&1 &
+  ( locks_close; close_inherited_fds; exec setsid "$@" ) </dev/null >>"$logf" 2>&1 &
   echo $! >"$pidf"
+}
+
+# close_inherited_fds: closes every descriptor above 2 of this (sub)shell, so a daemon
+# holds nothing of its caller's, such as a lock a CI runner or `flock CMD` took.
+close_inherited_fds() {
+  local fd
+  for fd in /proc/"$BASHPID"/fd/*; do
+    fd=${fd##*/}
+    if [ "$fd" -gt 2 ]; then exec {fd}>&- 2>/dev/null || true; fi
+  done
 }
 
 # stop_daemon NAME: SIGTERM, then SIGKILL after 10 s.
