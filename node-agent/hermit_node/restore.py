@@ -143,13 +143,16 @@ class RestoreEngine:
         self._store = store
         self._work_dir = work_dir
 
-    def restore(self, target: RestoreTarget, *, timeout: float = 120.0) -> RestoreResult:
+    def restore(self, target: RestoreTarget, *, timeout: float = 120.0,
+                store: CheckpointStore | None = None) -> RestoreResult:
+        """Restore ``target``'s checkpoint, read from ``store`` (where it was written),
+        else from the engine's store."""
         began = time.monotonic()
         view = container.inspect(target.init_pid, target.bundle)
         local = self._work_dir / "restores" / target.namespace / target.sandbox / target.checkpoint
         shutil.rmtree(local, ignore_errors=True)
         local.mkdir(parents=True)
-        manifest, download_ms = self._download(target, local)
+        manifest, download_ms = self._download(target, local, store or self._store)
         mapped = _map_externals(manifest.restore, view)
 
         started = time.monotonic()
@@ -171,13 +174,14 @@ class RestoreEngine:
                  target.init_pid, result)
         return result
 
-    def _download(self, target: RestoreTarget, local: Path) -> tuple[Manifest, int]:
+    def _download(self, target: RestoreTarget, local: Path,
+                  store: CheckpointStore) -> tuple[Manifest, int]:
         """Fetches and verifies the checkpoint into ``local``, then checks this node can run it.
 
         Returns the manifest and the download's duration in milliseconds.
         """
         started = time.monotonic()
-        manifest = self._store.download(
+        manifest = store.download(
             target.namespace, target.sandbox, target.checkpoint, local,
             expect_uid=target.sandbox_uid, expect_digest=target.expect_manifest_digest)
         download_ms = _ms(started)
