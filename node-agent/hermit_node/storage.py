@@ -267,6 +267,7 @@ class Stores:
                  make_client: Callable[[StoreSettings], Any] = make_s3_client,
                  max_clients: int = MAX_CLIENTS) -> None:
         self._defaults = defaults
+        self._default_location = Location.of(defaults)
         self._secrets = secrets
         self._allowed = allowed
         self._default = default_store or CheckpointStore(defaults, client=make_client(defaults))
@@ -274,7 +275,7 @@ class Stores:
         self._max_clients = max_clients
         # The default store's client serves its other buckets too (own credentials).
         self._clients: OrderedDict[ClientKey, Any] = OrderedDict(
-            [(client_key(Location.of(defaults), None), self._default.client)])
+            [(client_key(self._default_location, None), self._default.client)])
         self._lock = threading.Lock()
 
     @property
@@ -294,7 +295,7 @@ class Stores:
         return self._store(wanted, str(protocol.meta(ckpt).get("namespace") or ""))
 
     def _store(self, wanted: SandboxStorage, namespace: str) -> CheckpointStore:
-        if wanted.secret is None and wanted.location == Location.of(self._defaults):
+        if wanted.secret is None and wanted.location == self._default_location:
             return self._default
         credentials = (self._credentials(namespace, wanted.secret)
                        if wanted.secret is not None else None)
