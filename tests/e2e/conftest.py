@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
@@ -290,9 +291,50 @@ def _apply_secret(kube: Kube, s3: S3) -> None:
         kube.api.replace_namespaced_secret("hermit-s3", RELEASE_NS, secret)
 
 
+def _contains(got: Any, want: Any) -> bool:
+    """Whether ``got`` has every field of ``want`` (extra fields, e.g. defaults, allowed)."""
+    if isinstance(want, dict):
+        return isinstance(got, dict) and all(k in got and _contains(got[k], v)
+                                             for k, v in want.items())
+    if isinstance(want, list):
+        return isinstance(got, list) and len(got) == len(want) and all(
+            _contains(g, w) for g, w in zip(got, want, strict=True))
+    return bool(got == want)
+
+
+def apply_crds(kube: Kube) -> None:
+    """Put this worktree's CRDs in place: helm installs the chart's CRDs only when they are
+    absent and never upgrades them, so the shared cluster would otherwise keep the first
+    ones it got and prune every field added since. Waits until the API server serves the
+    new schema: a dry-run create of the sample that sets every spec field keeps them all."""
+    ext = client.ApiextensionsV1Api()
+    for path in sorted((REPO / "charts/hermit/crds").glob("*.yaml")):
+        body = yaml.safe_load(path.read_text())
+        name = body["metadata"]["name"]
+        try:
+            current: Any = ext.read_custom_resource_definition(name)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            ext.create_custom_resource_definition(body)
+        else:
+            body["metadata"]["resourceVersion"] = current.metadata.resource_version
+            ext.replace_custom_resource_definition(name, body)
+    sample = yaml.safe_load((REPO / "crds/samples/agentsandbox-full.yaml").read_text())
+    group, version = sample["apiVersion"].split("/")
+
+    def served() -> bool:
+        got: Any = client.CustomObjectsApi().create_namespaced_custom_object(
+            group, version, RELEASE_NS, "agentsandboxes", sample, dry_run="All")
+        return _contains(got.get("spec"), sample["spec"])
+
+    wait_until("the API server serving this worktree's CRD schema", 60, served, 0.5)
+
+
 @pytest.fixture(scope="session")
 def hermit_release(kube: Kube, s3_for_pods: S3, e2e_config: E2EConfig) -> Iterator[str]:
-    """The chart installed with S3 credentials in a Secret; removed afterwards."""
+    """The chart installed with S3 credentials in a Secret, and this worktree's CRDs;
+    removed afterwards (the CRDs stay, as helm leaves them)."""
     helm = helm_binary()
     env = {**os.environ, "KUBECONFIG": e2e_config.kubeconfig}
     subprocess.run([helm, "uninstall", RELEASE, "-n", RELEASE_NS, "--wait"], env=env,
@@ -304,6 +346,7 @@ def hermit_release(kube: Kube, s3_for_pods: S3, e2e_config: E2EConfig) -> Iterat
         if exc.status != 409:
             raise
     _apply_secret(kube, s3_for_pods)
+    apply_crds(kube)
     proc = subprocess.run(
         [helm, "install", RELEASE, str(REPO / "charts/hermit"), "-n", RELEASE_NS,
          "--set", f"s3.bucket={BUCKET}", "--set", f"s3.endpoint={s3_for_pods.endpoint}",

@@ -122,6 +122,8 @@ def _start_pair(kube: Kube, cfg: E2EConfig, ns: str, s3: S3, a_bucket: str, b_bu
     sb.create_sandbox(ns, name_b, spec)
     where_b = sb.wait_running(kube, ns, name_b, min_ticks=5)
     assert where_b.node == where_a.node
+    for name in (name_a, name_b):  # kept: the cluster's CRD knows the field
+        assert sb.sandbox(ns, name)["spec"]["checkpoint"].get("storage"), name
     return name_a, name_b, where_a, where_b
 
 
@@ -131,7 +133,10 @@ def _wrong_secret_fails_and_the_sandbox_runs_on(kube: Kube, ns: str, name_b: str
     _request_checkpoint(ns, name_b, manual)
     failed = wait_until(f"checkpoint {manual} finished", 120, lambda: _finished(ns, manual))
     message = str(failed["status"].get("message"))
-    assert failed["status"]["phase"] == "Failed", failed["status"]
+    agent_log = [line for line in sb.node_agent_log(kube, RELEASE_NS, where_b.node).splitlines()
+                 if manual in line]
+    assert failed["status"]["phase"] == "Failed", (message, failed["status"].get("storage"),
+                                                   agent_log)
     assert "access denied" in message and "sandbox left running" in message, message
     assert "wrong-" not in message and s3.secret_key not in message
     warnings = [e for e in sb.events(kube, ns, manual) if e["reason"] == "CheckpointFailed"]
