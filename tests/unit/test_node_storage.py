@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -414,6 +415,10 @@ def test_an_api_hiccup_reading_the_secret_retries_the_checkpoint_later(tmp_path:
     agent = make_agent(tmp_path, kube, engine)
     agent._stores = real_stores(secrets)
     agent.reconcile_once()
+    deadline = time.monotonic() + 10
+    while agent._jobs.busy() and time.monotonic() < deadline:  # the job runs on the pool
+        time.sleep(0.01)
+    assert not agent._jobs.busy()
     assert kube.statuses == [] and engine.calls == []
     secrets.error = None
     agent.reconcile_once()
