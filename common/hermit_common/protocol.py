@@ -51,6 +51,15 @@ RESTORE_PHASES: Final = (RESTORING, RESTORED, RESTORE_FAILED)
 # On sandbox pods and Checkpoints: which sandbox, which incarnation (pod) of it.
 LABEL_SANDBOX: Final = f"{GROUP}/sandbox"
 LABEL_INCARNATION: Final = f"{GROUP}/incarnation"
+# On Checkpoints: the node whose node-agent serves the request (the node its pod runs on).
+# The API server lets a node-agent create, and write the status of, only Checkpoints
+# labelled with its own node (the chart's ValidatingAdmissionPolicy); the node-agent
+# cannot change labels (it only writes the status subresource).
+LABEL_NODE: Final = f"{GROUP}/node"
+# On Checkpoints, set by the operator: "true" once it saw the node label match the node
+# its incarnation ran on. Only such checkpoints (or ones it can check now) are restored;
+# the policy refuses a node-agent that creates a Checkpoint carrying it.
+ANNOTATION_NODE_VERIFIED: Final = f"{GROUP}/node-verified"
 # Pods, set by the operator: restore this Checkpoint (the init waits for it).
 ANNOTATION_RESTORE_FROM: Final = f"{GROUP}/restore-from"
 # Pods, set by the operator: the workspace mount path to capture.
@@ -105,6 +114,12 @@ def incarnation_of(obj: Mapping[str, Any]) -> int | None:
         return None
 
 
+def node_of(ckpt: Mapping[str, Any]) -> str | None:
+    """The node label of a Checkpoint (whose node-agent serves it); None when absent."""
+    value = (meta(ckpt).get("labels") or {}).get(LABEL_NODE)
+    return str(value) if value else None
+
+
 def is_stopping(reason: str) -> bool:
     """Whether a checkpoint of this reason ends the current incarnation once durable."""
     return reason in STOPPING_REASONS
@@ -132,15 +147,18 @@ def owner_reference(sandbox: Mapping[str, Any]) -> KubeObject:
 
 
 def checkpoint_object(sandbox: str, name: str, reason: str, incarnation: int | None = None,
-                      *, namespace: str | None = None,
+                      *, namespace: str | None = None, node: str | None = None,
                       owner: Mapping[str, Any] | None = None) -> KubeObject:
     """A Checkpoint to create (status empty: Pending), labelled with its sandbox and,
-    when known, the incarnation it is of; ``owner``: the AgentSandbox object."""
+    when known, the incarnation it is of and the node its pod runs on; ``owner``: the
+    AgentSandbox object."""
     if reason not in REASONS:
         raise ValueError(f"unknown checkpoint reason {reason!r}")
     labels = {LABEL_SANDBOX: sandbox}
     if incarnation is not None:
         labels[LABEL_INCARNATION] = str(incarnation)
+    if node is not None:
+        labels[LABEL_NODE] = node
     metadata: KubeObject = {"name": name, "labels": labels}
     if namespace is not None:
         metadata["namespace"] = namespace

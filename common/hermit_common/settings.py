@@ -193,7 +193,7 @@ class NodeSettings:
     max_frozen_seconds: float = 60.0  # a routine checkpoint thaws the sandbox by then
     # Honour spec.checkpoint.storage (a sandbox's own bucket and Secret); off: only the
     # default store above is used and no Secret is ever read.
-    per_sandbox_storage: bool = True
+    per_sandbox_storage: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> NodeSettings:
@@ -211,11 +211,55 @@ class NodeSettings:
                 "HERMIT_RECONCILE_INTERVAL_SECONDS", 2.0, minimum=0.1, maximum=300.0),
             max_frozen_seconds=env.number(
                 "HERMIT_MAX_FROZEN_SECONDS", 60.0, minimum=1.0, maximum=3600.0),
-            per_sandbox_storage=env.flag("HERMIT_PER_SANDBOX_STORAGE", True),
+            per_sandbox_storage=env.flag("HERMIT_PER_SANDBOX_STORAGE", False),
         )
 
 
 DEFAULT_HERMIT_IMAGE = "hermit.local/hermit:dev"
+
+# Exemptions from the sandbox pod policy (operator/hermit_operator/podpolicy.py) that a
+# cluster admin may grant with HERMIT_POD_POLICY_ALLOW.
+ALLOW_PRIVILEGED = "privileged"
+ALLOW_HOST_NAMESPACES = "hostNamespaces"
+ALLOW_HOST_PATH = "hostPath"
+ALLOW_HOST_PORTS = "hostPorts"
+ALLOW_NODE_NAME = "nodeName"
+ALLOW_PROC_MOUNT = "procMount"
+ALLOW_UNCONFINED = "unconfinedProfiles"
+ALLOW_UNSAFE_SYSCTLS = "unsafeSysctls"
+POD_POLICY_EXEMPTIONS = (ALLOW_PRIVILEGED, ALLOW_HOST_NAMESPACES, ALLOW_HOST_PATH,
+                         ALLOW_HOST_PORTS, ALLOW_NODE_NAME, ALLOW_PROC_MOUNT, ALLOW_UNCONFINED,
+                         ALLOW_UNSAFE_SYSCTLS)
+
+
+@dataclass(frozen=True)
+class PodPolicySettings:
+    """What sandbox pod templates may ask for beyond the baseline (default: nothing)."""
+
+    allow: frozenset[str] = frozenset()  # names from POD_POLICY_EXEMPTIONS
+    extra_capabilities: frozenset[str] = frozenset()  # beyond the baseline set, e.g. SYS_PTRACE
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> PodPolicySettings:
+        env = Env(environ)
+        allow = _names(env.optional_str("HERMIT_POD_POLICY_ALLOW"))
+        unknown = sorted(allow - set(POD_POLICY_EXEMPTIONS))
+        if unknown:
+            raise SettingsError(
+                f"HERMIT_POD_POLICY_ALLOW: unknown exemption(s) {', '.join(unknown)}; "
+                f"known: {', '.join(POD_POLICY_EXEMPTIONS)}")
+        caps = frozenset(c.upper().removeprefix("CAP_") for c in
+                         _names(env.optional_str("HERMIT_POD_POLICY_CAPABILITIES")))
+        bad = sorted(c for c in caps if not c.replace("_", "").isalnum())
+        if bad:
+            raise SettingsError(f"HERMIT_POD_POLICY_CAPABILITIES: {', '.join(bad)} "
+                                "are not capability names (e.g. SYS_PTRACE,NET_ADMIN)")
+        return cls(allow=allow, extra_capabilities=caps)
+
+
+def _names(raw: str | None) -> frozenset[str]:
+    """A comma-separated list, blanks dropped."""
+    return frozenset(n.strip() for n in (raw or "").split(",") if n.strip())
 
 
 @dataclass(frozen=True)
@@ -234,6 +278,7 @@ class OperatorSettings:
     lease_name: str = "hermit-operator"
     namespace: str | None = None  # the operator pod's namespace (downward API)
     identity: str = "hermit-operator"  # this replica's name in the Lease (its pod name)
+    pod_policy: PodPolicySettings = PodPolicySettings()
 
     @property
     def clusterwide(self) -> bool:
@@ -258,6 +303,7 @@ class OperatorSettings:
             init_image=env.text("HERMIT_INIT_IMAGE", DEFAULT_HERMIT_IMAGE),
             init_path=init_path,
             store=store,
+            pod_policy=PodPolicySettings.from_env(environ),
             **_leader_settings(env),
         )
 

@@ -301,22 +301,25 @@ def _dir_opaque(data: Mapping[str, object], path: str) -> bool:
 def check_entries(entries: Sequence[Entry], chunk_size: int, section: str) -> None:
     """Validates a section's entries as a whole; raises ManifestError.
 
-    Paths are unique; every entry's parent is a ``dir`` entry of the section
-    (or the section root), so no path can lead through a symlink; each file's
-    chunk count matches its size; extended attributes are valid (``check_xattrs``);
-    hardlinks are sound (``check_links``).
+    Paths are unique; every entry's parent is a ``dir`` entry of the section listed
+    before it (or the section root), so no path can lead through a symlink, and an
+    applier that goes in order has made every parent a real directory before it writes
+    under it (``scan_tree``'s byte order puts parents first); each file's chunk count
+    matches its size; extended attributes are valid (``check_xattrs``); hardlinks are
+    sound (``check_links``).
     """
     kinds: dict[str, str] = {}
     for entry in entries:
         if entry.path in kinds:
             raise ManifestError(f"section {section!r} lists {entry.path!r} twice")
-        kinds[entry.path] = entry.kind
-    for entry in entries:
-        check_xattrs(entry.xattrs, f"entry {section}/{entry.path}")
         parent = entry.path.rpartition("/")[0]
         if parent and kinds.get(parent) != KIND_DIR:
             raise ManifestError(
-                f"section {section!r} entry {entry.path!r} has no parent directory entry")
+                f"section {section!r} entry {entry.path!r} has no parent directory entry "
+                "listed before it")
+        kinds[entry.path] = entry.kind
+    for entry in entries:
+        check_xattrs(entry.xattrs, f"entry {section}/{entry.path}")
         if entry.kind == KIND_FILE:
             expected = -(-entry.size // chunk_size)
             if len(entry.chunks) != expected:

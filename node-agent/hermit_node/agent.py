@@ -22,19 +22,20 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from prometheus_client import start_http_server
-
+from hermit_common import health as http_health
 from hermit_common import protocol
 from hermit_common.errors import CheckpointFailed, CheckpointRefused, HermitError, RestoreFailed
 from hermit_common.s3errors import CheckpointNotFound
 from hermit_common.settings import NodeSettings, redacted
 from hermit_node import freezer, locate, metrics, planner
+from hermit_node import health as agent_health
 from hermit_node.checkpoint import CheckpointResult, CheckpointTarget
 from hermit_node.kube import Kube, KubeError, KubeTransient
 from hermit_node.planner import KubeObject, SandboxPod
 from hermit_node.restore import RestoreResult, RestoreTarget
 from hermit_node.storage import Location, StorageError
 from hermit_node.watchers import Notice
+from hermit_node.watchers.base import NullWatcher
 
 if TYPE_CHECKING:
     from hermit_common.store import CheckpointStore
@@ -121,7 +122,8 @@ class NodeAgent:
                  *, stores: StoreResolver | None = None, trees: TreeControl | None = None,
                  jobs: Jobs | None = None, proc_root: Path = Path("/proc"),
                  clock: Callable[[], datetime] = utc_now,
-                 stopping: threading.Event | None = None) -> None:
+                 stopping: threading.Event | None = None,
+                 health: agent_health.AgentHealth | None = None) -> None:
         self.node = node
         self._kube = kube
         self._checkpointer = checkpointer
@@ -130,6 +132,7 @@ class NodeAgent:
         # recorded in status.storage, no recovery from the store after a restart).
         self._stores = stores
         self._trees = trees
+        self._health = health
         self._stopping = stopping or threading.Event()
         self._jobs = jobs or Jobs()
         self._proc_root = proc_root
@@ -182,7 +185,7 @@ class NodeAgent:
         for sp, name in planner.stop_requests(pods, reason, checkpoints):
             try:
                 made.append(self._kube.create_checkpoint(protocol.checkpoint_object(
-                    sp.sandbox, name, reason, sp.incarnation), sp.namespace))
+                    sp.sandbox, name, reason, sp.incarnation, node=self.node), sp.namespace))
             except KubeError as exc:
                 log.warning("cannot request checkpoint %s/%s yet: %s", sp.namespace, name, exc)
         return made
@@ -200,6 +203,8 @@ class NodeAgent:
         except KubeError as exc:
             log.warning("%s", exc)
             return
+        if self._health is not None:
+            self._health.beats.beat(agent_health.API)
         try:
             node: KubeObject | None = self._kube.get_node()
         except KubeError as exc:
@@ -517,7 +522,8 @@ class NodeAgent:
         return self._restorer.restore(RestoreTarget(
             namespace=sp.namespace, sandbox=origin.sandbox, sandbox_uid=sandbox_uid,
             checkpoint=name, init_pid=pid, image_digest=sp.image_digest,
-            expect_manifest_digest=origin.manifest_digest), store=store)
+            expect_manifest_digest=origin.manifest_digest, workspace_path=sp.workspace_path),
+            store=store)
 
     def _annotate(self, sp: SandboxPod, annotations: dict[str, str | None]) -> None:
         self._retry(f"annotating pod {sp.namespace}/{sp.pod}", False,
@@ -527,10 +533,12 @@ class NodeAgent:
         self._jobs.shutdown()
 
 
-def _watch(agent: NodeAgent, settings: NodeSettings, stop: threading.Event) -> None:
+def _watch(agent: NodeAgent, settings: NodeSettings, stop: threading.Event,
+           health: agent_health.AgentHealth) -> None:
     from hermit_node.watchers import build_watcher
 
-    watcher = build_watcher(settings.watcher)
+    watcher = build_watcher(settings.watcher, health.metadata_session())
+    health.watcher_started()
     while not stop.is_set():
         try:
             for notice in watcher.watch(stop):
@@ -540,7 +548,8 @@ def _watch(agent: NodeAgent, settings: NodeSettings, stop: threading.Event) -> N
             stop.wait(5.0)
 
 
-def build_agent(settings: NodeSettings, stop: threading.Event) -> NodeAgent:
+def build_agent(settings: NodeSettings, stop: threading.Event,
+                health: agent_health.AgentHealth | None = None) -> NodeAgent:
     """Everything built once at start-up; HermitError when a piece cannot be built."""
     from hermit_common.store import CheckpointStore
     from hermit_node.checkpoint import CheckpointEngine
@@ -558,7 +567,7 @@ def build_agent(settings: NodeSettings, stop: threading.Event) -> NodeAgent:
                      CheckpointEngine(criu, store, work_dir,
                                       max_frozen_seconds=settings.max_frozen_seconds),
                      RestoreEngine(criu, store, work_dir), stores=stores,
-                     trees=freezer.Trees(), stopping=stop)
+                     trees=freezer.Trees(), stopping=stop, health=health)
 
 
 def run_agent(environ: Mapping[str, str], *, stop: threading.Event | None = None,
@@ -567,18 +576,24 @@ def run_agent(environ: Mapping[str, str], *, stop: threading.Event | None = None
     logging.getLogger().setLevel(settings.log_level)
     log.info("starting with settings %s", redacted(settings))
     stop = stop or threading.Event()
-    agent = build_agent(settings, stop)
+    health = agent_health.AgentHealth(
+        settings.reconcile_interval_seconds, stopping=stop,
+        watcher_polls=settings.watcher.provider != NullWatcher.provider)
+    agent = build_agent(settings, stop, health)
     if install_signals:
         signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(stop))
-    start_http_server(settings.metrics_port)
-    watcher = threading.Thread(target=_watch, args=(agent, settings, stop), name="watcher",
-                               daemon=True)
+    # Metrics, /healthz and /readyz (hermit_node.health) on one port.
+    http_health.serve(settings.metrics_port, health.liveness, health.readiness)
+    watcher = threading.Thread(target=_watch, args=(agent, settings, stop, health),
+                               name="watcher", daemon=True)
+    health.watching(watcher)
     watcher.start()
     while not stop.is_set():
         try:
             agent.reconcile_once()
         except Exception:  # a bug must not end the DaemonSet's loop
             log.exception("reconcile failed")
+        health.beats.beat(agent_health.LOOP)
         stop.wait(settings.reconcile_interval_seconds)
     log.info("stopping (no taint, no checkpoint); waiting for running jobs to finish")
     agent.shutdown()

@@ -77,6 +77,7 @@ def _cmd_restore(args: argparse.Namespace) -> int:
         namespace=args.namespace, sandbox=args.sandbox, sandbox_uid=args.uid,
         checkpoint=args.name, init_pid=args.pid, bundle=args.bundle,
         image_digest=args.image_digest, expect_manifest_digest=args.manifest_digest,
+        workspace_path=args.workspace or None,
     ))
     print(json.dumps(dataclasses.asdict(result)))
     return 0
@@ -120,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("restore", help="restore a checkpoint into a new container")
     _add_target_args(p)
     p.add_argument("--manifest-digest", help="expected manifest digest (sha256:...)")
+    p.add_argument("--workspace", default="/workspace",
+                   help="the new container's workspace mount point, the only mount the "
+                        "restore replaces ('' for none)")
     p.set_defaults(func=_cmd_restore)
 
     p = sub.add_parser("watch", help="print interruption notices as JSON lines")

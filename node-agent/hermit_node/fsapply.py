@@ -2,8 +2,12 @@
 
 The target is untrusted: it belongs to a container and may hold symlinks that point
 anywhere. So the work runs in a child process that chroots into the target first;
-every path then resolves inside it. Run as ``python -m hermit_node.fsapply`` with a
-JSON request on stdin; ``apply_tree`` does that for callers.
+every path then resolves inside it. Within it, no entry is written through a symlink
+either: each entry's parent directories must be real directories (``_RealDirs``), as
+they are when the tree lists every parent before its children (``check_entries``), so
+a symlink planted by the tree (or already in the target) is never followed by a later
+entry. Run as ``python -m hermit_node.fsapply`` with a JSON request on stdin;
+``apply_tree`` does that for callers.
 
 A hardlink entry (``link``) becomes a second name of the inode its first name was
 just given (``os.link`` inside the chroot); its metadata is that inode's. Extended
@@ -165,26 +169,69 @@ def _write_file(entry: Entry, staging_fd: int, path: str) -> None:
         os.close(src)
 
 
-def _apply_one(entry: Entry, staging_fd: int) -> None:
-    path = "/" + entry.path
-    if entry.kind == KIND_WHITEOUT:
-        _remove(path)
-        return
-    if entry.kind == KIND_DIR:
-        try:
-            st = os.lstat(path)
-            if not stat.S_ISDIR(st.st_mode):
-                _remove(path)
-                os.mkdir(path)
-            elif entry.opaque:
-                _clear_dir(path)
-        except FileNotFoundError:
+class _RealDirs:
+    """Directories of the (chrooted) target seen to be real, not symlinks, in this apply.
+
+    ``check_parents`` refuses a path with a parent that is a symlink or not a directory,
+    so nothing is ever written through a symlink; it looks each directory up once,
+    until an entry replaces it (``forget``)."""
+
+    def __init__(self) -> None:
+        self._known: set[str] = set()
+
+    def check_parents(self, rel: str) -> None:
+        prefix = ""
+        for part in rel.split("/")[:-1]:
+            prefix = f"{prefix}/{part}" if prefix else part
+            if prefix in self._known:
+                continue
+            mode = os.lstat("/" + prefix).st_mode
+            if not stat.S_ISDIR(mode):
+                what = "a symlink" if stat.S_ISLNK(mode) else "not a directory"
+                raise RestoreFailed(
+                    f"{rel}: its parent {prefix} is {what} in the target; nothing is "
+                    "written through it")
+            self._known.add(prefix)
+
+    def add(self, rel: str) -> None:
+        self._known.add(rel)
+
+    def forget(self, rel: str, *, below_only: bool = False) -> None:
+        """``rel`` (unless ``below_only``) and everything under it may have changed."""
+        if rel in self._known:
+            self._known = {d for d in self._known if not d.startswith(rel + "/")}
+            if not below_only:
+                self._known.discard(rel)
+
+
+def _apply_dir(entry: Entry, path: str, dirs: _RealDirs) -> None:
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            _remove(path)
             os.mkdir(path)
-        _set_owner_mode(path, entry)
-        _set_xattrs(path, entry)
+        elif entry.opaque:
+            _clear_dir(path)
+            dirs.forget(entry.path, below_only=True)
+    except FileNotFoundError:
+        os.mkdir(path)
+    dirs.add(entry.path)
+    _set_owner_mode(path, entry)
+    _set_xattrs(path, entry)
+
+
+def _apply_one(entry: Entry, staging_fd: int, dirs: _RealDirs) -> None:
+    path = "/" + entry.path
+    dirs.check_parents(entry.path)
+    if entry.kind == KIND_DIR:
+        _apply_dir(entry, path, dirs)
         return
     _remove(path)
+    dirs.forget(entry.path)
+    if entry.kind == KIND_WHITEOUT:
+        return
     if entry.kind == KIND_FILE and entry.link is not None:
+        dirs.check_parents(entry.link)
         _link(entry)  # the inode already has its metadata: a chown would clear capabilities
         return
     if entry.kind == KIND_SYMLINK:
@@ -211,12 +258,13 @@ def _main(request: dict[str, Any]) -> None:
     os.chdir("/")
     if request.get("replace"):
         _clear_dir("/")
+    dirs = _RealDirs()
     for entry in entries:
-        _apply_one(entry, staging_fd)
+        _apply_one(entry, staging_fd, dirs)
     # Directory mtimes last, deepest first: writing children changed them.
     for entry in sorted((e for e in entries if e.kind == KIND_DIR),
                         key=lambda e: e.path.count("/"), reverse=True):
-        os.utime("/" + entry.path, ns=(entry.mtime_ns, entry.mtime_ns))
+        os.utime("/" + entry.path, ns=(entry.mtime_ns, entry.mtime_ns), follow_symlinks=False)
 
 
 if __name__ == "__main__":

@@ -222,7 +222,9 @@ def node_taint_patch(node: Mapping[str, Any], kind: str) -> KubeObject | None:
 
 def checkpoints_to_serve(checkpoints: Iterable[Mapping[str, Any]],
                          pods: Iterable[SandboxPod]) -> list[tuple[KubeObject, SandboxPod]]:
-    """Pending Checkpoints (empty status) whose sandbox's current pod is on this node.
+    """Pending Checkpoints (empty status) whose sandbox's current pod is on this node and
+    that are labelled with this node (the operator labels requests with the pod's node;
+    the API server refuses this node-agent's status writes on any other).
 
     ``pods`` are this node's sandbox pods. At most one request per sandbox is
     returned, since a sandbox is checkpointed once at a time: a stopping request
@@ -241,7 +243,8 @@ def checkpoints_to_serve(checkpoints: Iterable[Mapping[str, Any]],
         ref = ((ckpt.get("spec") or {}).get("sandboxRef") or {}).get("name")
         key = (str(protocol.meta(ckpt).get("namespace") or "default"), str(ref))
         sp = current.get(key)
-        if ref and sp is not None and key not in chosen and _for_incarnation(ckpt, sp):
+        if (ref and sp is not None and key not in chosen and _for_incarnation(ckpt, sp)
+                and protocol.node_of(ckpt) == sp.node):
             chosen[key] = (dict(ckpt), sp)
     return list(chosen.values())
 

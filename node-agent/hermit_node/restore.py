@@ -1,13 +1,17 @@
 """Restore a checkpoint into a new container whose PID 1 is ``hermit-init --restore``.
 
-Order matters: download and verify everything, check the node can run it, apply the
-writable layer and the workspace, and only then let CRIU read the images.
+Order matters: read the manifest, check the node can run it and that it passes the
+manifest policy (admit.py) and fits on the node's disks, download and verify
+everything, apply the writable layer and the workspace, and only then let CRIU read
+the images.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -17,13 +21,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hermit_common import protocol
 from hermit_common.errors import CheckpointRefused, RestoreFailed
 from hermit_common.manifest import Manifest
 from hermit_common.store import CheckpointStore
-from hermit_node import container, sysinfo
+from hermit_node import admit, container, sysinfo
 from hermit_node.checkpoint import NETNS_KEY, SECTION_IMAGES, SECTION_ROOTFS, SECTION_WORKSPACE
 from hermit_node.criu import Criu
 from hermit_node.fsapply import apply_tree
+from hermit_node.imagefiles import image_lookup
 from hermit_node.restore_worker import WorkerRequest
 
 log = logging.getLogger(__name__)
@@ -39,6 +45,9 @@ class RestoreTarget:
     bundle: Path | None = None
     image_digest: str | None = None  # of the new container; must match the checkpoint's
     expect_manifest_digest: str | None = None  # from Checkpoint.status, when known
+    # The new pod's workspace mount point (None: it has none): the only mount a restore
+    # empties and refills, whatever the manifest's restore.workspace says.
+    workspace_path: str | None = protocol.DEFAULT_WORKSPACE_PATH
 
 
 @dataclass(frozen=True)
@@ -122,19 +131,41 @@ def _map_externals(info: Mapping[str, Any], view: container.ContainerView) -> _E
     return _Externals(externals, cgroup_sources, stdio_keys)
 
 
-def _apply_files(manifest: Manifest, local: Path, view: container.ContainerView) -> None:
+def _apply_files(admitted: admit.Admitted, local: Path, view: container.ContainerView) -> None:
     """Applies the checkpoint's writable layer and workspace onto the new container."""
-    if SECTION_ROOTFS in manifest.sections:
+    rootfs = admitted.sections.get(SECTION_ROOTFS)
+    if rootfs:
         # The new container's own mounts (resolv.conf, hosts, volumes) stay as they are.
-        apply_tree(manifest.sections[SECTION_ROOTFS], local / SECTION_ROOTFS, view.rootfs,
+        apply_tree(rootfs, local / SECTION_ROOTFS, view.rootfs,
                    skip=[m.destination for m in view.bind_mounts])
-    workspace = manifest.restore.get("workspace")
-    if SECTION_WORKSPACE in manifest.sections and workspace:
-        source = view.bind_source(str(workspace))
+    if admitted.workspace is not None:
+        source = view.bind_source(admitted.workspace)
         if source is None:
-            raise RestoreFailed(f"the new container has no workspace mount at {workspace}")
-        apply_tree(manifest.sections[SECTION_WORKSPACE], local / SECTION_WORKSPACE,
+            raise RestoreFailed(
+                f"the new container has no workspace mount at {admitted.workspace}")
+        apply_tree(admitted.sections[SECTION_WORKSPACE], local / SECTION_WORKSPACE,
                    Path(source), replace=True)
+
+
+def _free_space(need: admit.SpaceNeed) -> admit.SpaceNeed:
+    """``need`` with its filesystem's device and the bytes free there (for unprivileged
+    users: the blocks reserved for root stay for the node)."""
+    vfs = os.statvfs(need.path)
+    return dataclasses.replace(need, device=os.stat(need.path).st_dev,
+                               free=vfs.f_bavail * vfs.f_frsize)
+
+
+def check_room(manifest: Manifest, admitted: admit.Admitted, local: Path,
+               view: container.ContainerView) -> None:
+    """The download and the apply fit on their filesystems; RestoreFailed if not."""
+    workspace = view.bind_source(admitted.workspace) if admitted.workspace else None
+    # The writable layer lands in the upperdir; its filesystem is the one to group with
+    # the work dir's (the overlay mount has a device of its own).
+    upper = view.upperdir if view.upperdir is not None and view.upperdir.is_dir() \
+        else view.rootfs
+    needs = admit.space_needs(manifest, staging=str(local), rootfs=str(upper),
+                              workspace=workspace)
+    admit.check_free_space([_free_space(n) for n in needs])
 
 
 class RestoreEngine:
@@ -152,11 +183,12 @@ class RestoreEngine:
         local = self._work_dir / "restores" / target.namespace / target.sandbox / target.checkpoint
         shutil.rmtree(local, ignore_errors=True)
         local.mkdir(parents=True)
-        manifest, download_ms = self._download(target, local, store or self._store)
+        manifest, admitted, download_ms = self._download(target, view, local,
+                                                         store or self._store)
         mapped = _map_externals(manifest.restore, view)
 
         started = time.monotonic()
-        _apply_files(manifest, local, view)
+        _apply_files(admitted, local, view)
         apply_ms = _ms(started)
 
         started = time.monotonic()
@@ -174,20 +206,43 @@ class RestoreEngine:
                  target.init_pid, result)
         return result
 
-    def _download(self, target: RestoreTarget, local: Path,
-                  store: CheckpointStore) -> tuple[Manifest, int]:
-        """Fetches and verifies the checkpoint into ``local``, then checks this node can run it.
-
-        Returns the manifest and the download's duration in milliseconds.
-        """
+    def _download(self, target: RestoreTarget, view: container.ContainerView,
+                  local: Path, store: CheckpointStore) -> tuple[Manifest, admit.Admitted, int]:
+        """Reads the manifest from ``store`` (where the checkpoint was written), admits it,
+        then fetches and verifies the checkpoint into ``local``. Returns the manifest, what
+        to apply, and the duration in milliseconds."""
         started = time.monotonic()
-        manifest = store.download(
-            target.namespace, target.sandbox, target.checkpoint, local,
-            expect_uid=target.sandbox_uid, expect_digest=target.expect_manifest_digest)
-        download_ms = _ms(started)
+        manifest, digest = store.read_manifest(
+            target.namespace, target.sandbox, target.checkpoint)
+        if target.expect_manifest_digest is not None and digest != target.expect_manifest_digest:
+            raise CheckpointRefused(
+                f"checkpoint {target.namespace}/{target.checkpoint}: manifest digest {digest} "
+                f"does not match the expected {target.expect_manifest_digest}")
         check_compatible(manifest, criu_version=self._criu.version(),
                          cpu_flags=sysinfo.cpu_flags(), image_digest=target.image_digest)
-        return manifest, download_ms
+        admitted = self._admit(target, manifest, view)
+        check_room(manifest, admitted, local, view)
+        # The manifest downloaded is the one admitted: the same bytes, by digest.
+        store.download(
+            target.namespace, target.sandbox, target.checkpoint, local,
+            expect_uid=target.sandbox_uid, expect_digest=digest)
+        return manifest, admitted, _ms(started)
+
+    @staticmethod
+    def _admit(target: RestoreTarget, manifest: Manifest,
+               view: container.ContainerView) -> admit.Admitted:
+        """The manifest policy, against the new pod's workspace and image."""
+        workspace = target.workspace_path
+        admitted = admit.admit(
+            manifest, workspace_path=workspace,
+            workspace_mounted=workspace is not None and view.bind_source(workspace) is not None,
+            image=image_lookup(view.rootfs))
+        if admitted.stripped:
+            log.warning(
+                "restore of %s/%s: removed setuid/setgid bits and file capabilities the new "
+                "container's image does not grant at the same path from %s",
+                target.namespace, target.checkpoint, admit.describe_stripped(admitted.stripped))
+        return admitted
 
     def _run_criu(self, target: RestoreTarget, manifest: Manifest, local: Path,
                   view: container.ContainerView, mapped: _Externals, timeout: float) -> int:

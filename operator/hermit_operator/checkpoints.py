@@ -10,6 +10,7 @@ here talks to the API.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
@@ -195,25 +196,30 @@ def interval_checkpoint_name(sandbox: str, incarnation: int, now: datetime) -> s
                                     str(int(now.timestamp())))
 
 
-def _request(sandbox: Mapping[str, Any], incarnation: int, name: str, reason: str
-             ) -> KubeObject:
-    """A Checkpoint request (status empty: Pending) of incarnation N, owned by the sandbox."""
-    return protocol.checkpoint_object(
+def _request(sandbox: Mapping[str, Any], incarnation: int, name: str, reason: str,
+             node: str | None) -> KubeObject:
+    """A Checkpoint request (status empty: Pending) of incarnation N on ``node`` (whose
+    node-agent serves it), owned by the sandbox and verified by construction."""
+    out = protocol.checkpoint_object(
         str(_meta(sandbox).get("name")), name, reason, incarnation,
-        namespace=_meta(sandbox).get("namespace"), owner=sandbox)
+        namespace=_meta(sandbox).get("namespace"), node=node, owner=sandbox)
+    if node is not None:
+        out["metadata"]["annotations"] = {protocol.ANNOTATION_NODE_VERIFIED: "true"}
+    return out
 
 
-def suspend_checkpoint(sandbox: Mapping[str, Any], incarnation: int) -> KubeObject:
+def suspend_checkpoint(sandbox: Mapping[str, Any], incarnation: int,
+                       node: str | None) -> KubeObject:
     """The Suspend Checkpoint the operator requests before it releases incarnation N."""
     name = suspend_checkpoint_name(str(_meta(sandbox).get("name")), incarnation)
-    return _request(sandbox, incarnation, name, protocol.SUSPEND)
+    return _request(sandbox, incarnation, name, protocol.SUSPEND, node)
 
 
-def interval_checkpoint(sandbox: Mapping[str, Any], incarnation: int, now: datetime
-                        ) -> KubeObject:
+def interval_checkpoint(sandbox: Mapping[str, Any], incarnation: int, now: datetime,
+                        node: str | None) -> KubeObject:
     """The routine (Interval) Checkpoint of incarnation N requested at ``now``."""
     name = interval_checkpoint_name(str(_meta(sandbox).get("name")), incarnation, now)
-    return _request(sandbox, incarnation, name, protocol.INTERVAL)
+    return _request(sandbox, incarnation, name, protocol.INTERVAL, node)
 
 
 def interval_seconds(sandbox: Mapping[str, Any]) -> int | None:
@@ -323,11 +329,69 @@ def orphan_status(ckpt: Mapping[str, Any], now: datetime) -> KubeObject | None:
             "message": f"AgentSandbox {sandbox_of(ckpt)} does not exist in namespace {namespace}"}
 
 
-def adoption_patches(sandbox: Mapping[str, Any], ckpts: Sequence[KubeObject]
-                     ) -> list[tuple[str, KubeObject]]:
+@dataclass(frozen=True)
+class Where:
+    """The sandbox's current incarnation and the node it runs (or ran) on, if known."""
+
+    incarnation: int
+    node: str | None
+
+
+def verified(ckpt: Mapping[str, Any]) -> bool:
+    """The operator once saw this checkpoint's node label match its incarnation's node."""
+    annotations = _meta(ckpt).get("annotations") or {}
+    return annotations.get(protocol.ANNOTATION_NODE_VERIFIED) == "true"
+
+
+def _node_matches(ckpt: Mapping[str, Any], where: Where) -> bool:
+    return (where.node is not None and protocol.node_of(ckpt) == where.node
+            and incarnation_of(ckpt) == where.incarnation)
+
+
+def trusted(ckpt: Mapping[str, Any], where: Where) -> bool:
+    """Whether ``ckpt`` may be restored: verified before, or checkable now (it is of the
+    current incarnation, labelled with the node that incarnation runs on). A node-agent can
+    only create and complete checkpoints labelled with its own node (the API server's
+    policy), so this refuses a checkpoint a node forged for a sandbox it never ran."""
+    return verified(ckpt) or _node_matches(ckpt, where)
+
+
+def mislabelled(ckpt: Mapping[str, Any], where: Where) -> bool:
+    """A checkpoint of the current incarnation labelled with another node than the one it
+    runs on: written by a node-agent that never had the sandbox."""
+    node = protocol.node_of(ckpt)
+    return (not verified(ckpt) and where.node is not None and node is not None
+            and node != where.node and incarnation_of(ckpt) == where.incarnation)
+
+
+def untrusted_status(ckpt: Mapping[str, Any], where: Where, now: datetime) -> KubeObject:
+    """The status that fails a mislabelled checkpoint."""
+    return {"phase": FAILED, "completedAt": protocol.rfc3339(now),
+            "message": f"refused: labelled for node {protocol.node_of(ckpt)}, but incarnation "
+                       f"{where.incarnation} runs on node {where.node}; it is never restored"}
+
+
+def _label_patch(ckpt: Mapping[str, Any], where: Where) -> tuple[KubeObject, KubeObject]:
+    """(labels, annotations) that bind ``ckpt`` to its node: the verified mark when it can be
+    checked now; for a Pending request nobody labelled (a manual one), the current node."""
+    if verified(ckpt):
+        return {}, {}
+    mark = {protocol.ANNOTATION_NODE_VERIFIED: "true"}
+    if _node_matches(ckpt, where):
+        return {}, mark
+    if (phase_of(ckpt) == PENDING and protocol.node_of(ckpt) is None and where.node
+            and incarnation_of(ckpt) in (None, where.incarnation)):
+        return {protocol.LABEL_NODE: where.node,
+                protocol.LABEL_INCARNATION: str(where.incarnation)}, mark
+    return {}, {}
+
+
+def adoption_patches(sandbox: Mapping[str, Any], ckpts: Sequence[KubeObject],
+                     where: Where | None = None) -> list[tuple[str, KubeObject]]:
     """(name, merge patch of metadata) for each checkpoint without an owner reference to the
-    sandbox or without the sandbox label. The patch carries the full ownerReferences list and
-    the resourceVersion it was computed from, so a concurrent change makes it conflict."""
+    sandbox, without the sandbox label, or not yet bound to its node (``where``: see
+    _label_patch). The patch carries the full ownerReferences list and the resourceVersion
+    it was computed from, so a concurrent change makes it conflict."""
     uid = _meta(sandbox).get("uid")
     name = str(_meta(sandbox).get("name"))
     if not uid:
@@ -337,8 +401,10 @@ def adoption_patches(sandbox: Mapping[str, Any], ckpts: Sequence[KubeObject]
         cmeta = _meta(ckpt)
         refs = list(cmeta.get("ownerReferences") or [])
         owned = any(r.get("uid") == uid for r in refs)
-        labelled = (cmeta.get("labels") or {}).get(protocol.LABEL_SANDBOX) == name
-        if owned and labelled:
+        labels, annotations = _label_patch(ckpt, where) if where else ({}, {})
+        if (cmeta.get("labels") or {}).get(protocol.LABEL_SANDBOX) != name:
+            labels = {**labels, protocol.LABEL_SANDBOX: name}
+        if owned and not labels and not annotations:
             continue
         meta: KubeObject = {"resourceVersion": cmeta.get("resourceVersion")}
         if not owned:
@@ -346,8 +412,10 @@ def adoption_patches(sandbox: Mapping[str, Any], ckpts: Sequence[KubeObject]
             if any(r.get("controller") for r in refs):
                 ref["controller"] = False
             meta["ownerReferences"] = [*refs, ref]
-        if not labelled:
-            meta["labels"] = {protocol.LABEL_SANDBOX: name}
+        if labels:
+            meta["labels"] = labels
+        if annotations:
+            meta["annotations"] = annotations
         out.append((name_of(ckpt), {"metadata": {k: v for k, v in meta.items()
                                                  if v is not None}}))
     return out

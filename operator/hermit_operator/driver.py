@@ -192,6 +192,8 @@ def _apply(kube: Kube, sandbox: KubeObject, p: Plan, post: Poster, now: datetime
         post(sandbox, event)
     for ckpt, patch in p.adopt_checkpoints:
         kube.patch_checkpoint(namespace, ckpt, patch)
+    for ckpt, ckpt_status in p.fail_checkpoints:
+        kube.patch_checkpoint_status(namespace, ckpt, ckpt_status)
     for ckpt in p.delete_checkpoints:
         # The S3 side (manifest and unreferenced chunks) is not collected yet.
         kube.delete_checkpoint(namespace, ckpt)

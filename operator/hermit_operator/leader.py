@@ -26,6 +26,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from hermit_common.kubeapi import CALL_ERRORS
 from hermit_common.protocol import parse_time
 
 log = logging.getLogger("hermit.operator.leader")
@@ -78,12 +79,15 @@ def lease_body(name: str, identity: str, now: datetime, *, transitions: int,
 
 class LeaseElector:
     """Holds the Lease for this replica: ``acquire`` blocks until it does, then a thread
-    renews it and calls ``on_lost`` (by default: exit at once) when it cannot."""
+    renews it and calls ``on_lost`` (by default: exit at once) when it cannot.
+
+    ``on_turn(answered)`` is called after every look at the Lease, on a standby and on
+    the leader (``answered``: the API server answered it): the health checks' heartbeat."""
 
     def __init__(self, api: client.CoordinationV1Api, namespace: str, name: str,
                  identity: str, *, clock: Callable[[], datetime] = lambda: datetime.now(UTC),
-                 lease_seconds: int = LEASE_SECONDS, renew_seconds: float = RENEW_SECONDS
-                 ) -> None:
+                 lease_seconds: int = LEASE_SECONDS, renew_seconds: float = RENEW_SECONDS,
+                 on_turn: Callable[[bool], None] | None = None) -> None:
         self._api = api
         self._namespace = namespace
         self._name = name
@@ -91,6 +95,7 @@ class LeaseElector:
         self._clock = clock
         self._lease_seconds = lease_seconds
         self._renew_seconds = renew_seconds
+        self._on_turn = on_turn or (lambda answered: None)
 
     def _read(self) -> KubeObject | None:
         try:
@@ -148,7 +153,7 @@ class LeaseElector:
             self._api.replace_namespaced_lease(self._name, self._namespace, payload,
                                                _request_timeout=10)
             log.info("released the Lease %s/%s", self._namespace, self._name)
-        except (ApiException, OSError) as exc:  # it expires by itself
+        except CALL_ERRORS as exc:  # it expires by itself
             log.warning("cannot release the Lease %s: %s", self._name, exc)
 
     def acquire(self, stop: threading.Event | None = None) -> None:
@@ -156,10 +161,14 @@ class LeaseElector:
         waiting_logged = False
         while stop is None or not stop.is_set():
             try:
-                if self.try_once():
-                    return
-            except (ApiException, OSError) as exc:  # the API is away: look again later
+                held = self.try_once()
+            except CALL_ERRORS as exc:  # the API is away: look again later
                 log.warning("cannot read the Lease %s: %s", self._name, exc)
+                self._on_turn(False)
+            else:
+                self._on_turn(True)
+                if held:
+                    return
             if not waiting_logged:
                 log.info("standing by until the Lease %s/%s is free", self._namespace,
                          self._name)
@@ -176,14 +185,20 @@ class LeaseElector:
             while True:
                 time.sleep(self._renew_seconds)
                 try:
-                    if self.try_once():
-                        last = time.monotonic()
-                        continue
-                    log.error("the Lease %s was taken by another replica", self._name)
-                except (ApiException, OSError) as exc:
+                    held = self.try_once()
+                except CALL_ERRORS as exc:  # urllib3's MaxRetryError is not an OSError
+                    self._on_turn(False)
                     log.warning("cannot renew the Lease %s: %s", self._name, exc)
                     if time.monotonic() - last < self._lease_seconds - self._renew_seconds:
                         continue
+                except Exception:  # a renewal that cannot be trusted is a lost Lease
+                    log.exception("renewing the Lease %s failed unexpectedly", self._name)
+                else:
+                    self._on_turn(True)
+                    if held:
+                        last = time.monotonic()
+                        continue
+                    log.error("the Lease %s was taken by another replica", self._name)
                 lost()
                 return
 

@@ -1,5 +1,8 @@
 """``hermit-operator``: settings from the environment, a Kubernetes pre-flight, then kopf.
 
+HERMIT_METRICS_PORT serves the metrics, ``/healthz`` and ``/readyz`` from the start, so a
+standby that waits for the leadership Lease answers its probes too (operator.health).
+
 Exit codes: 2 for a bad setting, 1 when the Kubernetes API cannot be used; each with a
 one-line message on stderr.
 """
@@ -11,11 +14,12 @@ import logging
 import os
 import sys
 
+from hermit_common import health as http_health
 from hermit_common.errors import HermitError, SettingsError
 from hermit_common.settings import OperatorSettings, redacted
+from hermit_operator.health import KOPF_LIVENESS_ENDPOINT, OperatorHealth
 from hermit_operator.leader import LeaseElector
 
-LIVENESS_ENDPOINT = "http://0.0.0.0:8080/healthz"
 log = logging.getLogger("hermit.operator")
 
 
@@ -38,7 +42,6 @@ def main() -> None:
     log.info("settings: %s", json.dumps(redacted(settings), default=str))
 
     import kopf
-    from prometheus_client import start_http_server
 
     from hermit_operator import handlers  # noqa: F401  (registers the handlers)
     from hermit_operator.kube import Kube
@@ -51,11 +54,13 @@ def main() -> None:
         return
     log.info("Kubernetes API %s at %s", version, kube.host)
 
+    health = OperatorHealth(settings.leader_election)
     try:
-        start_http_server(settings.metrics_port)
+        http_health.serve(settings.metrics_port, health.liveness, health.readiness)
     except OSError as exc:
         _fail(f"cannot serve metrics on port {settings.metrics_port}: {exc.strerror}", 1)
-    elector = _lead(settings) if settings.leader_election else None
+    elector = _lead(settings, health) if settings.leader_election else None
+    health.leading()
     kopf.configure(verbose=settings.log_level == "DEBUG")
     logging.getLogger().setLevel(settings.log_level)
     kopf.run(
@@ -63,12 +68,12 @@ def main() -> None:
         namespaces=list(settings.watch_namespaces),
         standalone=settings.peering_name is None,
         peering_name=settings.peering_name,
-        liveness_endpoint=LIVENESS_ENDPOINT,
+        liveness_endpoint=KOPF_LIVENESS_ENDPOINT,
         memo=kopf.Memo(settings=settings, kube=kube, elector=elector),
     )
 
 
-def _lead(settings: OperatorSettings) -> LeaseElector:
+def _lead(settings: OperatorSettings, health: OperatorHealth) -> LeaseElector:
     """Wait for the Lease, then keep it in the background (losing it ends the process)."""
     from kubernetes import client
 
@@ -76,7 +81,9 @@ def _lead(settings: OperatorSettings) -> LeaseElector:
 
     assert settings.namespace is not None  # checked with the settings
     elector = LeaseElector(client.CoordinationV1Api(client.ApiClient(load_configuration())),
-                           settings.namespace, settings.lease_name, settings.identity)
+                           settings.namespace, settings.lease_name, settings.identity,
+                           on_turn=health.lease_turn)
+    health.standing_by()
     elector.acquire()
     elector.keep()
     return elector

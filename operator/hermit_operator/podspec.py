@@ -15,7 +15,8 @@ from typing import Any
 
 from hermit_common import api, protocol
 from hermit_common.errors import HermitError
-from hermit_common.settings import OperatorSettings
+from hermit_common.settings import OperatorSettings, PodPolicySettings
+from hermit_operator import podpolicy
 
 INIT_DIR = "/.hermit"
 INIT_BINARY = f"{INIT_DIR}/hermit-init"
@@ -69,10 +70,17 @@ def init_command(command: list[str], restore_from: str | None) -> list[str]:
             "--", *command]
 
 
-def validate(sandbox: KubeObject) -> None:
-    """Raise InvalidSpec when the sandbox's spec cannot be run; the pod builder calls it too."""
+STRICT_POD_POLICY = PodPolicySettings()
+
+
+def validate(sandbox: KubeObject, policy: PodPolicySettings = STRICT_POD_POLICY) -> None:
+    """Raise InvalidSpec when the sandbox's spec cannot be run or breaks the pod ``policy``
+    (the strictest by default); the pod builder calls it too."""
     spec = sandbox.get("spec") or {}
     pod_spec = (spec.get("podTemplate") or {}).get("spec") or {}
+    problems = podpolicy.violations(pod_spec, policy)
+    if problems:
+        raise InvalidSpec(podpolicy.describe(problems))
     containers = pod_spec.get("containers") or []
     if not containers:
         raise InvalidSpec("spec.podTemplate.spec.containers needs at least one container")
@@ -128,7 +136,7 @@ def _describe(toleration: KubeObject) -> str:
 def build_sandbox_pod(sandbox: KubeObject, settings: OperatorSettings, incarnation: int,
                       restore_from: str | None) -> KubeObject:
     """The V1Pod manifest for this incarnation of the sandbox (restoring ``restore_from``)."""
-    validate(sandbox)
+    validate(sandbox, settings.pod_policy)
     meta = sandbox["metadata"]
     spec = sandbox.get("spec") or {}
     template = spec["podTemplate"]

@@ -84,6 +84,7 @@ class Plan:
     create_checkpoint: KubeObject | None = None
     adopt_checkpoints: tuple[tuple[str, KubeObject], ...] = ()  # (name, metadata merge patch)
     delete_checkpoints: tuple[str, ...] = ()
+    fail_checkpoints: tuple[tuple[str, KubeObject], ...] = ()  # (name, status): refused ones
     pdb: KubeObject | None = None  # the sandbox's PodDisruptionBudget (created when missing)
     delete_pdb: str | None = None  # a PodDisruptionBudget the sandbox must not have
     requeue_after: float | None = None  # seconds: reconcile again then (a restore retry)
@@ -105,6 +106,7 @@ class _State:
     retain: int = ck.DEFAULT_RETAIN
     protect: set[str] = field(default_factory=set)  # checkpoints retention must keep
     adopt: tuple[tuple[str, KubeObject], ...] = ()
+    fail: tuple[tuple[str, KubeObject], ...] = ()
     create_checkpoint: KubeObject | None = None
     pdb: KubeObject | None = None
     delete_pdb: str | None = None
@@ -205,7 +207,7 @@ def plan(sandbox: KubeObject, pod: KubeObject | None, now: datetime, *,
                      "restores": int(status.get("restores") or 0)}
 
     try:
-        podspec.validate(sandbox)
+        podspec.validate(sandbox, settings.pod_policy)
     except podspec.InvalidSpec as exc:
         if not _was(status, api.COND_ACCEPTED, FALSE):
             st.events.append(Event(WARNING, api.REASON_INVALID_SPEC, str(exc)))
@@ -221,11 +223,37 @@ def _accept(st: _State, out: KubeObject, pod: KubeObject | None) -> None:
     sandbox = st.sandbox
     st.pdb = podspec.disruption_budget(sandbox)
     st.delete_pdb = None if st.pdb is not None else podspec.pdb_name(st.name)
-    st.ckpts = ck.of_sandbox(sandbox, st.namespace_ckpts)
+    where = _where(st, pod)
+    st.ckpts = _trusted(st, ck.of_sandbox(sandbox, st.namespace_ckpts), where)
     st.retain = ck.retain_count(sandbox)
-    st.adopt = tuple(ck.adoption_patches(sandbox, st.ckpts))
+    st.adopt = tuple(ck.adoption_patches(sandbox, st.ckpts, where))
     _protect_restore_sources(st, pod)
     _track_checkpoints(st, out, sandbox.get("status") or {})
+
+
+def _where(st: _State, pod: KubeObject | None) -> ck.Where:
+    """The current incarnation and its node (status.nodeName, or the current pod's)."""
+    incarnation = int(st.status.get("incarnation") or 0)
+    node = st.status.get("nodeName")
+    if not node and pod is not None and protocol.incarnation_of(pod) == incarnation:
+        node = (pod.get("spec") or {}).get("nodeName")
+    return ck.Where(incarnation, str(node) if node else None)
+
+
+def _trusted(st: _State, ckpts: list[KubeObject], where: ck.Where) -> list[KubeObject]:
+    """The sandbox's checkpoints without the Completed ones it must never restore (see
+    ck.trusted); a mislabelled one is failed, with a Warning."""
+    keep = []
+    for ckpt in ckpts:
+        if ck.mislabelled(ckpt, where) and ck.phase_of(ckpt) != ck.FAILED:
+            status = ck.untrusted_status(ckpt, where, st.now)
+            st.fail = (*st.fail, (ck.name_of(ckpt), status))
+            st.events.append(Event(WARNING, api.REASON_CHECKPOINT_UNTRUSTED,
+                                   f"checkpoint {ck.name_of(ckpt)} {status['message']}"))
+            continue
+        if ck.phase_of(ckpt) != ck.COMPLETED or ck.trusted(ckpt, where):
+            keep.append(ckpt)
+    return keep
 
 
 def _run(st: _State, out: KubeObject, pod: KubeObject | None, incarnation: int) -> Plan:
@@ -339,7 +367,8 @@ def _suspend(st: _State, out: KubeObject, pod: KubeObject | None, incarnation: i
         request = next((c for c in st.ckpts if ck.name_of(c) == wanted), None)
         if request is None or ck.phase_of(request) in ck.IN_FLIGHT:
             if request is None:
-                st.create_checkpoint = ck.suspend_checkpoint(st.sandbox, incarnation)
+                st.create_checkpoint = ck.suspend_checkpoint(
+                    st.sandbox, incarnation, (pod.get("spec") or {}).get("nodeName"))
                 st.events.append(Event(NORMAL, api.REASON_SUSPEND_REQUESTED,
                                        f"checkpointing pod {name} before it is released"))
             out.update(podName=name, nodeName=(pod.get("spec") or {}).get("nodeName"))
@@ -672,8 +701,8 @@ def _interval(st: _State, out: KubeObject, pod: KubeObject, observed: sit.PodObs
                    for t in (api.COND_RESTORING, api.COND_SUCCEEDED, api.COND_FAILED))):
         return
     if ck.interval_due(st.ckpts, pod, interval, st.now):
-        st.create_checkpoint = ck.interval_checkpoint(st.sandbox, int(out["incarnation"]),
-                                                      st.now)
+        st.create_checkpoint = ck.interval_checkpoint(
+            st.sandbox, int(out["incarnation"]), st.now, (pod.get("spec") or {}).get("nodeName"))
 
 
 def _was(status: KubeObject, type_: str, value: str) -> bool:
@@ -725,5 +754,6 @@ def _finish(st: _State, out: KubeObject, pod: KubeObject | None, situation: sit.
     return Plan(create_pod=create, delete_pod=delete, status_patch=out,
                 events=tuple(st.events), invalid_spec=invalid_spec,
                 create_checkpoint=st.create_checkpoint, adopt_checkpoints=st.adopt,
+                fail_checkpoints=st.fail,
                 delete_checkpoints=drop, pdb=st.pdb, delete_pdb=st.delete_pdb,
                 requeue_after=st.requeue_after)

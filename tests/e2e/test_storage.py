@@ -5,11 +5,14 @@ A checkpoint with a wrong Secret fails with why and the sandbox runs on; with th
 fixed, a spot notice checkpoints both, each only into its own bucket (both buckets and the
 chart's are listed), and both restore and continue. Then one sandbox is suspended, its
 storage changed, and resumed: it is restored from where the checkpoint was written.
+The chart's nodeAgent.perSandboxStorage is turned on for the test (off by default).
 """
 
 from __future__ import annotations
 
 import base64
+import os
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,10 +28,13 @@ from hermit_common.store import CheckpointStore
 from tests.e2e import sandboxes as sb
 from tests.e2e.conftest import (
     BUCKET,
+    RELEASE,
     RELEASE_NS,
+    REPO,
     S3,
     E2EConfig,
     Kube,
+    helm_binary,
     run_cluster_command,
     wait_until,
 )
@@ -57,6 +63,28 @@ def _keys(s3: S3, bucket: str, prefix: str = "") -> list[str]:
 def _sandboxes_in(keys: list[str]) -> set[str]:
     """<prefix...>/<namespace>/<sandbox> of every chunk and manifest key."""
     return {k.split("/chunks/")[0].split("/checkpoints/")[0] for k in keys}
+
+
+def _per_sandbox_storage(cfg: E2EConfig, on: bool) -> None:
+    """Turn the chart's nodeAgent.perSandboxStorage on or off (the node-agents roll)."""
+    proc = subprocess.run(
+        [helm_binary(), "upgrade", RELEASE, str(REPO / "charts/hermit"), "-n", RELEASE_NS,
+         "--reuse-values", "--set", f"nodeAgent.perSandboxStorage={str(on).lower()}",
+         "--wait", "--timeout", "180s"],
+        env={**os.environ, "KUBECONFIG": cfg.kubeconfig}, capture_output=True, text=True,
+        check=False)
+    assert proc.returncode == 0, f"helm upgrade failed: {proc.stdout}{proc.stderr}"
+
+
+@pytest.fixture
+def per_sandbox_storage(hermit_release: str, e2e_config: E2EConfig) -> Iterator[str]:
+    """The release with per-sandbox storage on (it is off by default), then off again, so
+    the rest of the session sees the chart's defaults (test_security compares its RBAC)."""
+    _per_sandbox_storage(e2e_config, True)
+    try:
+        yield hermit_release
+    finally:
+        _per_sandbox_storage(e2e_config, False)
 
 
 @pytest.fixture
@@ -221,8 +249,8 @@ def _suspend_change_storage_resume(kube: Kube, ns: str, name: str, s3: S3,
 
 
 def test_each_sandbox_checkpoints_into_its_own_bucket_and_restores_from_it(
-    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig, s3_for_pods: S3,
-    buckets: tuple[str, str],
+    kube: Kube, namespace: str, per_sandbox_storage: str, e2e_config: E2EConfig,
+    s3_for_pods: S3, buckets: tuple[str, str],
 ) -> None:
     a_bucket, b_bucket = buckets
     wrong = "wrong-" + uuid.uuid4().hex

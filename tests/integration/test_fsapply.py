@@ -25,17 +25,20 @@ from typing import Any
 import pytest
 
 from hermit_common.errors import RestoreFailed
-from hermit_common.manifest import Binding, Manifest, Totals, utc_now
+from hermit_common.manifest import Binding, Manifest, ManifestError, Totals, utc_now
 from hermit_common.tree import (
     KIND_DIR,
+    KIND_FIFO,
     KIND_FILE,
     KIND_SYMLINK,
     KIND_WHITEOUT,
     Entry,
     scan_tree,
 )
+from hermit_node.admit import FROM_IMAGE, drop_privileges
 from hermit_node.checkpoint import SECTION_ROOTFS, SECTION_WORKSPACE, _copy_tree
 from hermit_node.fsapply import apply_tree
+from hermit_node.imagefiles import image_lookup
 
 pytestmark = pytest.mark.integration
 
@@ -572,45 +575,66 @@ def test_foreign_xattrs_are_refused(jail: tuple[Path, Path, Path], name: str) ->
     assert os.listdir(target) == []
 
 
-def test_hardlinks_through_a_planted_symlink_stay_inside(jail: tuple[Path, Path, Path],
-                                                         tmp_path: Path) -> None:
-    """The target's own symlink leads a (check_entries-inconsistent) tree's first name
-    "outside"; the hardlink to it resolves inside the chroot like every other path."""
+THROUGH = r"RestoreFailed: .*its parent {} is a symlink in the target; nothing is written"
+
+
+@pytest.mark.parametrize("planted", ["by-the-target", "by-the-tree"])
+def test_hardlinks_through_a_symlink_are_refused(jail: tuple[Path, Path, Path],
+                                                 tmp_path: Path, planted: str) -> None:
+    """A hardlink's new name, or the name it links to, behind a symlink: the target's own
+    (its first name "evil/victim" is not listed as under a dir) or one the tree put in
+    place of a directory it had just written (both check_entries-inconsistent trees).
+    The target also has a directory at the host path of ``outside``, so a write through
+    the symlink would succeed inside the chroot: it is refused all the same."""
     target, staging, outside = jail
-    os.symlink(outside, target / "evil")
     inner = target / str(outside).lstrip("/")
     inner.mkdir(parents=True)
     (staging / "evil").mkdir()
     (staging / "evil" / "victim").write_text("pwned\n")
     (staging / "copy").write_text("pwned\n")
+    first, link = _file("evil/victim"), dataclasses.replace(_file("copy"), link="evil/victim")
+    if planted == "by-the-target":
+        os.symlink(outside, target / "evil")
+        entries = [first, link]
+    else:
+        (inner / "victim").write_text("the container's own file\n")
+        entries = [Entry("evil", KIND_DIR, 0o755), first,
+                   Entry("evil", KIND_SYMLINK, 0o777, target=str(outside)), link]
     before = _host_state(tmp_path, target)
-    apply_tree([_file("evil/victim"), dataclasses.replace(_file("copy"), link="evil/victim")],
-               staging, target)
-    assert (inner / "victim").read_text() == "pwned\n"
-    assert os.stat(target / "copy").st_ino == os.stat(inner / "victim").st_ino
+    inner_before = _listing(inner)
+    with pytest.raises(RestoreFailed, match=THROUGH.format("evil")):
+        apply_tree(entries, staging, target)
+    assert _listing(inner) == inner_before, "written through the symlink"
+    assert not (target / "copy").exists()
     assert _host_state(tmp_path, target) == before, "the tree changed the host"
     assert (outside / "victim").read_text() == "host file\n"
 
 
-def _through_symlink_entries(outside: Path, link_target: str) -> list[Entry]:
-    """A tree that plants a symlink to ``outside`` and then writes, creates, deletes and
-    empties "through" it (check_entries would refuse it; fsapply must contain it)."""
-    return [
-        Entry("esc", KIND_SYMLINK, 0o777, target=link_target),
-        Entry("esc/victim", KIND_WHITEOUT),
-        Entry("esc/payload", KIND_FILE, 0o4755, 0, 0, 0, size=6),
-        Entry("esc/newdir", KIND_DIR, 0o777),
-    ]
+# Each way a later entry could use a symlink the same tree planted at its parent.
+_THROUGH_ENTRIES: dict[str, Entry] = {
+    "whiteout": Entry("esc/victim", KIND_WHITEOUT),
+    "file": Entry("esc/payload", KIND_FILE, 0o4755, 0, 0, 0, size=6),
+    "dir": Entry("esc/newdir", KIND_DIR, 0o777),
+    "opaque-dir": Entry("esc/victim-dir", KIND_DIR, 0o777, opaque=True),
+    "symlink": Entry("esc/victim", KIND_SYMLINK, 0o777, target="/etc/shadow"),
+    "fifo": Entry("esc/fifo", KIND_FIFO, 0o666),
+}
 
 
+@pytest.mark.parametrize("through", sorted(_THROUGH_ENTRIES))
 @pytest.mark.parametrize("mirror", [False, True])
 @pytest.mark.parametrize("kind", ["absolute", "relative"])
-def test_writes_through_a_planted_symlink_stay_inside(jail: tuple[Path, Path, Path],
-                                                      tmp_path: Path, kind: str,
-                                                      mirror: bool) -> None:
-    """``mirror``: the target also has a directory at the host path of ``outside``, so
-    the writes succeed; they land there, inside the target."""
+def test_writes_through_a_symlink_planted_by_the_tree_are_refused(
+        jail: tuple[Path, Path, Path], tmp_path: Path, kind: str, mirror: bool,
+        through: str) -> None:
+    """The classic attack: the tree plants a symlink to ``outside``, then writes, creates,
+    deletes or empties "through" it (check_entries refuses such a tree when it is parsed;
+    fsapply refuses it on its own). ``mirror``: the target also has a directory at the
+    host path of ``outside``, where a write that followed the symlink inside the chroot
+    would land; nothing lands there either."""
     target, staging, outside = jail
+    (outside / "victim-dir").mkdir()
+    (outside / "victim-dir" / "keep").write_text("host file\n")
     link = str(outside) if kind == "absolute" else "../" * 30 + str(outside).lstrip("/")
     (staging / "esc").mkdir()
     (staging / "esc" / "payload").write_text("pwned\n")
@@ -618,25 +642,38 @@ def test_writes_through_a_planted_symlink_stay_inside(jail: tuple[Path, Path, Pa
     if mirror:
         inner.mkdir(parents=True)
         (inner / "victim").write_text("the container's own file\n")
+        (inner / "victim-dir").mkdir()
+        (inner / "victim-dir" / "keep").write_text("the container's own file\n")
     before = _host_state(tmp_path, target)
-    entries = _through_symlink_entries(outside, link)
-    if mirror:
+    inner_before = _listing(inner) if mirror else {}
+    entries = [Entry("esc", KIND_SYMLINK, 0o777, target=link), _THROUGH_ENTRIES[through]]
+    with pytest.raises(RestoreFailed, match=THROUGH.format("esc")):
         apply_tree(entries, staging, target)
-        assert sorted(os.listdir(inner)) == ["newdir", "payload"]
-        assert (inner / "payload").read_text() == "pwned\n"
-    else:
-        with pytest.raises(RestoreFailed, match="No such file or directory"):
-            apply_tree(entries, staging, target)
+    assert os.readlink(target / "esc") == link  # the symlink itself is the tree's to make
+    if mirror:
+        assert _listing(inner) == inner_before, "written through the symlink"
     assert _host_state(tmp_path, target) == before, "the tree changed the host"
     assert (outside / "victim").read_text() == "host file\n"
 
 
+def test_a_manifest_that_writes_through_its_own_symlink_is_refused_when_parsed() -> None:
+    """The first wall: such a tree never gets past parsing (no parent directory entry)."""
+    entries = [Entry("esc", KIND_SYMLINK, 0o777, target="/etc"),
+               Entry("esc/passwd", KIND_FILE, 0o644, 0, 0, 0, size=0)]
+    manifest = Manifest(binding=_binding(), created_at=utc_now(), chunk_size=CHUNK,
+                        sections={SECTION_ROOTFS: ()}, restore={}, totals=Totals())
+    raw = json.loads(manifest.to_json())
+    raw["sections"][SECTION_ROOTFS] = [e.to_dict() for e in entries]
+    with pytest.raises(ManifestError, match="'esc/passwd' has no parent directory entry"):
+        Manifest.from_dict(raw)
+
+
 @pytest.mark.parametrize("tree", ["consistent", "inconsistent", "inconsistent-replace"])
-def test_symlinks_already_in_the_target_are_not_followed_out(
+def test_symlinks_already_in_the_target_are_not_followed(
         jail: tuple[Path, Path, Path], tmp_path: Path, tree: str) -> None:
     """The container's own files are untrusted too: its symlinks may point at host paths.
     The target also has a directory at the host path of ``outside`` (as a container
-    could), so writes through the symlinks succeed, and must land there."""
+    could), where writes that followed the symlinks inside the chroot would land."""
     target, staging, outside = jail
     os.symlink(outside, target / "evil-abs")
     os.symlink("../" * 30 + str(outside).lstrip("/"), target / "evil-rel")
@@ -651,13 +688,15 @@ def test_symlinks_already_in_the_target_are_not_followed_out(
     (staging / "real" / "file-link").write_text("pwned\n")
     before = _host_state(tmp_path, target)
     if tree == "consistent":
-        # The symlinks' paths are listed as dirs: the symlinks are replaced.
+        # The symlinks' paths are listed as dirs: the symlinks are replaced; a symlink
+        # that is itself an entry's path is replaced, not followed.
         apply_tree([Entry("evil-abs", KIND_DIR, 0o755), _file("evil-abs/payload"),
                     Entry("evil-rel", KIND_DIR, 0o755, opaque=True),
                     Entry("real", KIND_DIR, 0o755), _file("real/file-link")], staging, target)
         assert not (target / "evil-abs").is_symlink() and not (target / "evil-rel").is_symlink()
         assert (target / "evil-abs" / "payload").read_text() == "pwned\n"
-        assert sorted(os.listdir(inner)) == ["victim"]
+        link = target / "real" / "file-link"
+        assert not link.is_symlink() and link.read_text() == "pwned\n"
     else:
         # Not listed (check_entries would refuse this): paths lead through the symlinks.
         entries = [_file("evil-abs/payload"), Entry("evil-abs/sub", KIND_DIR, 0o755, opaque=True),
@@ -667,11 +706,11 @@ def test_symlinks_already_in_the_target_are_not_followed_out(
                 apply_tree(entries, staging, target, replace=True)
             assert os.listdir(target) == []
         else:
-            apply_tree(entries, staging, target)
-            assert sorted(os.listdir(inner)) == ["payload", "sub"]
-    if tree != "inconsistent-replace":
-        link = target / "real" / "file-link"
-        assert not link.is_symlink() and link.read_text() == "pwned\n"
+            with pytest.raises(RestoreFailed, match=THROUGH.format("evil-abs")):
+                apply_tree(entries, staging, target)
+            assert (target / "evil-abs").is_symlink()
+    if tree != "inconsistent-replace":  # (replace emptied the target, inner included)
+        assert _listing(inner) == {"victim": "the container's own file\n"}
     assert _host_state(tmp_path, target) == before, "the tree changed the host"
     assert (outside / "victim").read_text() == "host file\n"
 
@@ -718,3 +757,87 @@ def test_nothing_is_imported_from_the_target_after_chroot(
     assert state["chrooted"], proc.stderr
     assert state["imports"] == [], f"imported after chroot: {state['imports']}"
     assert (target / "d" / "f").read_text() == "hello\n"
+
+
+# -- privileges: setuid/setgid bits and file capabilities only where the image has them --
+
+def _build_privileged_lower(lower: Path) -> None:
+    """An image with setuid, setgid and capable binaries, and symlinks to the host's."""
+    (lower / "usr" / "bin").mkdir(parents=True)
+    for name, mode, owner in (("su", 0o4755, (0, 0)), ("games", 0o4755, (5, 60)),
+                              ("wall", 0o2755, (0, 5)), ("passwd", 0o4755, (0, 0)),
+                              ("plain", 0o755, (0, 0)), ("ping", 0o755, (0, 0))):
+        path = lower / "usr" / "bin" / name
+        path.write_text(f"#!/bin/sh\necho {name}\n")
+        os.chown(path, *owner)
+        path.chmod(mode)
+    os.setxattr(lower / "usr" / "bin" / "ping", "security.capability", CAP_NET_RAW)
+    os.symlink("usr/bin", lower / "bin")
+    os.symlink("/usr/bin", lower / "host-bin")  # the host's, if a lookup followed it
+
+
+def _change_privileged(m: Path) -> None:
+    """What a tenant (or a forged manifest) puts in the writable layer."""
+    ubin = m / "usr" / "bin"
+    for name in ("su", "ping"):  # new content, the image's privileges
+        with open(ubin / name, "a") as f:
+            f.write("# upgraded\n")
+    (ubin / "su").chmod(0o4755)  # (a write may clear it)
+    os.setxattr(ubin / "ping", "security.capability", CAP_NET_RAW)
+    os.chown(ubin / "games", 0, 0)  # setuid root where the image has setuid games
+    (ubin / "games").chmod(0o4755)
+    (ubin / "plain").chmod(0o6755)  # the image has neither bit
+    (m / "usr" / "local" / "bin").mkdir(parents=True)
+    (m / "usr" / "local" / "bin" / "sudo").write_text("#!/bin/sh\n")
+    (m / "usr" / "local" / "bin" / "sudo").chmod(0o4755)
+    (m / "tool").write_text("#!/bin/sh\n")
+    os.setxattr(m / "tool", "security.capability", CAP_NET_RAW)
+    os.link(ubin / "passwd", m / "passwd-too")  # a second name the image does not have
+    (m / "shared").mkdir()
+    (m / "shared").chmod(0o2775)  # a setgid directory grants nothing: kept
+    # Where the image has symlinks (one to the host's /usr/bin, whose su is setuid root),
+    # real directories with a setuid su: the lookup must not follow the image's symlinks.
+    for name in ("bin", "host-bin"):
+        (m / name).unlink()
+        (m / name).mkdir()
+        (m / name / "su").write_text("#!/bin/sh\n")
+        (m / name / "su").chmod(0o4755)
+
+
+def test_privileges_are_kept_only_where_the_image_grants_them(
+        tmp_path: Path, mount_overlay: MountOverlay) -> None:
+    """A checkpoint's writable layer applied onto a real overlay through the manifest
+    policy: setuid/setgid bits and file capabilities survive only where the new
+    container's image has the same bit (same owner) or capability at the same path."""
+    lower = tmp_path / "lower"
+    _build_privileged_lower(lower)
+    first = mount_overlay(lower, tmp_path / "ov1")
+    _change_privileged(first)
+    entries = _capture(tmp_path / "ov1" / "upper", tmp_path / "staging")
+    second = mount_overlay(lower, tmp_path / "ov2")
+    lookup = image_lookup(second)
+    assert lookup("usr/bin/su") is not None and lookup("bin/su") is None
+    assert lookup("host-bin/su") is None and lookup("usr/bin/nope") is None
+
+    admitted, stripped = drop_privileges(entries, FROM_IMAGE, lookup)
+    apply_tree(admitted, tmp_path / "staging", second)
+
+    def mode(rel: str) -> int:
+        return stat.S_IMODE(os.lstat(second / rel).st_mode)
+
+    def capability(rel: str) -> bytes | None:
+        return _xattrs(str(second / rel)).get("security.capability")
+
+    assert (mode("usr/bin/su"), (second / "usr/bin/su").read_text()) == \
+        (0o4755, "#!/bin/sh\necho su\n# upgraded\n")
+    assert capability("usr/bin/ping") == CAP_NET_RAW
+    assert (mode("usr/bin/games"), mode("usr/bin/plain")) == (0o755, 0o755)
+    assert (mode("usr/local/bin/sudo"), capability("tool")) == (0o755, None)
+    assert mode("passwd-too") == mode("usr/bin/passwd") == 0o755  # one inode, both names
+    assert os.stat(second / "passwd-too").st_ino == os.stat(second / "usr/bin/passwd").st_ino
+    assert mode("shared") == 0o2775
+    assert (mode("bin/su"), mode("host-bin/su")) == (0o755, 0o755)
+    assert sorted(stripped) == [
+        "bin/su (setuid)", "host-bin/su (setuid)", "passwd-too (setuid)",
+        "tool (file capability)", "usr/bin/games (setuid)", "usr/bin/passwd (setuid)",
+        "usr/bin/plain (setuid, setgid)", "usr/local/bin/sudo (setuid)"]

@@ -7,12 +7,15 @@ survives before B restores, so everything B gets comes from S3.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zstandard
@@ -268,6 +271,11 @@ def test_foreign_or_tampered_checkpoint_is_refused_before_criu(
         with pytest.raises(CheckpointRefused):
             restore_b.restore(wrong_digest)
 
+        # A manifest rewritten in S3 (its binding intact) is refused by the manifest
+        # policy before a byte is downloaded: nothing lands in the node's staging dir.
+        _refused_by_policy(store_settings, restore_b, wanted,
+                           node_b.work_dir / "restores" / NAMESPACE / "sbx" / "ckpt-t")
+
         # A tampered chunk is refused, naming the chunk.
         store = CheckpointStore(store_settings)
         manifest_files = store.download(NAMESPACE, "sbx", "ckpt-t",
@@ -303,6 +311,43 @@ def test_foreign_or_tampered_checkpoint_is_refused_before_criu(
     finally:
         destroy_sandbox(source, cni_network)
         destroy_sandbox(target, cni_network)
+
+
+def _wipe_etc(doc: dict[str, Any]) -> None:
+    doc["restore"]["workspace"] = "/etc"
+
+
+def _criu_symlink(doc: dict[str, Any]) -> None:
+    doc["sections"]["criu"].append({"path": "pages-9.img", "kind": "symlink", "mode": 0o777,
+                                    "uid": 0, "gid": 0, "mtime_ns": 0,
+                                    "target": "/etc/shadow"})
+
+
+def _small_totals(doc: dict[str, Any]) -> None:
+    doc["totals"]["image_bytes"] = 1
+
+
+def _refused_by_policy(settings: StoreSettings, engine: RestoreEngine, target: RestoreTarget,
+                       staging: Path) -> None:
+    """Rewrites the checkpoint's manifest in S3 three ways; each restore is refused with
+    the policy's reason and leaves the staging dir empty. The original is put back."""
+    client = make_s3_client(settings)
+    key = CheckpointStore(settings).manifest_key(NAMESPACE, target.sandbox, target.checkpoint)
+    original = client.get_object(Bucket=settings.bucket, Key=key)["Body"].read()
+    try:
+        for change, reason in (
+                (_wipe_etc, "restore.workspace names /etc, but the new pod's workspace is "
+                            "/workspace"),
+                (_criu_symlink, "criu/pages-9.img is a symlink"),
+                (_small_totals, "its totals do not match its entries: image_bytes 1")):
+            doc = json.loads(original)
+            change(doc)
+            client.put_object(Bucket=settings.bucket, Key=key, Body=json.dumps(doc).encode())
+            with pytest.raises(CheckpointRefused, match=re.escape(reason)):
+                engine.restore(target)
+            assert list(staging.iterdir()) == [], "downloaded before the policy check"
+    finally:
+        client.put_object(Bucket=settings.bucket, Key=key, Body=original)
 
 
 def test_cli_prints_one_line_errors_and_the_sandbox_keeps_running(

@@ -58,11 +58,14 @@ def pod(name: str = "box-1", *, sandbox: str | None = "box", incarnation: int = 
 
 def ckpt(name: str, *, sandbox: str = "box", reason: str = "Manual",
          status: dict[str, Any] | None = None, created: str = "2026-01-02T03:00:00Z",
-         namespace: str = "agents") -> dict[str, Any]:
+         namespace: str = "agents", node: str | None = NODE) -> dict[str, Any]:
+    labels = {protocol.LABEL_SANDBOX: sandbox}
+    if node is not None:
+        labels[protocol.LABEL_NODE] = node
     out: dict[str, Any] = {
         "apiVersion": api.API_VERSION, "kind": api.CHECKPOINT_KIND,
         "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}",
-                     "creationTimestamp": created, "labels": {protocol.LABEL_SANDBOX: sandbox}},
+                     "creationTimestamp": created, "labels": labels},
         "spec": {"sandboxRef": {"name": sandbox}, "reason": reason},
     }
     if status is not None:
@@ -174,6 +177,16 @@ def test_serves_pending_requests_for_sandboxes_here() -> None:
     served = planner.checkpoints_to_serve(requests, pods)
     assert [(c["metadata"]["name"], sp.pod) for c, sp in served] == [
         ("manual", "box-1"), ("other-turn", "other-1")]
+
+
+def test_serves_only_requests_labelled_with_this_node() -> None:
+    """The operator labels a request with the pod's node; unlabelled (not yet adopted) or
+    another node's requests wait: the API server would refuse this node's status write."""
+    pods = sps(pod("box-1"))
+    assert planner.checkpoints_to_serve([ckpt("unlabelled", node=None)], pods) == []
+    assert planner.checkpoints_to_serve([ckpt("theirs", node="node-b")], pods) == []
+    assert [c["metadata"]["name"] for c, _ in planner.checkpoints_to_serve(
+        [ckpt("mine")], pods)] == ["mine"]
 
 
 def test_one_request_per_sandbox_stopping_first_then_oldest() -> None:

@@ -40,6 +40,10 @@ def ckpt(name: str, reason: str = "Interval", phase: str | None = "Completed", *
     if owned:
         meta["ownerReferences"] = [{"kind": api.SANDBOX_KIND, "uid": UID, "name": sandbox_name}]
         meta["labels"] = {protocol.LABEL_SANDBOX: sandbox_name}
+        if node:
+            meta["labels"][protocol.LABEL_NODE] = node
+            # the operator checked it while its incarnation ran (see test_node_trust)
+            meta["annotations"] = {protocol.ANNOTATION_NODE_VERIFIED: "true"}
     status: dict[str, Any] = {}
     if phase is not None:
         status["phase"] = phase
@@ -369,9 +373,15 @@ def test_restore_source_is_protected_from_retention() -> None:
 def test_retention_and_adoption_come_with_every_plan() -> None:
     sb = sandbox(dict(RUNNING), checkpoint={"retain": 2})
     objs = [ckpt(f"c{i}", created=f"11:0{i}:00", owned=i != 3) for i in range(4)]
+    # c3: as a node-agent creates one (no owner), of the current incarnation on its node
+    objs[3]["metadata"]["labels"] = {protocol.LABEL_SANDBOX: "minimal",
+                                     protocol.LABEL_INCARNATION: "1",
+                                     protocol.LABEL_NODE: "spot-1"}
     p = plan(sb, pod(), NOW, settings=SETTINGS, checkpoints=objs)
     assert p.delete_checkpoints == ("c0", "c1")
     assert [name for name, _ in p.adopt_checkpoints] == ["c3"]
+    patch = dict(p.adopt_checkpoints)["c3"]["metadata"]
+    assert patch["annotations"] == {protocol.ANNOTATION_NODE_VERIFIED: "true"}
 
 
 # -- plan(): suspend --------------------------------------------------------------------
@@ -423,3 +433,76 @@ def test_failed_suspend_checkpoint_releases_the_pod_with_a_warning() -> None:
 def test_suspend_of_a_pod_that_is_not_running_releases_it_at_once() -> None:
     p = plan(sandbox(dict(RUNNING), suspend=True), pod(phase="Pending"), NOW, settings=SETTINGS)
     assert p.delete_pod == "minimal-1" and p.create_checkpoint is None
+
+
+# -- node trust: a node-agent can only vouch for sandboxes that ran on its node ----------
+
+def _as_node_agent(name: str, reason: str, node: str, incarnation: int = 1,
+                   phase: str | None = "Completed", created: str = "11:30:00") -> dict[str, Any]:
+    """A Checkpoint as a node-agent creates it (labels, no owner, no verified mark)."""
+    out = ckpt(name, reason, phase, created=created, node=node, owned=False)
+    out["metadata"]["labels"] = {protocol.LABEL_SANDBOX: "minimal",
+                                 protocol.LABEL_INCARNATION: str(incarnation),
+                                 protocol.LABEL_NODE: node}
+    return out
+
+
+def test_a_checkpoint_labelled_for_another_node_is_failed_and_never_restored() -> None:
+    sb = sandbox({**RUNNING, "nodeName": "spot-1"})
+    good = ckpt("good", created="11:00:00")
+    forged = _as_node_agent("minimal-1-preempt", "Preemption", node="spot-9")
+    p = plan(sb, pod(), NOW, settings=SETTINGS, checkpoints=[good, forged])
+    [(name, status)] = p.fail_checkpoints
+    assert name == "minimal-1-preempt" and status["phase"] == "Failed"
+    assert "labelled for node spot-9, but incarnation 1 runs on node spot-1" in status["message"]
+    assert "CheckpointUntrusted" in [e.reason for e in p.events]
+    assert p.delete_pod is None and p.create_pod is None, "the forged stop ends nothing"
+    # the pod is lost: the restore takes the verified checkpoint, not the forged one
+    lost = pod(phase="Failed")
+    lost["status"]["reason"] = "NodeLost"
+    p = plan(sb, lost, NOW, settings=SETTINGS, checkpoints=[good, forged])
+    assert p.create_pod is not None
+    assert p.create_pod["metadata"]["annotations"][protocol.ANNOTATION_RESTORE_FROM] == "good"
+
+
+def test_the_stopping_checkpoint_of_the_current_node_is_trusted_at_once() -> None:
+    sb = sandbox({**RUNNING, "nodeName": "spot-1"})
+    stop = _as_node_agent("minimal-1-preempt", "Preemption", node="spot-1")
+    p = plan(sb, pod(), NOW, settings=SETTINGS, checkpoints=[stop])
+    assert p.fail_checkpoints == ()
+    assert p.delete_pod == "minimal-1"
+    [(_, patch)] = p.adopt_checkpoints
+    assert patch["metadata"]["annotations"] == {protocol.ANNOTATION_NODE_VERIFIED: "true"}
+
+
+def test_an_unverified_checkpoint_of_an_earlier_incarnation_is_not_restored() -> None:
+    """Once incarnation 1 ended, nobody can tell where a checkpoint of it claiming to be
+    made later ran: only the ones verified while it ran are restore sources."""
+    sb = sandbox({**RUNNING, "incarnation": 2, "podName": "minimal-2", "nodeName": "spot-2"})
+    old = ckpt("verified", created="11:00:00")
+    late = _as_node_agent("late", "Interval", node="spot-1", incarnation=1, created="11:40:00")
+    lost = pod("minimal-2", phase="Failed", node="spot-2", incarnation=2)
+    lost["status"]["reason"] = "NodeLost"
+    p = plan(sb, lost, NOW, settings=SETTINGS, checkpoints=[old, late])
+    assert p.create_pod is not None
+    assert p.create_pod["metadata"]["annotations"][protocol.ANNOTATION_RESTORE_FROM] == "verified"
+
+
+def test_a_manual_request_is_bound_to_the_current_pod_node() -> None:
+    sb = sandbox({**RUNNING, "nodeName": "spot-1"})
+    manual = ckpt("manual", "Manual", phase=None, owned=False)
+    manual["metadata"]["labels"] = {protocol.LABEL_SANDBOX: "minimal"}
+    p = plan(sb, pod(), NOW, settings=SETTINGS, checkpoints=[manual])
+    [(_, patch)] = p.adopt_checkpoints
+    assert patch["metadata"]["labels"] == {protocol.LABEL_NODE: "spot-1",
+                                           protocol.LABEL_INCARNATION: "1"}
+    assert patch["metadata"]["annotations"] == {protocol.ANNOTATION_NODE_VERIFIED: "true"}
+
+
+def test_requests_the_operator_makes_name_the_pod_node() -> None:
+    sb = sandbox(dict(RUNNING), suspend=True)
+    p = plan(sb, pod(), NOW, settings=SETTINGS)
+    assert p.create_checkpoint is not None
+    meta = p.create_checkpoint["metadata"]
+    assert meta["labels"][protocol.LABEL_NODE] == "spot-1"
+    assert meta["annotations"] == {protocol.ANNOTATION_NODE_VERIFIED: "true"}

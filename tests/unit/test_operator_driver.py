@@ -172,8 +172,11 @@ def test_handlers_register_with_kopf() -> None:
 
 
 def _checkpoint(name: str, reason: str, phase: str, node: str = "spot-1") -> dict[str, Any]:
+    """As a node-agent creates one: labelled with its sandbox, incarnation and node."""
     return {"metadata": {"name": name, "namespace": "ns", "resourceVersion": "1",
-                         "creationTimestamp": "2026-01-01T11:00:00Z"},
+                         "creationTimestamp": "2026-01-01T11:00:00Z",
+                         "labels": {protocol.LABEL_SANDBOX: "minimal",
+                                    protocol.LABEL_INCARNATION: "1", protocol.LABEL_NODE: node}},
             "spec": {"sandboxRef": {"name": "minimal"}, "reason": reason},
             "status": {"phase": phase, "nodeName": node, "completedAt": "2026-01-01T11:00:01Z"}}
 

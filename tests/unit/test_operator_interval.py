@@ -46,7 +46,8 @@ def test_a_due_interval_checkpoint_is_requested() -> None:
     assert req["metadata"]["name"] == f"minimal-1-i{stamp}"
     assert req["metadata"]["namespace"] == "ns"
     assert req["metadata"]["labels"] == {protocol.LABEL_SANDBOX: "minimal",
-                                         protocol.LABEL_INCARNATION: "1"}
+                                         protocol.LABEL_INCARNATION: "1",
+                                         protocol.LABEL_NODE: "spot-1"}
     assert req["metadata"]["ownerReferences"][0]["uid"] == UID
     assert req["spec"] == {"sandboxRef": {"name": "minimal"}, "reason": "Interval"}
     assert p.create_pod is None and p.delete_pod is None  # the sandbox keeps running

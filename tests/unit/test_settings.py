@@ -45,10 +45,10 @@ def test_watcher_urls_are_trimmed() -> None:
     assert w.aws_imds_url == "http://127.0.0.1:1338"
 
 
-def test_per_sandbox_storage_is_on_unless_turned_off() -> None:
-    assert NodeSettings.from_env(BASE).per_sandbox_storage is True
-    off = NodeSettings.from_env({**BASE, "HERMIT_PER_SANDBOX_STORAGE": "false"})
-    assert off.per_sandbox_storage is False
+def test_per_sandbox_storage_is_off_unless_turned_on() -> None:
+    assert NodeSettings.from_env(BASE).per_sandbox_storage is False
+    on = NodeSettings.from_env({**BASE, "HERMIT_PER_SANDBOX_STORAGE": "true"})
+    assert on.per_sandbox_storage is True
     with pytest.raises(SettingsError, match="HERMIT_PER_SANDBOX_STORAGE='maybe' is not a "):
         NodeSettings.from_env({**BASE, "HERMIT_PER_SANDBOX_STORAGE": "maybe"})
 

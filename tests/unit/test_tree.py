@@ -166,6 +166,18 @@ def test_check_entries_refuses_paths_through_symlinks() -> None:
         check_entries(entries, 1024, "fs")
 
 
+def test_check_entries_wants_each_parent_listed_before_its_children(tmp_path: Path) -> None:
+    """An applier that goes in order has then made every parent a real directory (not a
+    symlink the target had there) before it writes under it."""
+    with pytest.raises(ManifestError, match="'d/a' has no parent directory entry listed before"):
+        check_entries([Entry("d/a", "whiteout"), Entry("d", "dir")], 1024, "fs")
+    check_entries([Entry("d", "dir"), Entry("d/a", "whiteout")], 1024, "fs")
+    # scan_tree's order (bytes of the path) always puts parents first.
+    for name in ("a", "a-b", "a/b", "a.b", "a0", "a/b/c"):
+        (tmp_path / "t" / name).mkdir(parents=True, exist_ok=True)
+    check_entries(scan_tree(tmp_path / "t"), 1024, "fs")
+
+
 def test_check_entries_refuses_duplicates_and_bad_chunk_counts() -> None:
     with pytest.raises(ManifestError, match="twice"):
         check_entries([Entry("a", "whiteout"), Entry("a", "whiteout")], 1024, "fs")

@@ -100,3 +100,17 @@ app.kubernetes.io/component: {{ .component }}
     fieldRef:
       fieldPath: metadata.name
 {{- end -}}
+
+{{/* hermit.s3Port: the TCP port of s3.endpoint (443 for https and for AWS S3 itself,
+     80 for http without a port). */}}
+{{- define "hermit.s3Port" -}}
+{{- $url := urlParse (default "https://s3.amazonaws.com" .Values.s3.endpoint) -}}
+{{- $port := regexFind ":[0-9]+$" $url.host | trimPrefix ":" -}}
+{{- if $port -}}
+{{- $port -}}
+{{- else if eq $url.scheme "http" -}}
+80
+{{- else -}}
+443
+{{- end -}}
+{{- end -}}
