@@ -1,8 +1,40 @@
-"""Metric names, in one place so dashboards and code agree. Labels come from small fixed sets."""
+"""Metric names, in one place so dashboards, docs and code agree (docs/metrics.md).
+
+``hermit_<component>_<noun>_<unit>``; labels come from small fixed sets, never a pod or
+sandbox name. The components define their collectors with these names
+(hermit_operator/metrics.py, hermit_node/metrics.py); the chart's Grafana dashboard
+(charts/hermit/dashboards/hermit.json) may only query names listed in ``ALL``.
+"""
 
 from typing import Final
 
+from hermit_common import protocol
+
+# -- node-agent ---------------------------------------------------------------------------
 NODE_NOTICES: Final = "hermit_node_interruption_notices_total"  # labels: provider, kind
 NODE_CHECKPOINT_SECONDS: Final = "hermit_node_checkpoint_duration_seconds"  # labels: phase, result
 NODE_CHECKPOINT_BYTES: Final = "hermit_node_checkpoint_bytes_total"  # labels: kind
 NODE_RESTORE_SECONDS: Final = "hermit_node_restore_duration_seconds"  # labels: result
+
+# -- operator -------------------------------------------------------------------------------
+OPERATOR_RECONCILES: Final = "hermit_operator_reconciles_total"  # labels: result
+OPERATOR_RECONCILE_SECONDS: Final = "hermit_operator_reconcile_duration_seconds"
+OPERATOR_PODS_CREATED: Final = "hermit_operator_pods_created_total"  # labels: mode
+OPERATOR_CHECKPOINTS_DELETED: Final = "hermit_operator_checkpoints_deleted_total"
+OPERATOR_DOWNTIME: Final = "hermit_operator_sandbox_downtime_seconds"  # labels: reason
+
+# hermit_operator_sandbox_downtime_seconds{reason}: why the sandbox moved, from the
+# stopping Checkpoint's spec.reason (Preemption, Eviction). A Suspend is not downtime
+# (the user chose it) and a loss without notice has no durable start: neither is observed.
+DOWNTIME_PREEMPTION: Final = "preemption"
+DOWNTIME_EVICTION: Final = "eviction"
+DOWNTIME_REASONS: Final = (DOWNTIME_PREEMPTION, DOWNTIME_EVICTION)
+DOWNTIME_REASON_OF: Final = {protocol.PREEMPTION: DOWNTIME_PREEMPTION,
+                             protocol.EVICTION: DOWNTIME_EVICTION}
+# Seconds to minutes: a move is a notice, a dump, an upload, a new pod and a restore.
+DOWNTIME_BUCKETS: Final = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0,
+                           180.0, 300.0, 600.0)
+
+ALL: Final = (NODE_NOTICES, NODE_CHECKPOINT_SECONDS, NODE_CHECKPOINT_BYTES,
+              NODE_RESTORE_SECONDS, OPERATOR_RECONCILES, OPERATOR_RECONCILE_SECONDS,
+              OPERATOR_PODS_CREATED, OPERATOR_CHECKPOINTS_DELETED, OPERATOR_DOWNTIME)

@@ -153,6 +153,20 @@ class StoreSettings:
 
 
 @dataclass(frozen=True)
+class SealSettings:
+    """Sealed checkpoints (docs/security.md): where the key-encryption keys are mounted."""
+
+    keys_dir: str | None = None  # a mounted Secret (current + KEKs); None: written plain
+    accept_plain: bool = False  # read plain (unsealed) checkpoints too: a migration only
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> SealSettings:
+        env = Env(environ)
+        return cls(keys_dir=env.optional_str("HERMIT_SEAL_KEYS_DIR"),
+                   accept_plain=env.flag("HERMIT_SEAL_ACCEPT_PLAIN", False))
+
+
+@dataclass(frozen=True)
 class WatcherSettings:
     """Which interruption notices the node-agent watches, and where."""
 
@@ -194,6 +208,7 @@ class NodeSettings:
     # Honour spec.checkpoint.storage (a sandbox's own bucket and Secret); off: only the
     # default store above is used and no Secret is ever read.
     per_sandbox_storage: bool = False
+    seal: SealSettings = SealSettings()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> NodeSettings:
@@ -212,6 +227,7 @@ class NodeSettings:
             max_frozen_seconds=env.number(
                 "HERMIT_MAX_FROZEN_SECONDS", 60.0, minimum=1.0, maximum=3600.0),
             per_sandbox_storage=env.flag("HERMIT_PER_SANDBOX_STORAGE", False),
+            seal=SealSettings.from_env(environ),
         )
 
 

@@ -4,6 +4,7 @@ Layout (``prefix`` may be empty)::
 
     s3://<bucket>/<prefix>/<namespace>/<sandbox>/chunks/<sha256>
     s3://<bucket>/<prefix>/<namespace>/<sandbox>/checkpoints/<checkpoint>/manifest.json
+    s3://<bucket>/<prefix>/<namespace>/<sandbox>/keys/<sandbox uid>   (sealed stores)
 
 Files are cut into fixed-size chunks, each named by the sha256 of its
 uncompressed bytes and stored zstd-compressed. Chunks are shared by all
@@ -15,6 +16,12 @@ returns, so its output can be handed to CRIU.
 ``collect_garbage`` must not run concurrently with ``upload`` for the same
 sandbox (an upload may reuse a chunk that no manifest references yet); the
 caller serialises them per sandbox.
+
+A store built with a ``Sealing`` seals what it writes (seal.py): chunks are
+encrypted after compression and named by HMAC(data key, digest) instead of the
+digest; the manifest is a signed, encrypted envelope; the sandbox's data key is
+kept wrapped under ``keys/``. It reads sealed checkpoints, and plain ones only
+with ``accept_plain``; a store without a ``Sealing`` refuses sealed checkpoints.
 """
 
 from __future__ import annotations
@@ -52,6 +59,16 @@ from hermit_common.s3errors import (
     is_not_found,
     is_transient,
     to_hermit_error,
+)
+from hermit_common.seal import (
+    ChunkCipher,
+    Context,
+    Sealing,
+    Wrapped,
+    is_sealed,
+    new_dek,
+    open_manifest,
+    seal_manifest,
 )
 from hermit_common.settings import StoreSettings
 from hermit_common.tree import (
@@ -159,9 +176,10 @@ class _ChunkDone:
 class _UploadState:
     """Shared between upload workers: which chunks exist, which are claimed."""
 
-    def __init__(self, existing: Mapping[str, int]) -> None:
+    def __init__(self, existing: Mapping[str, int], cipher: ChunkCipher | None) -> None:
+        self.cipher = cipher  # None: plain chunks, named by their digest
         self.lock = threading.Lock()
-        self.sizes: dict[str, int] = dict(existing)  # digest -> compressed size
+        self.sizes: dict[str, int] = dict(existing)  # object name -> stored size
         self.claimed: set[str] = set(existing)
         self.stop = threading.Event()
 
@@ -314,8 +332,10 @@ def _write_all(path: str, offset: int, data: bytes) -> None:
 class CheckpointStore:
     """Checkpoints of sandboxes as manifests plus shared, content-addressed chunks."""
 
-    def __init__(self, settings: StoreSettings, client: Any | None = None) -> None:
+    def __init__(self, settings: StoreSettings, client: Any | None = None, *,
+                 sealing: Sealing | None = None) -> None:
         self.settings = settings
+        self._sealing = sealing
         self._client = client if client is not None else make_s3_client(settings)
         self._endpoint = settings.endpoint_url or "AWS S3"
         self._local = threading.local()
@@ -338,6 +358,10 @@ class CheckpointStore:
     def manifest_key(self, namespace: str, sandbox: str, checkpoint: str) -> str:
         name = _check_name(checkpoint, "checkpoint")
         return f"{self._sandbox_prefix(namespace, sandbox)}checkpoints/{name}/manifest.json"
+
+    def sandbox_key_key(self, namespace: str, sandbox: str, sandbox_uid: str) -> str:
+        """Where a sealed store keeps the sandbox's wrapped data key."""
+        return f"{self._sandbox_prefix(namespace, sandbox)}keys/{_check_name(sandbox_uid, 'uid')}"
 
     def manifest_uri(self, namespace: str, sandbox: str, checkpoint: str) -> str:
         return f"s3://{self.settings.bucket}/{self.manifest_key(namespace, sandbox, checkpoint)}"
@@ -430,6 +454,64 @@ class CheckpointStore:
             self._local.decompressor = dec
         return dec
 
+    # -- sealing ----------------------------------------------------------------
+
+    def _sandbox_dek(self, context: Context, deadline: float | None) -> tuple[bytes, Wrapped]:
+        """The sandbox's data key, wrapped under the current KEK (made, or re-wrapped after
+        a rotation, and stored when needed: a rotation keeps the key, so dedup goes on)."""
+        assert self._sealing is not None
+        wrapper = self._sealing.wrapper
+        key = self.sandbox_key_key(context.namespace, context.sandbox, context.sandbox_uid)
+        stored = self._read_sandbox_key(key)
+        dek: bytes | None = None
+        if stored is not None:
+            try:
+                dek = wrapper.unwrap(stored, context.sandbox_bytes())
+            except CheckpointRefused as exc:  # its KEK is gone, or it was altered
+                log.warning("the data key of sandbox %s/%s is unusable, making a new one: %s",
+                            context.namespace, context.sandbox, exc)
+            else:
+                if stored.key_id == wrapper.current_key_id():
+                    return dek, stored
+        dek = dek if dek is not None else new_dek()
+        wrapped = wrapper.wrap(dek, context.sandbox_bytes())
+        self._put(key, wrapped.to_bytes(), "application/json", "write sandbox key",
+                  deadline=deadline)
+        return dek, wrapped
+
+    def _read_sandbox_key(self, key: str) -> Wrapped | None:
+        try:
+            return Wrapped.from_bytes(self._get(key, "read sandbox key", 64 * 1024))
+        except CheckpointRefused:
+            return None  # malformed: replaced by a new key
+        except Exception as exc:
+            if is_not_found(exc):
+                return None
+            raise
+
+    def _unseal(self, raw: bytes, namespace: str, sandbox: str, checkpoint: str,
+                expect_uid: str | None) -> tuple[bytes, ChunkCipher | None]:
+        """The manifest JSON in stored bytes ``raw``, and the cipher of its chunks (None:
+        plain). Refuses what this store may not read or what does not verify."""
+        where = f"checkpoint {namespace}/{checkpoint}"
+        if not is_sealed(raw):
+            if self._sealing is not None and not self._sealing.accept_plain:
+                raise CheckpointRefused(
+                    f"{where} is refused: it is not sealed; this node-agent reads only sealed "
+                    "checkpoints (HERMIT_SEAL_ACCEPT_PLAIN=true reads plain ones, for a "
+                    "migration)")
+            return raw, None
+        if self._sealing is None:
+            raise CheckpointRefused(
+                f"{where} is refused: it is sealed, and this node-agent has no sealing keys "
+                "(HERMIT_SEAL_KEYS_DIR)")
+        location = Context(namespace, sandbox, "", checkpoint)
+        try:
+            plain, dek = open_manifest(self._sealing.wrapper, raw, location, expect_uid)
+        except CheckpointRefused as exc:
+            raise CheckpointRefused(f"{where} is refused: {exc}") from None
+        return plain, ChunkCipher(dek)
+
     # -- public API -------------------------------------------------------------
 
     def ensure_bucket(self) -> None:
@@ -452,7 +534,7 @@ class CheckpointStore:
                 raise self._error(exc, "", "create bucket") from None
 
     def list_chunks(self, namespace: str, sandbox: str) -> dict[str, int]:
-        """The sandbox's stored chunks: digest -> compressed size."""
+        """The sandbox's stored chunks: object name (the digest, unless sealed) -> size."""
         prefix = f"{self._sandbox_prefix(namespace, sandbox)}chunks/"
         out: dict[str, int] = {}
         for obj in self._list(prefix, "list chunks"):
@@ -480,10 +562,19 @@ class CheckpointStore:
         except Exception as exc:
             raise self._error(exc, key, "delete checkpoint") from None
 
-    def read_manifest(self, namespace: str, sandbox: str, checkpoint: str) -> tuple[Manifest, str]:
-        """Fetches and parses a manifest; returns it with the digest of its stored bytes."""
+    def read_manifest(self, namespace: str, sandbox: str, checkpoint: str, *,
+                      expect_uid: str | None = None) -> tuple[Manifest, str]:
+        """Fetches, verifies (when sealed) and parses a manifest; returns it with the
+        digest of its stored bytes. ``expect_uid``: the sandbox uid a sealed manifest
+        must be signed for."""
+        manifest, digest, _ = self._open_manifest(namespace, sandbox, checkpoint, expect_uid)
+        return manifest, digest
+
+    def _open_manifest(self, namespace: str, sandbox: str, checkpoint: str,
+                       expect_uid: str | None) -> tuple[Manifest, str, ChunkCipher | None]:
         raw = self._read_manifest_bytes(namespace, sandbox, checkpoint)
-        return Manifest.from_json(raw), digest_bytes(raw)
+        plain, cipher = self._unseal(raw, namespace, sandbox, checkpoint, expect_uid)
+        return Manifest.from_json(plain), digest_bytes(raw), cipher
 
     def collect_garbage(self, namespace: str, sandbox: str, *,
                         min_age_seconds: float = 0.0) -> int:
@@ -492,13 +583,15 @@ class CheckpointStore:
         Chunks younger than ``min_age_seconds`` are kept (they may belong to an
         upload whose manifest is not written yet).
         """
-        referenced: set[str] = set()
+        referenced: set[str] = set()  # object names
         for name in self.list_checkpoints(namespace, sandbox):
             try:
-                manifest, _ = self.read_manifest(namespace, sandbox, name)
+                # A manifest that does not open (e.g. its KEK is gone) raises: nothing is
+                # deleted while what it references is unknown.
+                manifest, _, cipher = self._open_manifest(namespace, sandbox, name, None)
             except CheckpointNotFound:
                 continue  # deleted meanwhile
-            referenced |= manifest.chunk_digests()
+            referenced |= {_object_name(cipher, d) for d in manifest.chunk_digests()}
         prefix = f"{self._sandbox_prefix(namespace, sandbox)}chunks/"
         now = time.time()
         doomed = []
@@ -545,19 +638,26 @@ class CheckpointStore:
         chunk_size = self.settings.chunk_size_bytes
         scanned = _scan_sections(sections)
         tasks, image_bytes = _chunk_tasks(sections, scanned, chunk_size)
-        state = _UploadState(self.list_chunks(ns, sandbox))
+        context = Context(ns, sandbox, binding.sandbox_uid, binding.checkpoint)
+        keys = self._sandbox_dek(context, deadline) if self._sealing is not None else None
+        cipher = ChunkCipher(keys[0]) if keys is not None else None
+        state = _UploadState(self.list_chunks(ns, sandbox), cipher)
         tally = _Tally(len(tasks), image_bytes, on_progress)
         self._run_upload(tasks, state, ns, sandbox, deadline, tally.record)
 
         final, referenced, files = _with_chunks(scanned, tally.digests)
-        stored_bytes = sum(state.sizes[d] for d in referenced)
+        stored_bytes = sum(state.sizes[_object_name(cipher, d)] for d in referenced)
         manifest = Manifest(
             binding=binding, created_at=utc_now(), chunk_size=chunk_size, sections=final,
             restore=dict(restore),
             totals=Totals(files=files, image_bytes=image_bytes, chunks=len(tasks),
                           unique_chunks=len(referenced), stored_bytes=stored_bytes),
         )
-        raw = self._write_manifest(manifest_key, manifest, deadline)
+        raw = manifest.to_json()
+        if keys is not None:
+            assert self._sealing is not None
+            raw = seal_manifest(self._sealing.wrapper, keys[0], keys[1], context, raw)
+        self._put(manifest_key, raw, "application/json", "write manifest", deadline=deadline)
         result = UploadResult(
             manifest_uri=f"s3://{self.settings.bucket}/{manifest_key}",
             manifest_digest=digest_bytes(raw), manifest=manifest, image_bytes=image_bytes,
@@ -577,27 +677,25 @@ class CheckpointStore:
         _run_parallel(self.settings.transfer_concurrency, "hermit-upload", jobs, on_done,
                       state.stop)
 
-    def _write_manifest(self, key: str, manifest: Manifest, deadline: float | None) -> bytes:
-        """PUTs the manifest, the last object of a checkpoint; returns its bytes."""
-        raw = manifest.to_json()
-        self._put(key, raw, "application/json", "write manifest", deadline=deadline)
-        return raw
-
     def _upload_chunk(self, task: _ChunkTask, state: _UploadState, ns: str, sandbox: str,
                       deadline: float | None) -> _ChunkDone:
         if state.stop.is_set():
             raise CheckpointFailed("upload aborted")
         data = _read_exact(task.path, task.offset, task.length)
         digest = hashlib.sha256(data).hexdigest()
+        name = _object_name(state.cipher, digest)
         with state.lock:
-            if digest in state.claimed:
+            if name in state.claimed:
                 return _ChunkDone(task, digest, 0)
-            state.claimed.add(digest)
+            state.claimed.add(name)
         body = self._compressor().compress(data)
-        self._put(self.chunk_key(ns, sandbox, digest), body, "application/zstd",
+        if state.cipher is not None:
+            body = state.cipher.seal(name, body)
+        self._put(self.chunk_key(ns, sandbox, name), body,
+                  "application/octet-stream" if state.cipher else "application/zstd",
                   "upload chunk", state.stop, deadline)
         with state.lock:
-            state.sizes[digest] = len(body)
+            state.sizes[name] = len(body)
         return _ChunkDone(task, digest, len(body))
 
     # -- download ---------------------------------------------------------------
@@ -627,7 +725,8 @@ class CheckpointStore:
             raise CheckpointRefused(
                 f"checkpoint {namespace}/{checkpoint}: manifest digest {actual} does not match "
                 f"the expected {expect_digest}")
-        manifest = Manifest.from_json(raw)
+        plain, cipher = self._unseal(raw, namespace, sandbox, checkpoint, expect_uid)
+        manifest = Manifest.from_json(plain)
         b = manifest.binding
         if (b.namespace, b.sandbox, b.sandbox_uid, b.checkpoint) != \
                 (namespace, sandbox, expect_uid, checkpoint):
@@ -647,15 +746,14 @@ class CheckpointStore:
                     raise CheckpointFailed(
                         f"cannot restore into {section_root}: it already exists") from None
                 created.append(section_root)
-            self._materialize(manifest, dest, namespace, sandbox, checkpoint)
+            self._materialize(manifest, dest, _Where(namespace, sandbox, checkpoint, cipher))
         except BaseException:
             for path in created:
                 shutil.rmtree(path, ignore_errors=True)
             raise
         return manifest
 
-    def _materialize(self, manifest: Manifest, dest: Path, ns: str, sandbox: str,
-                     checkpoint: str) -> None:
+    def _materialize(self, manifest: Manifest, dest: Path, where: _Where) -> None:
         locations: dict[str, list[_Location]] = {}
         chunk_size = manifest.chunk_size
         for name, entries in manifest.sections.items():
@@ -676,7 +774,7 @@ class CheckpointStore:
                         length = min(chunk_size, entry.size - offset)
                         locations.setdefault(digest, []).append(
                             _Location(full, offset, length, f"{name}/{entry.path}"))
-        self._fetch_chunks(locations, chunk_size, ns, sandbox, checkpoint)
+        self._fetch_chunks(locations, chunk_size, where)
         is_root = os.geteuid() == 0
         dirs: list[tuple[str, Entry]] = []
         for name, entries in manifest.sections.items():
@@ -698,20 +796,20 @@ class CheckpointStore:
             _apply_metadata(full, entry, is_root)
 
     def _fetch_chunks(self, locations: Mapping[str, list[_Location]], chunk_size: int,
-                      ns: str, sandbox: str, checkpoint: str) -> None:
+                      where: _Where) -> None:
         stop = threading.Event()
-        jobs = [partial(self._fetch_chunk, digest, locs, chunk_size, ns, sandbox, checkpoint,
-                        stop)
+        jobs = [partial(self._fetch_chunk, digest, locs, chunk_size, where, stop)
                 for digest, locs in locations.items()]
         _run_parallel(self.settings.transfer_concurrency, "hermit-download", jobs, _ignore, stop)
 
-    def _fetch_chunk(self, digest: str, locs: list[_Location], chunk_size: int, ns: str,
-                     sandbox: str, checkpoint: str, stop: threading.Event) -> None:
+    def _fetch_chunk(self, digest: str, locs: list[_Location], chunk_size: int,
+                     at: _Where, stop: threading.Event) -> None:
         if stop.is_set():
             return
-        key = self.chunk_key(ns, sandbox, digest)
-        first = locs[0]
-        where = f"checkpoint {ns}/{checkpoint}: chunk {digest} of {first.label}"
+        ns, checkpoint = at.namespace, at.checkpoint
+        name = _object_name(at.cipher, digest)
+        key = self.chunk_key(ns, at.sandbox, name)
+        where = f"checkpoint {ns}/{checkpoint}: chunk {digest} of {locs[0].label}"
         try:
             compressed = self._get(key, "download chunk", 2 * chunk_size + (1 << 20))
         except CheckpointRefused as exc:
@@ -720,6 +818,11 @@ class CheckpointStore:
             if is_not_found(exc):
                 raise CheckpointRefused(f"{where} is missing from the store") from None
             raise
+        if at.cipher is not None:
+            try:
+                compressed = at.cipher.open(name, compressed)
+            except CheckpointRefused as exc:
+                raise CheckpointRefused(f"{where} is refused: {exc}") from None
         try:
             data = self._decompressor().decompress(compressed, max_output_size=chunk_size)
         except zstandard.ZstdError as exc:
@@ -733,6 +836,21 @@ class CheckpointStore:
                     f"checkpoint {ns}/{checkpoint}: chunk {digest} of {loc.label} has "
                     f"{len(data)} bytes, the manifest expects {loc.length}")
             _write_all(loc.path, loc.offset, data)
+
+
+@dataclass(frozen=True)
+class _Where:
+    """The checkpoint a download fetches chunks for, and their cipher (None: plain)."""
+
+    namespace: str
+    sandbox: str
+    checkpoint: str
+    cipher: ChunkCipher | None
+
+
+def _object_name(cipher: ChunkCipher | None, digest: str) -> str:
+    """The object name of the chunk with plaintext digest ``digest``."""
+    return digest if cipher is None else cipher.name(digest)
 
 
 def _apply_metadata(path: str, entry: Entry, is_root: bool) -> None:

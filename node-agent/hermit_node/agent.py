@@ -27,6 +27,7 @@ from hermit_common import protocol
 from hermit_common.errors import CheckpointFailed, CheckpointRefused, HermitError, RestoreFailed
 from hermit_common.s3errors import CheckpointNotFound
 from hermit_common.settings import NodeSettings, redacted
+from hermit_common.store import UploadProgress
 from hermit_node import freezer, locate, metrics, planner
 from hermit_node import health as agent_health
 from hermit_node.checkpoint import CheckpointResult, CheckpointTarget
@@ -51,6 +52,7 @@ class Checkpointer(Protocol):
     def checkpoint(self, target: CheckpointTarget, *, stop: bool = False,
                    keep_local: bool = False, deadline: float | None = None,
                    on_uploading: Callable[[int, int], None] | None = None,
+                   on_progress: Callable[[UploadProgress], None] | None = None,
                    on_durable: Callable[[CheckpointResult], None] | None = None,
                    store: CheckpointStore | None = None) -> CheckpointResult: ...
 
@@ -78,6 +80,36 @@ class TreeControl(Protocol):
 
 def utc_now() -> datetime:
     return datetime.now(UTC)
+
+
+class _Progress:
+    """Writes a Checkpoint's upload progress into its status: Uploading once the tree is
+    captured, then ``progress`` as chunks are stored, throttled by ``planner.progress_due``
+    (about ten writes at most). Progress is for people: a failed write is not retried and
+    never reaches the upload."""
+
+    def __init__(self, kube: Kube, namespace: str, name: str,
+                 write_status: Callable[[str, str, KubeObject], None]) -> None:
+        self._kube, self._namespace, self._name = kube, namespace, name
+        self._write_status = write_status
+        self._mark = planner.ProgressMark(time.monotonic(), 0.0)
+
+    def uploading(self, frozen_ms: int, dump_ms: int) -> None:
+        self._write_status(self._namespace, self._name,
+                           planner.status_uploading(frozen_ms, dump_ms))
+        self._mark = planner.ProgressMark(time.monotonic(), 0.0)
+
+    def __call__(self, progress: UploadProgress) -> None:
+        fraction, now = planner.upload_fraction(progress), time.monotonic()
+        if not planner.progress_due(self._mark, now, fraction):
+            return
+        self._mark = planner.ProgressMark(now, fraction)
+        try:
+            self._kube.patch_checkpoint_status(self._namespace, self._name,
+                                               planner.status_progress(progress))
+        except Exception as exc:  # anything: the upload must go on
+            log.debug("upload progress of %s/%s not written: %s", self._namespace,
+                      self._name, exc)
 
 
 class Jobs:
@@ -334,7 +366,8 @@ class NodeAgent:
         def record(result: CheckpointResult) -> None:
             # Before a migrating checkpoint kills the old tree: durable must mean kept.
             self._write_status(namespace, name,
-                               planner.status_completed(result, self._clock(), stopped=stop),
+                               planner.status_completed(result, self._clock(), stopped=stop,
+                                                        seconds=time.monotonic() - began),
                                forever=True)
             recorded.set()
 
@@ -399,13 +432,13 @@ class NodeAgent:
         if sp.container_id is None:
             raise HermitError(f"pod {sp.namespace}/{sp.pod} has no container id")
         pid = locate.find_init_pid(sp.container_id, self._proc_root)
+        progress = _Progress(self._kube, namespace, name, self._write_status)
         return self._checkpointer.checkpoint(CheckpointTarget(
             namespace=namespace, sandbox=sp.sandbox, sandbox_uid=sp.sandbox_uid,
             checkpoint=name, init_pid=pid, workspace_path=sp.workspace_path,
             image_digest=sp.image_digest), stop=stop, deadline=self._deadline(),
-            on_uploading=lambda frozen_ms, dump_ms: self._write_status(
-                namespace, name, planner.status_uploading(frozen_ms, dump_ms)),
-            on_durable=record, store=store)
+            on_uploading=progress.uploading, on_progress=progress, on_durable=record,
+            store=store)
 
     def _checkpoint_failed(self, ckpt: KubeObject, exc: Exception, seconds: float) -> None:
         """Failed, with why, on the Checkpoint and in an Event (the sandbox runs on)."""
@@ -551,6 +584,7 @@ def _watch(agent: NodeAgent, settings: NodeSettings, stop: threading.Event,
 def build_agent(settings: NodeSettings, stop: threading.Event,
                 health: agent_health.AgentHealth | None = None) -> NodeAgent:
     """Everything built once at start-up; HermitError when a piece cannot be built."""
+    from hermit_common.seal import sealing_from
     from hermit_common.store import CheckpointStore
     from hermit_node.checkpoint import CheckpointEngine
     from hermit_node.criu import Criu
@@ -559,9 +593,10 @@ def build_agent(settings: NodeSettings, stop: threading.Event,
 
     kube = Kube.connect(settings.node_name)
     criu = Criu(settings.criu_path)
-    store = CheckpointStore(settings.store)
+    sealing = sealing_from(settings.seal)
+    store = CheckpointStore(settings.store, sealing=sealing)
     stores = Stores(settings.store, kube, allowed=settings.per_sandbox_storage,
-                    default_store=store)
+                    default_store=store, sealing=sealing)
     work_dir = Path(settings.work_dir)
     return NodeAgent(settings.node_name, kube,
                      CheckpointEngine(criu, store, work_dir,

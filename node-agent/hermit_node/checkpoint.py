@@ -27,7 +27,7 @@ from typing import Any
 
 from hermit_common.errors import CheckpointFailed, HermitError
 from hermit_common.manifest import Binding
-from hermit_common.store import CheckpointStore, UploadResult
+from hermit_common.store import CheckpointStore, ProgressCallback, UploadResult
 from hermit_node import container, freezer, locate, sysinfo
 from hermit_node.criu import Criu, DumpRequest
 
@@ -69,6 +69,8 @@ class CheckpointResult:
     criu_version: str
     kernel: str
     cpu_flags: tuple[str, ...]
+    chunks_total: int = 0  # chunk references of the manifest
+    chunks_uploaded: int = 0  # chunks the store did not have yet
 
 
 def restore_info(view: container.ContainerView, workspace_path: str | None,
@@ -198,6 +200,7 @@ class CheckpointEngine:
     def checkpoint(self, target: CheckpointTarget, *, stop: bool = False,
                    keep_local: bool = False, deadline: float | None = None,
                    on_uploading: Callable[[int, int], None] | None = None,
+                   on_progress: ProgressCallback | None = None,
                    on_durable: Callable[[CheckpointResult], None] | None = None,
                    store: CheckpointStore | None = None) -> CheckpointResult:
         """Take one checkpoint. ``stop=True``: the sandbox ends once it is durable (migration).
@@ -206,7 +209,8 @@ class CheckpointEngine:
         The local copy of the images is removed once the store has them, unless
         ``keep_local`` (for debugging). ``deadline`` (a ``time.monotonic()`` value, e.g.
         the node's termination time) bounds the upload; ``on_uploading(frozen_ms, dump_ms)``
-        is called once the tree's state is captured and the upload starts;
+        is called once the tree's state is captured and the upload starts, then
+        ``on_progress`` after each chunk (on this thread; it must not raise);
         ``on_durable(result)`` once the manifest is in the store and, with ``stop``,
         before the old tree is killed: it records the checkpoint so nothing can lose it.
         ``store``: where it goes (the sandbox's own storage), else the engine's store.
@@ -216,7 +220,8 @@ class CheckpointEngine:
         freezer.freeze(plan.cgroup)
         try:
             result = self._capture_and_upload(target, plan, cap, stop=stop, deadline=deadline,
-                                              on_uploading=on_uploading, on_durable=on_durable)
+                                              on_uploading=on_uploading,
+                                              on_progress=on_progress, on_durable=on_durable)
         except HermitError as exc:
             shutil.rmtree(plan.local, ignore_errors=True)
             raise CheckpointFailed(
@@ -235,6 +240,7 @@ class CheckpointEngine:
     def _capture_and_upload(self, target: CheckpointTarget, plan: _Plan, cap: _Capture, *,
                             stop: bool, deadline: float | None,
                             on_uploading: Callable[[int, int], None] | None,
+                            on_progress: ProgressCallback | None,
                             on_durable: Callable[[CheckpointResult], None] | None,
                             ) -> CheckpointResult:
         """From the frozen tree to a durable checkpoint: a routine one thaws once captured,
@@ -248,7 +254,7 @@ class CheckpointEngine:
             on_uploading(_ms(cap.frozen_at), cap.dump_ms)
         started = time.monotonic()
         uploaded = plan.store.upload(plan.binding, cap.sections, plan.restore,
-                                     deadline=deadline)
+                                     on_progress=on_progress, deadline=deadline)
         result = _result(plan, cap, uploaded, upload_ms=_ms(started),
                          frozen_ms=frozen_ms if not stop else _ms(cap.frozen_at))
         if on_durable is not None:
@@ -337,5 +343,6 @@ def _result(plan: _Plan, cap: _Capture, uploaded: UploadResult, *, upload_ms: in
         uploaded_bytes=uploaded.uploaded_bytes, stored_bytes=uploaded.stored_bytes,
         manifest_uri=uploaded.manifest_uri, manifest_digest=uploaded.manifest_digest,
         criu_version=plan.binding.criu_version, kernel=plan.binding.kernel,
-        cpu_flags=plan.binding.cpu_flags,
+        cpu_flags=plan.binding.cpu_flags, chunks_total=uploaded.chunks_total,
+        chunks_uploaded=uploaded.chunks_uploaded,
     )

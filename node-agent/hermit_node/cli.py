@@ -5,7 +5,8 @@
     hermit-node watch      print interruption notices from the configured cloud
     hermit-node run        the DaemonSet's main loop
 
-Store settings come from HERMIT_S3_* variables (see README). Any HermitError ends
+Store settings come from HERMIT_S3_* variables (see README), sealing from
+HERMIT_SEAL_* (docs/security.md). Any HermitError ends
 the command with a one-line message and exit code 1.
 """
 
@@ -23,7 +24,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hermit_common.errors import HermitError
-from hermit_common.settings import Env, NodeSettings, StoreSettings, WatcherSettings
+from hermit_common.settings import (
+    Env,
+    NodeSettings,
+    SealSettings,
+    StoreSettings,
+    WatcherSettings,
+)
 
 if TYPE_CHECKING:
     from hermit_common.store import CheckpointStore
@@ -32,11 +39,13 @@ if TYPE_CHECKING:
 
 def _engine_parts() -> tuple[Criu, CheckpointStore, Path]:
     # Imported here: `watch` and `run` need neither boto3 nor pycriu at start-up.
+    from hermit_common.seal import sealing_from
     from hermit_common.store import CheckpointStore
     from hermit_node.criu import Criu
 
     env = Env(os.environ)
-    store = CheckpointStore(StoreSettings.from_env(os.environ))
+    store = CheckpointStore(StoreSettings.from_env(os.environ),
+                            sealing=sealing_from(SealSettings.from_env(os.environ)))
     # NodeSettings.from_env needs HERMIT_NODE_NAME, which only `run` requires; the
     # defaults come from its fields.
     criu = Criu(env.text("HERMIT_CRIU_PATH", NodeSettings.criu_path))

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from hermit_common import api, protocol
+from hermit_common import api, display, protocol
 
 if TYPE_CHECKING:
+    from hermit_common.store import UploadProgress
     from hermit_node.checkpoint import CheckpointResult
 
 KubeObject = dict[str, Any]
@@ -338,7 +339,7 @@ def status_dumping(node: str, now: datetime, parent: str | None = None,
     recorded as ``status.storage`` before anything is: restores and a restarted agent
     read it from there."""
     status: KubeObject = {"phase": protocol.DUMPING, "nodeName": node,
-                          "startedAt": protocol.rfc3339(now)}
+                          "startedAt": protocol.rfc3339(now), "progress": display.DUMPING}
     if parent:
         status["parent"] = parent
     if storage:
@@ -347,13 +348,49 @@ def status_dumping(node: str, now: datetime, parent: str | None = None,
 
 
 def status_uploading(frozen_ms: int, dump_ms: int) -> KubeObject:
-    return {"phase": protocol.UPLOADING, "frozenMs": frozen_ms, "dumpMs": dump_ms}
+    return {"phase": protocol.UPLOADING, "frozenMs": frozen_ms, "dumpMs": dump_ms,
+            "progress": display.UPLOADING}
 
 
-def status_completed(result: CheckpointResult, now: datetime, *, stopped: bool) -> KubeObject:
-    """From a ``CheckpointResult``: every field the CRD's Completed rule and columns want."""
+# Upload progress is written at most once a second and once per tenth of the bytes: at
+# most about ten status writes per checkpoint, whatever its size.
+PROGRESS_MIN_SECONDS = 1.0
+PROGRESS_MIN_FRACTION = 0.1
+
+
+@dataclass(frozen=True)
+class ProgressMark:
+    """When upload progress was last written (a ``time.monotonic()`` value) and how far."""
+
+    at: float
+    fraction: float
+
+
+def upload_fraction(progress: UploadProgress) -> float:
+    if progress.bytes_total > 0:
+        return progress.bytes_done / progress.bytes_total
+    return progress.chunks_done / progress.chunks_total if progress.chunks_total > 0 else 0.0
+
+
+def progress_due(last: ProgressMark, now: float, fraction: float) -> bool:
+    """Whether upload progress is worth a status write: a second since the last one (or
+    since Uploading was written) and a tenth further. The end is not: Completed follows."""
+    return (fraction < 1.0 and now - last.at >= PROGRESS_MIN_SECONDS
+            and fraction - last.fraction >= PROGRESS_MIN_FRACTION)
+
+
+def status_progress(progress: UploadProgress) -> KubeObject:
+    """The status patch for a running upload: ``progress`` only (the phase is Uploading)."""
+    return {"progress": display.upload_progress(progress.chunks_done, progress.chunks_total,
+                                                progress.bytes_done, progress.bytes_total)}
+
+
+def status_completed(result: CheckpointResult, now: datetime, *, stopped: bool,
+                     seconds: float | None = None) -> KubeObject:
+    """From a ``CheckpointResult``: every field the CRD's Completed rule and columns want.
+    ``seconds``: from the request being taken up (Dumping) to durable, for ``duration``."""
     end = "the sandbox ended on this node" if stopped else "the sandbox kept running"
-    return {
+    status: KubeObject = {
         "phase": protocol.COMPLETED,
         "frozenMs": result.frozen_ms,
         "dumpMs": result.dump_ms,
@@ -369,7 +406,12 @@ def status_completed(result: CheckpointResult, now: datetime, *, stopped: bool) 
         "message": (f"durable in {result.frozen_ms} ms frozen, {result.uploaded_bytes} bytes "
                     f"uploaded; {end}"),
         "completedAt": protocol.rfc3339(now),
+        "size": display.size(result.stored_bytes),
+        "progress": display.upload_summary(result.chunks_total, result.chunks_uploaded),
     }
+    if seconds is not None:
+        status["duration"] = display.duration(seconds)
+    return status
 
 
 def status_recovered(totals: Mapping[str, int], manifest_uri: str, manifest_digest: str,
@@ -388,6 +430,8 @@ def status_recovered(totals: Mapping[str, int], manifest_uri: str, manifest_dige
         "message": "durable: its manifest was found in the store after the node-agent "
                    "restarted",
         "completedAt": protocol.rfc3339(now),
+        "size": display.size(int(totals.get("stored_bytes", 0))),
+        "progress": display.upload_summary(int(totals.get("chunks", 0)), None),
     }
 
 

@@ -183,8 +183,7 @@ class RestoreEngine:
         local = self._work_dir / "restores" / target.namespace / target.sandbox / target.checkpoint
         shutil.rmtree(local, ignore_errors=True)
         local.mkdir(parents=True)
-        manifest, admitted, download_ms = self._download(target, view, local,
-                                                         store or self._store)
+        manifest, admitted, download_ms = self._download(target, view, local, store)
         mapped = _map_externals(manifest.restore, view)
 
         started = time.monotonic()
@@ -207,13 +206,18 @@ class RestoreEngine:
         return result
 
     def _download(self, target: RestoreTarget, view: container.ContainerView,
-                  local: Path, store: CheckpointStore) -> tuple[Manifest, admit.Admitted, int]:
-        """Reads the manifest from ``store`` (where the checkpoint was written), admits it,
-        then fetches and verifies the checkpoint into ``local``. Returns the manifest, what
-        to apply, and the duration in milliseconds."""
+                  local: Path, store: CheckpointStore | None = None,
+                  ) -> tuple[Manifest, admit.Admitted, int]:
+        """Reads the manifest from ``store`` (where the checkpoint was written; default: the
+        engine's store), admits it, then fetches and verifies the checkpoint into ``local``.
+        Returns the manifest, what to apply, and the duration in milliseconds."""
+        store = store or self._store
         started = time.monotonic()
+        # A sealed manifest is verified here (signature, namespace, sandbox uid, name):
+        # nothing is downloaded or written for one that does not verify.
         manifest, digest = store.read_manifest(
-            target.namespace, target.sandbox, target.checkpoint)
+            target.namespace, target.sandbox, target.checkpoint,
+            expect_uid=target.sandbox_uid)
         if target.expect_manifest_digest is not None and digest != target.expect_manifest_digest:
             raise CheckpointRefused(
                 f"checkpoint {target.namespace}/{target.checkpoint}: manifest digest {digest} "

@@ -33,6 +33,7 @@ from urllib.parse import urlparse
 
 from hermit_common import api, protocol
 from hermit_common.errors import CheckpointRefused, HermitError
+from hermit_common.seal import Sealing
 from hermit_common.settings import StoreSettings
 from hermit_common.store import CheckpointStore, make_s3_client
 from hermit_node.kube import KubeForbidden
@@ -260,17 +261,20 @@ class SecretReader(Protocol):
 
 class Stores:
     """The store each checkpoint is written to or read from (a CheckpointStore per call,
-    sharing cached S3 clients). Thread-safe: jobs for several sandboxes use it at once."""
+    sharing cached S3 clients, all sealing with the node-agent's keys when it has them).
+    Thread-safe: jobs for several sandboxes use it at once."""
 
     def __init__(self, defaults: StoreSettings, secrets: SecretReader, *, allowed: bool,
-                 default_store: CheckpointStore | None = None,
+                 default_store: CheckpointStore | None = None, sealing: Sealing | None = None,
                  make_client: Callable[[StoreSettings], Any] = make_s3_client,
                  max_clients: int = MAX_CLIENTS) -> None:
         self._defaults = defaults
         self._default_location = Location.of(defaults)
         self._secrets = secrets
         self._allowed = allowed
-        self._default = default_store or CheckpointStore(defaults, client=make_client(defaults))
+        self._sealing = sealing
+        self._default = default_store or CheckpointStore(
+            defaults, client=make_client(defaults), sealing=sealing)
         self._make_client = make_client
         self._max_clients = max_clients
         # The default store's client serves its other buckets too (own credentials).
@@ -300,7 +304,7 @@ class Stores:
         credentials = (self._credentials(namespace, wanted.secret)
                        if wanted.secret is not None else None)
         settings = store_settings(self._defaults, wanted.location, credentials)
-        return CheckpointStore(settings,
+        return CheckpointStore(settings, sealing=self._sealing,
                                client=self._client(client_key(wanted.location, credentials),
                                                    settings))
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
-from hermit_common import api, protocol
+from hermit_common import api, display, metrics, protocol
 from hermit_common.protocol import (  # the shared vocabulary, re-exported for the operator
     ACTIVE,
     COMPLETED,
@@ -107,11 +107,35 @@ def last_completed(ckpts: Sequence[KubeObject]) -> KubeObject | None:
 
 
 def last_checkpoint_status(ckpt: KubeObject) -> KubeObject:
-    """status.lastCheckpoint of the sandbox for this Completed checkpoint."""
+    """status.lastCheckpoint of the sandbox for this Completed checkpoint (``size``: its
+    storedBytes, human-readable, for the printer column)."""
+    status = ckpt.get("status") or {}
     out: KubeObject = {"name": name_of(ckpt), "reason": reason_of(ckpt) or None}
-    when = (ckpt.get("status") or {}).get("completedAt") or _meta(ckpt).get("creationTimestamp")
+    when = status.get("completedAt") or _meta(ckpt).get("creationTimestamp")
     out["time"] = when or None
+    stored = status.get("storedBytes")
+    if isinstance(stored, int) and not isinstance(stored, bool):
+        out["size"] = display.size(stored)
     return {k: v for k, v in out.items() if v is not None}
+
+
+def move_downtime(record: Mapping[str, Any], ckpts: Sequence[KubeObject], now: datetime
+                  ) -> tuple[str, float] | None:
+    """(reason, seconds) of a move whose restore completed at ``now``: ``record`` is
+    status.restoredFrom of the restored incarnation, ``ckpts`` the sandbox's own.
+
+    A move starts when its stopping Checkpoint (Preemption or Eviction) is created: the
+    notice or the drain. Only a clean restore of that checkpoint ends one (staleSeconds
+    0, not a fallback; retries of the same checkpoint included). None for a resume, a
+    fork (the checkpoint is another sandbox's), a loss without notice, a fallback."""
+    ckpt = find(ckpts, str(record.get("name") or ""))
+    if ckpt is None or record.get("fallback") or int(record.get("staleSeconds") or 0) != 0:
+        return None
+    reason = metrics.DOWNTIME_REASON_OF.get(reason_of(ckpt))
+    began = created_at(ckpt)
+    if reason is None or began is None:
+        return None
+    return reason, max(0.0, (now - began).total_seconds())
 
 
 def newest_finished(ckpts: Sequence[KubeObject]) -> KubeObject | None:

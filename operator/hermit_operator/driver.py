@@ -188,6 +188,8 @@ def _apply(kube: Kube, sandbox: KubeObject, p: Plan, post: Poster, now: datetime
         kube.create_checkpoint(p.create_checkpoint)
     if status_changes(sandbox, p.status_patch):
         kube.patch_sandbox_status(namespace, name, p.status_patch)
+    if p.downtime is not None:  # after the patch that ends the move: observed once
+        metrics.observe_downtime(*p.downtime)
     for event in p.events:
         post(sandbox, event)
     for ckpt, patch in p.adopt_checkpoints:

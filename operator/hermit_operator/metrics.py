@@ -1,4 +1,4 @@
-"""The operator's Prometheus metrics: hermit_operator_<noun>_<unit>, labels from small sets."""
+"""The operator's Prometheus metrics: names from hermit_common.metrics, small label sets."""
 
 from __future__ import annotations
 
@@ -6,21 +6,37 @@ from typing import Final
 
 from prometheus_client import Counter, Histogram
 
+from hermit_common import metrics
+
 RECONCILES: Final = Counter(
-    "hermit_operator_reconciles_total",
+    metrics.OPERATOR_RECONCILES,
     "AgentSandbox reconciliations, by result (ok, invalid, transient).",
     ["result"],
 )
 RECONCILE_SECONDS: Final = Histogram(
-    "hermit_operator_reconcile_duration_seconds",
+    metrics.OPERATOR_RECONCILE_SECONDS,
     "Time to reconcile one AgentSandbox (API calls included).",
 )
 PODS_CREATED: Final = Counter(
-    "hermit_operator_pods_created_total",
+    metrics.OPERATOR_PODS_CREATED,
     "Sandbox pods created, by mode (fresh, restore).",
     ["mode"],
 )
 CHECKPOINTS_DELETED: Final = Counter(
-    "hermit_operator_checkpoints_deleted_total",
+    metrics.OPERATOR_CHECKPOINTS_DELETED,
     "Checkpoint objects deleted by retention.",
 )
+DOWNTIME: Final = Histogram(
+    metrics.OPERATOR_DOWNTIME,
+    "Seconds a sandbox did not run during a move, by reason (preemption, eviction): from "
+    "the stopping Checkpoint's creation to the operator seeing the restored pod's restore "
+    "completed. Observed once per move.",
+    ["reason"],
+    buckets=metrics.DOWNTIME_BUCKETS,
+)
+
+
+def observe_downtime(reason: str, seconds: float) -> None:
+    """One finished move (reason from hermit_common.metrics.DOWNTIME_REASONS)."""
+    if reason in metrics.DOWNTIME_REASONS:
+        DOWNTIME.labels(reason=reason).observe(max(0.0, seconds))

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Final
 
-from hermit_common import api, protocol
+from hermit_common import api, display, protocol
 from hermit_common.settings import OperatorSettings
 from hermit_operator import checkpoints as ck
 from hermit_operator import podspec
@@ -88,6 +88,9 @@ class Plan:
     pdb: KubeObject | None = None  # the sandbox's PodDisruptionBudget (created when missing)
     delete_pdb: str | None = None  # a PodDisruptionBudget the sandbox must not have
     requeue_after: float | None = None  # seconds: reconcile again then (a restore retry)
+    # (reason, seconds) of a move that ended in this plan: observed by the driver once the
+    # status patch (Restoring=False) is written, so a retried plan does not count it again.
+    downtime: tuple[str, float] | None = None
 
 
 @dataclass
@@ -111,6 +114,7 @@ class _State:
     pdb: KubeObject | None = None
     delete_pdb: str | None = None
     requeue_after: float | None = None
+    downtime: tuple[str, float] | None = None
 
     @property
     def status(self) -> KubeObject:
@@ -653,6 +657,11 @@ def _restore_completed(st: _State, out: KubeObject, pod: KubeObject) -> str | No
     node = (pod.get("spec") or {}).get("nodeName")
     # Restoring flips to False in the same status patch: a re-reconcile does not count again.
     out["restores"] = int(out["restores"]) + 1
+    record = st.status.get("restoredFrom") or {}
+    if record.get("name") == source:
+        st.downtime = ck.move_downtime(record, st.ckpts, st.now)
+        if st.downtime is not None:
+            out["lastDowntime"] = display.duration(st.downtime[1])
     _drop(out, st.status, *_RETRY_FIELDS)
     st.events.append(Event(NORMAL, api.REASON_RESTORE_COMPLETED,
                            f"pod {name} on node {node} restored checkpoint {source}"))
@@ -756,4 +765,4 @@ def _finish(st: _State, out: KubeObject, pod: KubeObject | None, situation: sit.
                 create_checkpoint=st.create_checkpoint, adopt_checkpoints=st.adopt,
                 fail_checkpoints=st.fail,
                 delete_checkpoints=drop, pdb=st.pdb, delete_pdb=st.delete_pdb,
-                requeue_after=st.requeue_after)
+                requeue_after=st.requeue_after, downtime=st.downtime)

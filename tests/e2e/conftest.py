@@ -291,28 +291,16 @@ def _apply_secret(kube: Kube, s3: S3) -> None:
         kube.api.replace_namespaced_secret("hermit-s3", RELEASE_NS, secret)
 
 
-def _contains(got: Any, want: Any) -> bool:
-    """Whether ``got`` has every field of ``want`` (extra fields, e.g. defaults, allowed)."""
-    if isinstance(want, dict):
-        return isinstance(got, dict) and all(k in got and _contains(got[k], v)
-                                             for k, v in want.items())
-    if isinstance(want, list):
-        return isinstance(got, list) and len(got) == len(want) and all(
-            _contains(g, w) for g, w in zip(got, want, strict=True))
-    return bool(got == want)
-
-
-def apply_crds(kube: Kube) -> None:
-    """Put this worktree's CRDs in place: helm installs the chart's CRDs only when they are
-    absent and never upgrades them, so the shared cluster would otherwise keep the first
-    ones it got and prune every field added since. Waits until the API server serves the
-    new schema: a dry-run create of the sample that sets every spec field keeps them all."""
+def _apply_crds() -> None:
+    """This worktree's CRDs (the API of record): Helm installs a chart's crds/ only when
+    they do not exist yet and never upgrades them, so a cluster that another branch's
+    tests installed would keep its schema (and prune the status fields it lacks)."""
     ext = client.ApiextensionsV1Api()
-    for path in sorted((REPO / "charts/hermit/crds").glob("*.yaml")):
-        body = yaml.safe_load(path.read_text())
+    for path in sorted((REPO / "crds").glob("*.yaml")):
+        body: Any = yaml.safe_load(path.read_text())
         name = body["metadata"]["name"]
         try:
-            current: Any = ext.read_custom_resource_definition(name)
+            current = ext.read_custom_resource_definition(name)
         except ApiException as exc:
             if exc.status != 404:
                 raise
@@ -320,21 +308,15 @@ def apply_crds(kube: Kube) -> None:
         else:
             body["metadata"]["resourceVersion"] = current.metadata.resource_version
             ext.replace_custom_resource_definition(name, body)
-    sample = yaml.safe_load((REPO / "crds/samples/agentsandbox-full.yaml").read_text())
-    group, version = sample["apiVersion"].split("/")
-
-    def served() -> bool:
-        got: Any = client.CustomObjectsApi().create_namespaced_custom_object(
-            group, version, RELEASE_NS, "agentsandboxes", sample, dry_run="All")
-        return _contains(got.get("spec"), sample["spec"])
-
-    wait_until("the API server serving this worktree's CRD schema", 60, served, 0.5)
+        wait_until(f"CRD {name} Established", 60, lambda n=name: any(
+            c.type == "Established" and c.status == "True"
+            for c in ext.read_custom_resource_definition(n).status.conditions or []))
 
 
 @pytest.fixture(scope="session")
 def hermit_release(kube: Kube, s3_for_pods: S3, e2e_config: E2EConfig) -> Iterator[str]:
-    """The chart installed with S3 credentials in a Secret, and this worktree's CRDs;
-    removed afterwards (the CRDs stay, as helm leaves them)."""
+    """The chart installed with S3 credentials in a Secret, and this worktree's CRDs; the
+    operator on an on-demand node (a spot preemption would restart it); removed afterwards."""
     helm = helm_binary()
     env = {**os.environ, "KUBECONFIG": e2e_config.kubeconfig}
     subprocess.run([helm, "uninstall", RELEASE, "-n", RELEASE_NS, "--wait"], env=env,
@@ -346,11 +328,12 @@ def hermit_release(kube: Kube, s3_for_pods: S3, e2e_config: E2EConfig) -> Iterat
         if exc.status != 409:
             raise
     _apply_secret(kube, s3_for_pods)
-    apply_crds(kube)
+    _apply_crds()
     proc = subprocess.run(
         [helm, "install", RELEASE, str(REPO / "charts/hermit"), "-n", RELEASE_NS,
          "--set", f"s3.bucket={BUCKET}", "--set", f"s3.endpoint={s3_for_pods.endpoint}",
          "--set", "s3.existingSecret=hermit-s3", "--set", "nodeAgent.logLevel=DEBUG",
+         "--set-string", "operator.nodeSelector.karpenter\\.sh/capacity-type=on-demand",
          "--wait", "--timeout", "180s"],
         env=env, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, f"helm install failed: {proc.stdout}{proc.stderr}"

@@ -12,7 +12,9 @@ broke, when one does: a sandbox that keeps running after a move kept them all.
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
 import time
 import uuid
 from collections.abc import Callable
@@ -23,6 +25,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.stream import stream
+from prometheus_client.parser import text_string_to_metric_families
 
 from hermit_common import api
 from tests.e2e.conftest import (
@@ -287,3 +290,46 @@ def start_on_spot(kube: Kube, cfg: E2EConfig, release_ns: str, ns: str, **spec: 
     where = wait_running(kube, ns, name, min_ticks=5)
     wait_agent_ready(kube, release_ns, where.node)
     return name, where
+
+
+# -- what an operator's user looks at: /metrics and kubectl get ----------------------------
+
+METRICS_PORT = 9101  # the chart's metrics.port
+
+
+def operator_metrics(kube: Kube, release_ns: str) -> dict[str, str]:
+    """The /metrics text of every running operator pod, read through the API server's
+    pod proxy (no port-forward, and the same on any cluster)."""
+    pods = kube.api.list_namespaced_pod(
+        release_ns, label_selector="app.kubernetes.io/component=operator")
+    return {p.metadata.name: str(kube.api.connect_get_namespaced_pod_proxy_with_path(
+        f"{p.metadata.name}:{METRICS_PORT}", release_ns, "metrics"))
+        for p in pods.items if p.status.phase == "Running"}
+
+
+def metric_sum(texts: dict[str, str], sample: str) -> float:
+    """The sum of ``sample`` (e.g. ``..._count``) over every label set and every text."""
+    return sum(s.value for text in texts.values()
+               for family in text_string_to_metric_families(text)
+               for s in family.samples if s.name == sample)
+
+
+def kubectl_table(kubectl: str, kubeconfig: str, *args: str) -> list[dict[str, str]]:
+    """``kubectl get <args>`` as rows of {COLUMN: value} (columns are at least two spaces
+    apart; kubectl prints <none> for an empty field)."""
+    out = kubectl_text(kubectl, kubeconfig, *args)
+    lines = [line for line in out.splitlines() if line.strip()]
+    if not lines:
+        return []
+    header = lines[0]
+    starts = [m.start() for m in re.finditer(r"\S+(?: \S+)*", header)]
+    names = [header[a:b].strip() for a, b in zip(starts, [*starts[1:], None], strict=True)]
+    return [{n: line[a:b].strip() for n, a, b in zip(names, starts, [*starts[1:], None],
+                                                      strict=True)} for line in lines[1:]]
+
+
+def kubectl_text(kubectl: str, kubeconfig: str, *args: str) -> str:
+    proc = subprocess.run([kubectl, "get", *args, "--kubeconfig", kubeconfig],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout

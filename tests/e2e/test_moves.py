@@ -11,6 +11,7 @@ forks it.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 import uuid
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from hermit_common import protocol
+from hermit_common import metrics, protocol
 from tests.e2e import sandboxes as sb
 from tests.e2e.conftest import (
     RELEASE_NS,
@@ -82,6 +83,7 @@ def test_three_preemptions_in_a_row_then_suspend_resume_and_fork(
         timings.append(timing)
         print(f"move {generation}: {timing}")
     assert sb.status(namespace, name)["restores"] == 3
+    _assert_moves_are_observable(kube, e2e_config, namespace, name, done)
 
     # Suspend: checkpointed and released; resume: restored, the counter continues.
     sb.patch_sandbox(namespace, name, {"suspend": True})
@@ -115,6 +117,47 @@ def test_three_preemptions_in_a_row_then_suspend_resume_and_fork(
         print(f"  gen {t['generation']}: {t['from']} -> {t['to']}: notice->durable "
               f"{t['notice_to_durable_s']} s, notice->running {t['notice_to_running_s']} s, "
               f"frozen {t['frozen_ms']} ms")
+
+
+SIZE = re.compile(r"^\d+(\.\d)? (B|KiB|MiB|GiB)$")
+DURATION = re.compile(r"^(\d+ms|\d+\.\d+s|\d+m\d+s)$")
+
+
+def _assert_moves_are_observable(kube: Kube, cfg: E2EConfig, ns: str, name: str,
+                                 moves: set[str]) -> None:
+    """What a user of the operator looks at after the moves: the downtime histogram on the
+    operator's /metrics, and sizes, durations and progress in `kubectl get`."""
+    seen: dict[str, str] = {}
+
+    def counted() -> float | None:
+        seen.update(sb.operator_metrics(kube, RELEASE_NS))
+        n = sb.metric_sum(seen, f"{metrics.OPERATOR_DOWNTIME}_count")
+        return n if n >= len(moves) else None
+
+    try:
+        count = wait_until(f"{len(moves)} moves in the downtime histogram", 30, counted)
+    finally:
+        print("operator metrics:", *[line for text in seen.values()
+                                     for line in text.splitlines()
+                                     if line.startswith("hermit_operator_")], sep="\n  ")
+        print("sandbox status:", sb.status(ns, name))
+    status = sb.status(ns, name)
+    assert DURATION.match(status.get("lastDowntime", "")), status
+    assert SIZE.match((status.get("lastCheckpoint") or {}).get("size", "")), status
+    kubectl = _kubectl()
+    rows = {r["NAME"]: r for r in sb.kubectl_table(kubectl, cfg.kubeconfig, "ckpt", "-n", ns)}
+    shown = [rows[m] for m in moves if m in rows]  # retention may have deleted the oldest
+    assert shown, f"no Preemption checkpoint in kubectl get ckpt: {sorted(rows)}"
+    for row in shown:
+        assert row["PHASE"] == "Completed", row
+        assert SIZE.match(row["SIZE"]) and DURATION.match(row["DURATION"]), row
+        assert re.match(r"^\d+ chunks?, \d+ new$", row["PROGRESS"]), row
+    [asb] = sb.kubectl_table(kubectl, cfg.kubeconfig, "asb", name, "-n", ns, "-o", "wide")
+    assert asb["CHECKPOINT SIZE"] == status["lastCheckpoint"]["size"], asb
+    assert asb["LAST DOWNTIME"] == status["lastDowntime"], asb
+    print(f"operator: {metrics.OPERATOR_DOWNTIME}_count {count:g} after {len(moves)} moves")
+    print(sb.kubectl_text(kubectl, cfg.kubeconfig, "asb,ckpt", "-n", ns))
+    print(sb.kubectl_text(kubectl, cfg.kubeconfig, "asb,ckpt", "-n", ns, "-o", "wide"))
 
 
 def test_node_lost_without_notice_restores_the_interval_checkpoint(

@@ -61,8 +61,8 @@ def _keys(s3: S3, bucket: str, prefix: str = "") -> list[str]:
 
 
 def _sandboxes_in(keys: list[str]) -> set[str]:
-    """<prefix...>/<namespace>/<sandbox> of every chunk and manifest key."""
-    return {k.split("/chunks/")[0].split("/checkpoints/")[0] for k in keys}
+    """<prefix...>/<namespace>/<sandbox> of every chunk, manifest and (sealed) key object."""
+    return {k.split("/chunks/")[0].split("/checkpoints/")[0].split("/keys/")[0] for k in keys}
 
 
 def _per_sandbox_storage(cfg: E2EConfig, on: bool) -> None:

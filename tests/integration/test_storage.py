@@ -19,6 +19,7 @@ import pytest
 from hermit_common import api
 from hermit_common.errors import StoreUnavailable
 from hermit_common.manifest import Binding
+from hermit_common.seal import Keyring, KeyringWrapper, Sealing
 from hermit_common.store import CheckpointStore
 from hermit_node.storage import Location, StorageError, Stores
 from tests.support.minio import MinioServer
@@ -70,6 +71,11 @@ def _keys(store: CheckpointStore, bucket: str) -> list[str]:
     return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
 
 
+def _sandboxes_in(keys: list[str]) -> set[str]:
+    """<prefix...>/<namespace>/<sandbox> of every chunk, manifest and (sealed) key object."""
+    return {k.split("/chunks/")[0].split("/checkpoints/")[0].split("/keys/")[0] for k in keys}
+
+
 @pytest.fixture
 def buckets(minio_server: MinioServer, request: pytest.FixtureRequest) -> tuple[str, str, str]:
     """The default bucket and two sandboxes' own buckets, created empty for this test."""
@@ -102,10 +108,8 @@ def test_each_sandbox_writes_only_to_its_own_bucket_and_reads_it_back(
                                         region="us-east-1", endpoint=minio_server.endpoint)
     probe = stores.default
     assert _keys(probe, default) == []
-    assert {k.split("/chunks/")[0].split("/checkpoints/")[0] for k in _keys(probe, a_bucket)} \
-        == {f"tenants/a/{NS}/box-a"}
-    assert {k.split("/chunks/")[0].split("/checkpoints/")[0] for k in _keys(probe, b_bucket)} \
-        == {f"hermit/{NS}/box-b"}
+    assert _sandboxes_in(_keys(probe, a_bucket)) == {f"tenants/a/{NS}/box-a"}
+    assert _sandboxes_in(_keys(probe, b_bucket)) == {f"hermit/{NS}/box-b"}
 
     # box-a moves to team-b's bucket: its recorded checkpoint is still read from team-a's.
     moved = _sandbox("box-a", {"bucket": b_bucket, "secretRef": {"name": "b-s3"}})
@@ -141,3 +145,23 @@ def test_wrong_credentials_fail_with_the_bucket_named_and_the_secret_kept(
     del secrets.secrets["b-s3"]
     with pytest.raises(StorageError, match="does not exist"):
         stores.for_sandbox(box_b)
+
+
+def test_a_sandbox_store_seals_with_the_node_agents_keys(
+        minio_server: MinioServer, buckets: tuple[str, str, str], tmp_path: Path) -> None:
+    default, a_bucket, _ = buckets
+    keys = {"1": base64.b64encode(os.urandom(32)).decode(), "current": "1"}
+    sealing = Sealing(KeyringWrapper(lambda: Keyring.from_mapping(keys, "test Secret")))
+    stores = Stores(minio_server.settings(default), Secrets(), allowed=True, sealing=sealing)
+    store, where = stores.for_sandbox(_sandbox("box-a", {"bucket": a_bucket}))
+    marker = "PLAIN-MARKER-3f9a"
+    store.upload(_binding("box-a", "box-a-1-manual"), _tree(tmp_path / "a", marker), {})
+    raw = {k: store.client.get_object(Bucket=a_bucket, Key=k)["Body"].read()
+           for k in _keys(store, a_bucket)}
+    assert any("/keys/" in k for k in raw), sorted(raw)  # the sandbox's wrapped data key
+    assert not any(marker.encode() in body for body in raw.values()), "stored in the clear"
+    ckpt = {"metadata": {"name": "box-a-1-manual", "namespace": NS},
+            "status": {"storage": where.to_status()}}
+    back = stores.for_checkpoint(ckpt, None)
+    back.download(NS, "box-a", "box-a-1-manual", tmp_path / "restored", expect_uid="uid-box-a")
+    assert (tmp_path / "restored" / "criu" / "pages-1.img").read_bytes() == marker.encode() * 5000

@@ -89,6 +89,10 @@ def test_crds_only_install_needs_no_bucket() -> None:
     ({"s3": {"bucket": "Not_A_Bucket"}}, "s3.bucket"),
     ({"s3": {"prefix": "/hermit"}}, "s3.prefix"),
     ({"s3": {"endpoint": "minio:9000"}}, "s3.endpoint"),
+    ({"grafana": {"dashboard": {"enabled": "yes"}}}, "grafana.dashboard.enabled"),
+    ({"grafana": {"dashboard": {"namespace": "Monitoring"}}}, "grafana.dashboard.namespace"),
+    ({"grafana": {"dashboard": {"labels": {"grafana_dashboard": 1}}}},
+     "grafana.dashboard.labels.grafana_dashboard"),
     ({"operatr": {}}, ""),
 ])
 def test_invalid_values_are_rejected(override: Values, where: str) -> None:
@@ -172,7 +176,7 @@ def test_helm_template_renders() -> None:
     kinds = sorted(d["kind"] for d in yaml.safe_load_all(out) if d)
     assert kinds == sorted([
         "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding",
-        "DaemonSet", "Deployment", "Role", "RoleBinding", "Service", "Service",
+        "DaemonSet", "Deployment", "Role", "RoleBinding", "Secret", "Service", "Service",
         "ServiceAccount", "ServiceAccount", "ServiceMonitor", "ServiceMonitor",
         "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
     ])

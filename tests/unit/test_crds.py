@@ -284,8 +284,10 @@ def test_printer_columns_point_at_existing_fields(plural: str) -> None:
             assert node.get("format") == "date-time", column["name"]
     names = [c["name"] for c in columns if c.get("priority", 0) == 0]
     expected = {
-        api.SANDBOX_PLURAL: ["Phase", "Node", "Last Checkpoint", "Restores", "Age"],
-        api.CHECKPOINT_PLURAL: ["Sandbox", "Reason", "Phase", "Size", "Parent", "Age"],
+        api.SANDBOX_PLURAL: ["Phase", "Node", "Last Checkpoint", "Checkpoint Size", "Restores",
+                             "Age"],
+        api.CHECKPOINT_PLURAL: ["Sandbox", "Reason", "Phase", "Progress", "Size", "Duration",
+                                "Parent", "Age"],
     }
     assert names == expected[plural]
 

@@ -11,6 +11,7 @@ import pytest
 
 from hermit_common import api, protocol
 from hermit_common.errors import CheckpointFailed, CheckpointRefused, RestoreFailed
+from hermit_common.store import UploadProgress
 from hermit_node import planner
 from hermit_node.agent import NodeAgent
 from hermit_node.checkpoint import CheckpointResult
@@ -272,6 +273,7 @@ RESULT = CheckpointResult(
     uploaded_bytes=5_000_000, stored_bytes=6_000_000,
     manifest_uri="s3://hermit/hermit/agents/box/checkpoints/m/manifest.json",
     manifest_digest=DIGEST, criu_version="4.2.1", kernel="6.18.0", cpu_flags=("avx2", "sse4_2"),
+    chunks_total=5, chunks_uploaded=2,
 )
 
 
@@ -284,9 +286,17 @@ def _with_status(*patches: dict[str, Any]) -> dict[str, Any]:
 
 def test_status_patches_follow_the_crd() -> None:
     dumping = planner.status_dumping(NODE, NOW)
-    assert dumping == {"phase": "Dumping", "nodeName": NODE, "startedAt": "2026-01-02T03:04:05Z"}
+    assert dumping == {"phase": "Dumping", "nodeName": NODE, "startedAt": "2026-01-02T03:04:05Z",
+                       "progress": "dumping"}
     uploading = planner.status_uploading(120, 100)
-    completed = planner.status_completed(RESULT, NOW, stopped=True)
+    assert uploading["progress"] == "uploading"
+    progress = planner.status_progress(UploadProgress(2, 5, 8_000_000, 20_000_000, 1_000))
+    assert progress == {"progress": "uploading 2/5 chunks (40%)"}
+    completed = planner.status_completed(RESULT, NOW, stopped=True, seconds=1.84)
+    # The printer columns' display fields, next to the exact numbers.
+    assert (completed["size"], completed["duration"], completed["progress"]) == (
+        "5.7 MiB", "1.8s", "5 chunks, 2 new")
+    assert "duration" not in planner.status_completed(RESULT, NOW, stopped=True)
     assert completed["phase"] == "Completed"
     assert completed["manifestURI"] == RESULT.manifest_uri
     assert completed["manifestDigest"] == DIGEST
@@ -295,7 +305,8 @@ def test_status_patches_follow_the_crd() -> None:
     assert completed["completedAt"] == "2026-01-02T03:04:05Z"
     assert "ended" in completed["message"]
     for doc in (_with_status(dumping), _with_status(dumping, uploading),
-                _with_status(dumping, uploading, completed),
+                _with_status(dumping, uploading, progress),
+                _with_status(dumping, uploading, progress, completed),
                 _with_status(dumping, planner.status_failed("x", NOW, NODE))):
         assert schema_errors(doc) == []
 
@@ -374,20 +385,26 @@ class FakeKube:
 
 
 class FakeEngine:
-    def __init__(self, error: Exception | None = None) -> None:
+    def __init__(self, error: Exception | None = None,
+                 progress: list[UploadProgress] | None = None) -> None:
         self.error = error
+        self.progress = progress or []  # reported after on_uploading, as the store does
         self.calls: list[tuple[Any, bool]] = []
         self.stores: list[Any] = []  # the store each call was given
 
     def checkpoint(self, target: Any, *, stop: bool = False,
                    keep_local: bool = False, deadline: float | None = None,
                    on_uploading: Callable[[int, int], None] | None = None,
+                   on_progress: Callable[[UploadProgress], None] | None = None,
                    on_durable: Callable[[CheckpointResult], None] | None = None,
                    store: Any = None) -> CheckpointResult:
         self.calls.append((target, stop))
         self.stores.append(store)
         if on_uploading is not None and self.error is None:
             on_uploading(5, 4)
+        for step in self.progress:
+            if on_progress is not None:
+                on_progress(step)
         if self.error is not None:
             raise self.error
         if on_durable is not None:  # the real engine: before a stopping one kills the tree
@@ -440,6 +457,55 @@ def test_notice_taints_cordons_and_checkpoints_with_stop(tmp_path: Path) -> None
     assert [(n, s["phase"]) for n, s in kube.statuses] == [
         ("box-1-preempt", "Dumping"), ("box-1-preempt", "Uploading"),
         ("box-1-preempt", "Completed")]
+
+
+def test_progress_is_written_at_most_once_a_second_and_per_tenth() -> None:
+    start = planner.ProgressMark(100.0, 0.0)
+    assert not planner.progress_due(start, 100.5, 0.5)  # too soon
+    assert not planner.progress_due(start, 101.0, 0.05)  # too little
+    assert planner.progress_due(start, 101.0, 0.1)
+    assert not planner.progress_due(planner.ProgressMark(101.0, 0.3), 105.0, 0.35)
+    assert not planner.progress_due(start, 150.0, 1.0)  # the end is Completed's to write
+    assert planner.upload_fraction(UploadProgress(1, 4, 0, 0, 0)) == 0.25
+    assert planner.upload_fraction(UploadProgress(1, 4, 30, 40, 0)) == 0.75
+    assert planner.upload_fraction(UploadProgress(0, 0, 0, 0, 0)) == 0.0
+
+
+def test_upload_progress_reaches_the_status_throttled(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([float(t) for t in range(1000)])  # each reading is a second later
+    monkeypatch.setattr("hermit_node.agent.time.monotonic", lambda: next(clock))
+    steps = [UploadProgress(n, 40, n * 100, 4000, n * 10) for n in (1, 2, 4, 8, 9, 20, 40)]
+    kube = FakeKube([pod("box-1")], [ckpt("manual")])
+    agent = make_agent(tmp_path, kube, FakeEngine(progress=steps))
+    agent.reconcile_once()
+    agent.shutdown()
+    written = [s.get("progress") for n, s in kube.statuses if n == "manual"]
+    assert written == ["dumping", "uploading", "uploading 4/40 chunks (10%)",
+                       "uploading 8/40 chunks (20%)", "uploading 20/40 chunks (50%)",
+                       "5 chunks, 2 new"]
+    status = kube.checkpoints["manual"]["status"]
+    assert (status["phase"], status["size"]) == ("Completed", "5.7 MiB")
+    assert status["duration"].endswith("s")
+
+
+def test_a_failed_progress_write_does_not_fail_the_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([float(t) for t in range(1000)])
+    monkeypatch.setattr("hermit_node.agent.time.monotonic", lambda: next(clock))
+    kube = FakeKube([pod("box-1")], [ckpt("manual")])
+    real = kube.patch_checkpoint_status
+
+    def patch(namespace: str, name: str, status: dict[str, Any]) -> None:
+        if "progress" in status and len(status) == 1:
+            raise KubeTransient("HTTP 503")
+        real(namespace, name, status)
+
+    kube.patch_checkpoint_status = patch  # type: ignore[method-assign]
+    agent = make_agent(tmp_path, kube, FakeEngine(progress=[UploadProgress(20, 40, 2, 4, 1)]))
+    agent.reconcile_once()
+    agent.shutdown()
+    assert kube.checkpoints["manual"]["status"]["phase"] == "Completed"
 
 
 def test_advisory_notice_does_nothing(tmp_path: Path) -> None:
@@ -732,7 +798,7 @@ def test_a_failed_stopping_request_is_made_again_while_the_node_goes_away() -> N
 
 def test_dumping_status_records_the_checkpoint_the_pod_was_restored_from() -> None:
     restored = planner.status_dumping(NODE, NOW, parent="box-1-preempt")
-    assert restored == {"phase": "Dumping", "nodeName": NODE,
+    assert restored == {"phase": "Dumping", "nodeName": NODE, "progress": "dumping",
                         "startedAt": "2026-01-02T03:04:05Z", "parent": "box-1-preempt"}
     assert "parent" not in planner.status_dumping(NODE, NOW, parent=None)
     assert "parent" not in planner.status_dumping(NODE, NOW)

@@ -41,6 +41,11 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s-node-agent" (include "hermit.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* The Secret with the sealing keys: the user's, or the one the chart generates. */}}
+{{- define "hermit.sealingSecretName" -}}
+{{- .Values.nodeAgent.sealing.existingSecret | default (printf "%s-sealing" (include "hermit.fullname" .) | trunc 63 | trimSuffix "-") -}}
+{{- end -}}
+
 {{- define "hermit.operator.serviceAccountName" -}}
 {{- if .Values.operator.serviceAccount.create -}}
 {{- default (include "hermit.operator.fullname" .) .Values.operator.serviceAccount.name -}}

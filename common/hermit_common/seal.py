@@ -1,0 +1,396 @@
+"""Sealed checkpoints: client-side encryption and signing of chunks and manifests.
+
+Pure functions and small classes over the ``cryptography`` library; the store
+(store.py) decides what goes where on S3. See docs/security.md, "Sealed checkpoints".
+
+- Each sandbox (namespace, name, uid) has a random 32-byte data key (DEK), kept on S3
+  only wrapped by a key-encryption key (KEK) through a ``KeyWrapper``. The shipped
+  wrapper, ``KeyringWrapper``, holds KEKs from a Kubernetes Secret (``current: <id>``
+  and ``<id>: <base64 of 32 bytes>``); a cloud KMS fits the same protocol.
+- A chunk is zstd-compressed, then encrypted with AES-256-GCM under the DEK. Its
+  object name is HMAC(DEK, plaintext digest): the same chunk of the same sandbox is
+  the same object (dedup) and names reveal nothing about the plaintext. Its nonce is
+  HMAC(DEK, name, sha256 of the bytes encrypted): deterministic, and a different
+  input can never reuse a nonce.
+- A manifest is encrypted under the DEK and signed with HMAC-SHA256 under a key
+  derived from the KEK, over the namespace, sandbox, uid and checkpoint name it is
+  bound to. ``open_manifest`` verifies the signature and that binding before it
+  decrypts anything; a failure is a ``CheckpointRefused``.
+
+Key bytes never appear in messages, reprs or logs.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import json
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Protocol
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from hermit_common.errors import CheckpointRefused, SettingsError
+from hermit_common.settings import SealSettings
+
+__all__ = ["CURRENT_KEY", "ChunkCipher", "Context", "KeyWrapper", "Keyring",
+           "KeyringWrapper", "Sealing", "Wrapped", "is_sealed", "new_dek", "open_manifest",
+           "seal_manifest", "sealing_from"]
+
+KEY_BYTES: Final = 32
+NONCE_BYTES: Final = 12
+CURRENT_KEY: Final = "current"  # the Secret's key that names the KEK new checkpoints use
+SEALED_FORMAT: Final = 1
+_KEY_ID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+_CHUNK_MAGIC: Final = b"HSC1"
+_WRAP_INFO: Final = b"hermit/kek/wrap/v1"
+_SIGN_INFO: Final = b"hermit/kek/manifest-signature/v1"
+_ENVELOPE_FIELDS: Final = frozenset(
+    {"sealed", "context", "kek", "dek", "nonce", "ciphertext", "signature"})
+
+
+def _canonical(data: object) -> bytes:
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: object, what: str) -> bytes:
+    if not isinstance(text, str):
+        raise CheckpointRefused(f"sealed manifest field {what} is not a string")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise CheckpointRefused(f"sealed manifest field {what} is not base64") from None
+
+
+def new_dek() -> bytes:
+    """A fresh random data key."""
+    return os.urandom(KEY_BYTES)
+
+
+@dataclass(frozen=True)
+class Context:
+    """What sealed data is bound to: a sandbox (its uid) and, for a manifest, a checkpoint."""
+
+    namespace: str
+    sandbox: str
+    sandbox_uid: str
+    checkpoint: str = ""
+
+    def sandbox_bytes(self) -> bytes:
+        """The DEK's context: the sandbox, whichever checkpoint."""
+        return _canonical({"namespace": self.namespace, "sandbox": self.sandbox,
+                           "sandbox_uid": self.sandbox_uid})
+
+    def to_dict(self) -> dict[str, str]:
+        return {"namespace": self.namespace, "sandbox": self.sandbox,
+                "sandbox_uid": self.sandbox_uid, "checkpoint": self.checkpoint}
+
+    def describe(self) -> str:
+        return f"{self.namespace}/{self.checkpoint} of sandbox {self.sandbox} " \
+               f"(uid {self.sandbox_uid})"
+
+
+@dataclass(frozen=True)
+class Wrapped:
+    """A DEK wrapped by the KEK ``key_id``."""
+
+    key_id: str
+    blob: bytes = field(repr=False)
+
+    def to_bytes(self) -> bytes:
+        """As stored next to the sandbox's chunks."""
+        return _canonical({"kek": self.key_id, "dek": _b64(self.blob)})
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Wrapped:
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise CheckpointRefused("the wrapped data key is not JSON") from None
+        if not isinstance(data, dict) or set(data) != {"kek", "dek"} or \
+                not isinstance(data["kek"], str) or not _KEY_ID_RE.match(data["kek"]):
+            raise CheckpointRefused("the wrapped data key is malformed")
+        return cls(data["kek"], _unb64(data["dek"], "dek"))
+
+
+class KeyWrapper(Protocol):
+    """Wraps data keys under a key-encryption key and signs manifests with it.
+
+    The interface a cloud KMS implements (wrap/unwrap: KMS Encrypt/Decrypt with
+    ``context`` as encryption context; sign/verify: KMS GenerateMac/VerifyMac). Every
+    method raises ``CheckpointRefused`` naming the key id when that key is unknown.
+    """
+
+    def current_key_id(self) -> str:
+        """The key new checkpoints are sealed with."""
+        ...
+
+    def wrap(self, dek: bytes, context: bytes) -> Wrapped: ...
+
+    def unwrap(self, wrapped: Wrapped, context: bytes) -> bytes: ...
+
+    def sign(self, key_id: str, data: bytes) -> bytes: ...
+
+    def verify(self, key_id: str, data: bytes, signature: bytes) -> bool: ...
+
+
+def _check_key_id(key_id: str, where: str) -> str:
+    if key_id == CURRENT_KEY or not _KEY_ID_RE.match(key_id):
+        raise SettingsError(f"{where}: key id {key_id!r:.70} is invalid (use [A-Za-z0-9._-], "
+                            f"not {CURRENT_KEY!r})")
+    return key_id
+
+
+@dataclass(frozen=True)
+class Keyring:
+    """KEKs by id and the id of the current one (the sealing Secret's content)."""
+
+    current: str
+    keys: Mapping[str, bytes] = field(repr=False)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, str], where: str) -> Keyring:
+        """From the Secret's data: ``current`` names a key; other entries are base64 KEKs."""
+        current = data.get(CURRENT_KEY, "").strip()
+        if not current:
+            raise SettingsError(f"{where}: no {CURRENT_KEY!r} entry naming the current key")
+        keys: dict[str, bytes] = {}
+        for key_id, text in data.items():
+            if key_id == CURRENT_KEY:
+                continue
+            _check_key_id(key_id, where)
+            try:
+                raw = base64.b64decode(text.strip(), validate=True)
+            except (binascii.Error, ValueError):
+                raise SettingsError(f"{where}: key {key_id!r} is not base64") from None
+            if len(raw) != KEY_BYTES:
+                raise SettingsError(f"{where}: key {key_id!r} has {len(raw)} bytes, "
+                                    f"not {KEY_BYTES}")
+            keys[key_id] = raw
+        if current not in keys:
+            raise SettingsError(f"{where}: the current key {current!r} is not in it")
+        return cls(current=current, keys=keys)
+
+    @classmethod
+    def from_dir(cls, path: Path) -> Keyring:
+        """From a mounted Secret volume: one file per entry (dot files are the volume's own)."""
+        try:
+            names = sorted(n for n in os.listdir(path) if not n.startswith("."))
+            data = {n: (path / n).read_text() for n in names if (path / n).is_file()}
+        except OSError as exc:
+            raise SettingsError(f"cannot read the sealing keys in {path}: "
+                                f"{exc.strerror or exc}") from None
+        return cls.from_mapping(data, f"sealing keys in {path}")
+
+
+class KeyringWrapper:
+    """The shipped ``KeyWrapper``: KEKs from a Kubernetes Secret.
+
+    ``load`` returns the keyring; it is called on each use, so a Secret volume that
+    the kubelet updated (a rotation) takes effect without a restart. Wrapping is
+    AES-256-GCM under a key derived from the KEK (HKDF-SHA256), the context as
+    associated data; signing is HMAC-SHA256 under another derived key.
+    """
+
+    def __init__(self, load: Callable[[], Keyring]) -> None:
+        self._load = load
+
+    @classmethod
+    def from_dir(cls, path: Path) -> KeyringWrapper:
+        path = Path(path)
+        Keyring.from_dir(path)  # fail at start-up, not at the first checkpoint
+        return cls(lambda: Keyring.from_dir(path))
+
+    def __repr__(self) -> str:
+        return "KeyringWrapper()"
+
+    def _kek(self, key_id: str, info: bytes) -> bytes:
+        kek = self._load().keys.get(key_id)
+        if kek is None:
+            raise CheckpointRefused(
+                f"sealing key {key_id!r} is not in the sealing Secret (removed by a rotation?)")
+        return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None,
+                    info=info).derive(kek)
+
+    def current_key_id(self) -> str:
+        return self._load().current
+
+    def wrap(self, dek: bytes, context: bytes) -> Wrapped:
+        key_id = self.current_key_id()
+        nonce = os.urandom(NONCE_BYTES)
+        blob = nonce + AESGCM(self._kek(key_id, _WRAP_INFO)).encrypt(nonce, dek, context)
+        return Wrapped(key_id, blob)
+
+    def unwrap(self, wrapped: Wrapped, context: bytes) -> bytes:
+        key = AESGCM(self._kek(wrapped.key_id, _WRAP_INFO))
+        try:
+            return key.decrypt(wrapped.blob[:NONCE_BYTES], wrapped.blob[NONCE_BYTES:], context)
+        except (InvalidTag, ValueError):
+            raise CheckpointRefused(
+                f"the data key wrapped by sealing key {wrapped.key_id!r} does not open for "
+                "this sandbox (tampered, or bound to another sandbox)") from None
+
+    def sign(self, key_id: str, data: bytes) -> bytes:
+        return hmac.new(self._kek(key_id, _SIGN_INFO), data, hashlib.sha256).digest()
+
+    def verify(self, key_id: str, data: bytes, signature: bytes) -> bool:
+        return hmac.compare_digest(self.sign(key_id, data), signature)
+
+
+class ChunkCipher:
+    """Names, seals and opens the chunks of one sandbox under its DEK."""
+
+    def __init__(self, dek: bytes) -> None:
+        if len(dek) != KEY_BYTES:
+            raise ValueError("a data key has 32 bytes")
+        self._mac_key = HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None,
+                             info=b"hermit/dek/chunk-names/v1").derive(dek)
+        self._aead = AESGCM(dek)
+
+    def __repr__(self) -> str:
+        return "ChunkCipher()"
+
+    def name(self, digest: str) -> str:
+        """The object name of the chunk whose plaintext has sha256 ``digest`` (hex)."""
+        return hmac.new(self._mac_key, b"name\0" + bytes.fromhex(digest),
+                        hashlib.sha256).hexdigest()
+
+    def seal(self, name: str, data: bytes) -> bytes:
+        """The stored bytes of chunk ``name``: magic, nonce, AES-GCM(data), deterministic."""
+        inner = hashlib.sha256(data).digest()
+        nonce = hmac.new(self._mac_key, b"nonce\0" + name.encode() + b"\0" + inner,
+                         hashlib.sha256).digest()[:NONCE_BYTES]
+        return _CHUNK_MAGIC + nonce + self._aead.encrypt(nonce, data, _chunk_aad(name))
+
+    def open(self, name: str, body: bytes) -> bytes:
+        """The bytes sealed as chunk ``name``; CheckpointRefused when they do not verify."""
+        head = len(_CHUNK_MAGIC) + NONCE_BYTES
+        if len(body) < head or not body.startswith(_CHUNK_MAGIC):
+            raise CheckpointRefused("it is not a sealed chunk")
+        try:
+            return self._aead.decrypt(body[len(_CHUNK_MAGIC):head], body[head:],
+                                      _chunk_aad(name))
+        except InvalidTag:
+            raise CheckpointRefused("it does not decrypt (tampered or swapped)") from None
+
+
+def _chunk_aad(name: str) -> bytes:
+    return b"hermit/chunk/v1\0" + name.encode()
+
+
+def is_sealed(raw: bytes) -> bool:
+    """Whether stored manifest bytes are a sealed envelope (else: a plain manifest)."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(data, dict) and "sealed" in data
+
+
+def _signed_bytes(envelope: Mapping[str, Any]) -> bytes:
+    body = {k: v for k, v in envelope.items() if k != "signature"}
+    return b"hermit/manifest/v1\0" + _canonical(body)
+
+
+def seal_manifest(wrapper: KeyWrapper, dek: bytes, wrapped: Wrapped, context: Context,
+                  manifest_json: bytes) -> bytes:
+    """The stored bytes of a sealed manifest: an envelope signed with ``wrapped.key_id``."""
+    nonce = os.urandom(NONCE_BYTES)
+    ciphertext = AESGCM(dek).encrypt(nonce, manifest_json, _canonical(context.to_dict()))
+    envelope: dict[str, Any] = {
+        "sealed": SEALED_FORMAT, "context": context.to_dict(), "kek": wrapped.key_id,
+        "dek": _b64(wrapped.blob), "nonce": _b64(nonce), "ciphertext": _b64(ciphertext),
+    }
+    envelope["signature"] = _b64(wrapper.sign(wrapped.key_id, _signed_bytes(envelope)))
+    return _canonical(envelope)
+
+
+def _parse_envelope(raw: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointRefused("its sealed manifest is not JSON") from None
+    if not isinstance(data, dict) or set(data) != _ENVELOPE_FIELDS:
+        raise CheckpointRefused("its sealed manifest does not have the envelope's fields")
+    if data["sealed"] != SEALED_FORMAT:
+        raise CheckpointRefused(f"its sealed manifest has format {data['sealed']!r:.20}, "
+                                f"not {SEALED_FORMAT}")
+    if not isinstance(data["kek"], str) or not _KEY_ID_RE.match(data["kek"]):
+        raise CheckpointRefused("its sealed manifest names no valid key id")
+    return data
+
+
+def _check_context(claimed: object, expect: Context, expect_uid: str | None) -> Context:
+    if not isinstance(claimed, dict) or set(claimed) != set(expect.to_dict()) or \
+            not all(isinstance(v, str) for v in claimed.values()):
+        raise CheckpointRefused("its sealed manifest has no valid context")
+    got = Context(**claimed)
+    want = (expect.namespace, expect.sandbox, expect.checkpoint,
+            expect_uid if expect_uid is not None else got.sandbox_uid)
+    if (got.namespace, got.sandbox, got.checkpoint, got.sandbox_uid) != want:
+        raise CheckpointRefused(f"it is sealed for checkpoint {got.describe()}, not for "
+                                f"{expect.namespace}/{expect.checkpoint} of sandbox "
+                                f"{expect.sandbox} (uid {expect_uid or 'any'})")
+    return got
+
+
+def open_manifest(wrapper: KeyWrapper, raw: bytes, location: Context,
+                  expect_uid: str | None) -> tuple[bytes, bytes]:
+    """Verifies and decrypts a sealed manifest read at ``location`` (its namespace,
+    sandbox and checkpoint; ``sandbox_uid`` unused). Returns the manifest's JSON and
+    the sandbox's DEK.
+
+    The signature is checked first, then that the signed context is ``location`` (and
+    ``expect_uid``, when given); only then is anything decrypted. Raises
+    CheckpointRefused with the reason (without the checkpoint's name: callers add it).
+    """
+    envelope = _parse_envelope(raw)
+    key_id = envelope["kek"]
+    signature = _unb64(envelope["signature"], "signature")
+    if not wrapper.verify(key_id, _signed_bytes(envelope), signature):
+        raise CheckpointRefused(f"its manifest's signature (sealing key {key_id!r}) does "
+                                "not verify: the manifest was altered")
+    context = _check_context(envelope["context"], location, expect_uid)
+    dek = wrapper.unwrap(Wrapped(key_id, _unb64(envelope["dek"], "dek")),
+                         context.sandbox_bytes())
+    nonce = _unb64(envelope["nonce"], "nonce")
+    try:
+        plain = AESGCM(dek).decrypt(nonce, _unb64(envelope["ciphertext"], "ciphertext"),
+                                    _canonical(context.to_dict()))
+    except (InvalidTag, ValueError):
+        raise CheckpointRefused("its manifest does not decrypt") from None
+    return plain, dek
+
+
+@dataclass(frozen=True)
+class Sealing:
+    """How a store seals checkpoints: the KEK wrapper, and whether it still reads the
+    plain (unsealed) checkpoints of before (for a migration only)."""
+
+    wrapper: KeyWrapper
+    accept_plain: bool = False
+
+
+def sealing_from(settings: SealSettings) -> Sealing | None:
+    """The store's sealing from the settings (None: no keys, checkpoints are plain).
+    Raises SettingsError naming HERMIT_SEAL_KEYS_DIR when its keys cannot be used."""
+    if settings.keys_dir is None:
+        return None
+    try:
+        wrapper = KeyringWrapper.from_dir(Path(settings.keys_dir))
+    except SettingsError as exc:
+        raise SettingsError(f"HERMIT_SEAL_KEYS_DIR={settings.keys_dir}: {exc}") from None
+    return Sealing(wrapper, accept_plain=settings.accept_plain)

@@ -1,0 +1,209 @@
+"""seal.py: data keys, chunk sealing, manifest envelopes, keyrings and rotation."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from hermit_common.errors import CheckpointRefused, SettingsError
+from hermit_common.seal import (
+    ChunkCipher,
+    Context,
+    Keyring,
+    KeyringWrapper,
+    Wrapped,
+    is_sealed,
+    new_dek,
+    open_manifest,
+    seal_manifest,
+    sealing_from,
+)
+from hermit_common.settings import SealSettings
+
+CTX = Context("team-a", "box", "uid-1", "ckpt-1")
+MANIFEST = b'{"marker":"SECRET-MARKER-123"}'
+
+
+def _b64key(seed: bytes) -> str:
+    return base64.b64encode(hashlib.sha256(seed).digest()).decode()
+
+
+class _Ring:
+    """A keyring that a test rotates in place."""
+
+    def __init__(self, current: str, *ids: str) -> None:
+        self.data = {"current": current, **{i: _b64key(i.encode()) for i in ids}}
+
+    def load(self) -> Keyring:
+        return Keyring.from_mapping(self.data, "test keys")
+
+    def wrapper(self) -> KeyringWrapper:
+        return KeyringWrapper(self.load)
+
+
+def _sealed(wrapper: KeyringWrapper, ctx: Context = CTX,
+            body: bytes = MANIFEST) -> tuple[bytes, bytes]:
+    dek = new_dek()
+    wrapped = wrapper.wrap(dek, ctx.sandbox_bytes())
+    return seal_manifest(wrapper, dek, wrapped, ctx, body), dek
+
+
+def _location(ctx: Context) -> Context:
+    return Context(ctx.namespace, ctx.sandbox, "", ctx.checkpoint)
+
+
+def test_manifest_round_trip_hides_plaintext() -> None:
+    wrapper = _Ring("k1", "k1").wrapper()
+    raw, dek = _sealed(wrapper)
+    assert is_sealed(raw) and not is_sealed(MANIFEST)
+    assert b"SECRET-MARKER" not in raw
+    plain, got_dek = open_manifest(wrapper, raw, _location(CTX), "uid-1")
+    assert plain == MANIFEST and got_dek == dek
+    assert open_manifest(wrapper, raw, _location(CTX), None)[0] == MANIFEST
+
+
+@pytest.mark.parametrize("field", ["ciphertext", "dek", "nonce", "kek", "context"])
+def test_any_altered_field_is_refused(field: str) -> None:
+    wrapper = _Ring("k1", "k1", "k2").wrapper()
+    raw, _ = _sealed(wrapper)
+    envelope = json.loads(raw)
+    if field == "context":
+        envelope["context"]["sandbox_uid"] = "uid-2"
+    elif field == "kek":
+        envelope["kek"] = "k2"
+    else:
+        blob = bytearray(base64.b64decode(envelope[field]))
+        blob[0] ^= 1
+        envelope[field] = base64.b64encode(bytes(blob)).decode()
+    with pytest.raises(CheckpointRefused, match="signature"):
+        open_manifest(wrapper, json.dumps(envelope).encode(), _location(CTX), "uid-1")
+
+
+def test_flipped_byte_anywhere_is_refused() -> None:
+    wrapper = _Ring("k1", "k1").wrapper()
+    raw, _ = _sealed(wrapper)
+    for i in range(0, len(raw), 7):
+        bad = bytearray(raw)
+        bad[i] ^= 0x01
+        with pytest.raises(CheckpointRefused):
+            open_manifest(wrapper, bytes(bad), _location(CTX), "uid-1")
+
+
+@pytest.mark.parametrize("where, uid", [
+    (Context("team-b", "box", "", "ckpt-1"), "uid-1"),  # another namespace
+    (Context("team-a", "other", "", "ckpt-1"), "uid-1"),  # another sandbox
+    (Context("team-a", "box", "", "ckpt-2"), "uid-1"),  # swapped for another checkpoint
+    (Context("team-a", "box", "", "ckpt-1"), "uid-2"),  # a sandbox recreated with the name
+])
+def test_wrong_context_is_refused(where: Context, uid: str) -> None:
+    wrapper = _Ring("k1", "k1").wrapper()
+    raw, _ = _sealed(wrapper)
+    with pytest.raises(CheckpointRefused, match="sealed for checkpoint team-a/ckpt-1"):
+        open_manifest(wrapper, raw, where, uid)
+
+
+def test_foreign_keyring_is_refused() -> None:
+    raw, _ = _sealed(_Ring("k1", "k1").wrapper())
+    other = _Ring("k1", "k1")
+    other.data["k1"] = _b64key(b"another cluster")
+    with pytest.raises(CheckpointRefused, match="signature"):
+        open_manifest(other.wrapper(), raw, _location(CTX), "uid-1")
+
+
+def test_rotation() -> None:
+    ring = _Ring("1", "1")
+    wrapper = ring.wrapper()
+    old, _ = _sealed(wrapper)
+    ring.data.update({"current": "2", "2": _b64key(b"2")})
+    assert open_manifest(wrapper, old, _location(CTX), "uid-1")[0] == MANIFEST
+    new, _ = _sealed(wrapper)
+    assert json.loads(new)["kek"] == "2" and json.loads(old)["kek"] == "1"
+    del ring.data["1"]
+    assert open_manifest(wrapper, new, _location(CTX), "uid-1")[0] == MANIFEST
+    with pytest.raises(CheckpointRefused, match="sealing key '1' is not in the sealing Secret"):
+        open_manifest(wrapper, old, _location(CTX), "uid-1")
+
+
+def test_rewrap_keeps_the_data_key() -> None:
+    ring = _Ring("1", "1", "2")
+    wrapper = ring.wrapper()
+    dek = new_dek()
+    first = wrapper.wrap(dek, CTX.sandbox_bytes())
+    ring.data["current"] = "2"
+    second = wrapper.wrap(wrapper.unwrap(first, CTX.sandbox_bytes()), CTX.sandbox_bytes())
+    assert second.key_id == "2"
+    assert wrapper.unwrap(second, CTX.sandbox_bytes()) == dek
+    assert Wrapped.from_bytes(second.to_bytes()) == second
+    with pytest.raises(CheckpointRefused, match="does not open"):
+        wrapper.unwrap(second, Context("team-b", "box", "uid-1").sandbox_bytes())
+
+
+def test_chunks_are_deterministic_per_data_key() -> None:
+    dek = new_dek()
+    data = b"chunk with SECRET-MARKER-123" * 100
+    digest = hashlib.sha256(data).hexdigest()
+    a, b = ChunkCipher(dek), ChunkCipher(dek)
+    assert a.name(digest) == b.name(digest) and a.name(digest) != digest
+    assert a.seal(a.name(digest), data) == b.seal(b.name(digest), data)
+    assert b"SECRET-MARKER" not in a.seal(a.name(digest), data)
+    other = ChunkCipher(new_dek())
+    assert other.name(digest) != a.name(digest)
+    assert a.open(a.name(digest), a.seal(a.name(digest), data)) == data
+
+
+def test_chunk_nonces_differ_for_different_bytes() -> None:
+    cipher = ChunkCipher(new_dek())
+    name = cipher.name("00" * 32)
+    one, two = cipher.seal(name, b"one"), cipher.seal(name, b"two")
+    assert one[4:16] != two[4:16]  # no nonce reuse, even under the same name
+
+
+def test_chunk_tamper_and_swap_are_refused() -> None:
+    cipher = ChunkCipher(new_dek())
+    n1, n2 = cipher.name("11" * 32), cipher.name("22" * 32)
+    body = bytearray(cipher.seal(n1, b"payload"))
+    with pytest.raises(CheckpointRefused, match="does not decrypt"):
+        cipher.open(n2, bytes(body))  # stored under another chunk's name
+    body[-1] ^= 1
+    with pytest.raises(CheckpointRefused, match="does not decrypt"):
+        cipher.open(n1, bytes(body))
+    with pytest.raises(CheckpointRefused, match="not a sealed chunk"):
+        cipher.open(n1, b"(\xb5/\xfd plain zstd")
+
+
+def test_keyring_validation() -> None:
+    good = _b64key(b"x")
+    with pytest.raises(SettingsError, match="no 'current'"):
+        Keyring.from_mapping({"k": good}, "s")
+    with pytest.raises(SettingsError, match="current key 'k2' is not in it"):
+        Keyring.from_mapping({"current": "k2", "k": good}, "s")
+    with pytest.raises(SettingsError, match="has 3 bytes"):
+        Keyring.from_mapping({"current": "k", "k": base64.b64encode(b"abc").decode()}, "s")
+    with pytest.raises(SettingsError, match="not base64"):
+        Keyring.from_mapping({"current": "k", "k": "!!!"}, "s")
+    ring = Keyring.from_mapping({"current": "k", "k": good}, "s")
+    assert repr(ring) == "Keyring(current='k')"  # key bytes never in a repr
+
+
+def test_sealing_from_a_mounted_secret(tmp_path: Path) -> None:
+    assert sealing_from(SealSettings()) is None
+    data = tmp_path / "..2026_data"
+    data.mkdir()
+    (data / "current").write_text("k1")
+    (data / "k1").write_text(_b64key(b"k1"))
+    for name in ("current", "k1"):  # as the kubelet lays a Secret volume out
+        os.symlink(f"..2026_data/{name}", tmp_path / name)
+    os.symlink("..2026_data", tmp_path / "..data")
+    sealing = sealing_from(SealSettings(keys_dir=str(tmp_path), accept_plain=True))
+    assert sealing is not None and sealing.accept_plain
+    assert sealing.wrapper.current_key_id() == "k1"
+    with pytest.raises(SettingsError, match="HERMIT_SEAL_KEYS_DIR=/nonexistent"):
+        sealing_from(SealSettings(keys_dir="/nonexistent"))
+    assert SealSettings.from_env({"HERMIT_SEAL_KEYS_DIR": "/k",
+                                  "HERMIT_SEAL_ACCEPT_PLAIN": "true"}) == \
+        SealSettings("/k", True)
