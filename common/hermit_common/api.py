@@ -44,6 +44,19 @@ REASON_NOT_SUSPENDED: Final = "NotSuspended"
 REASON_RESTORE_STARTED: Final = "RestoreStarted"
 REASON_RESTORE_COMPLETED: Final = "RestoreCompleted"
 REASON_RUNNING: Final = "Running"  # Succeeded/Failed=False while the sandbox is alive
+# Ready=False while the pod waits for a node: for a spot node (WaitingForSpotCapacity), or
+# for any node its requirements allow (Unschedulable); both carry the scheduler's message.
+REASON_WAITING_FOR_SPOT: Final = "WaitingForSpotCapacity"
+REASON_UNSCHEDULABLE: Final = "Unschedulable"
+# No spot node took the pod within spec.placement.fallbackToOnDemandAfterSeconds: it is
+# replaced by one that asks for an on-demand node (condition reason and Warning Event).
+REASON_ON_DEMAND_FALLBACK: Final = "OnDemandFallback"
+
+# AgentSandbox.status.capacity (and the pod label hermit.dev/capacity): the capacity the
+# current pod asks for.
+CAPACITY_SPOT: Final = "spot"
+CAPACITY_ON_DEMAND: Final = "on-demand"
+CAPACITIES: Final = (CAPACITY_SPOT, CAPACITY_ON_DEMAND)
 
 # The operator <-> node-agent protocol (phases, reasons, labels, annotations) is in
 # hermit_common.protocol.

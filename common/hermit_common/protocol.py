@@ -60,6 +60,9 @@ LABEL_NODE: Final = f"{GROUP}/node"
 # its incarnation ran on. Only such checkpoints (or ones it can check now) are restored;
 # the policy refuses a node-agent that creates a Checkpoint carrying it.
 ANNOTATION_NODE_VERIFIED: Final = f"{GROUP}/node-verified"
+# On sandbox pods, set by the operator: the capacity the pod asks for (api.CAPACITIES);
+# absent when the sandbox does not require spot nodes. Only the operator reads it.
+LABEL_CAPACITY: Final = f"{GROUP}/capacity"
 # Pods, set by the operator: restore this Checkpoint (the init waits for it).
 ANNOTATION_RESTORE_FROM: Final = f"{GROUP}/restore-from"
 # Pods, set by the operator: the workspace mount path to capture.

@@ -240,16 +240,25 @@ protectKernelDefaults: false
 YAML
 }
 
-# node_labels NAME: the node's labels (instance type, zone, capacity type as
-# Karpenter, EKS and GKE spell it), comma-separated for kubelet --node-labels.
+# The spot label of each provider's convention. A spot node carries ONE of them, in turn
+# by the number its name ends in (spot-1 Karpenter, spot-2 EKS, spot-3 GKE Spot,
+# spot-4 GKE provisioning, spot-5 AKS, spot-6 Karpenter, ...; the node index for a name
+# without one), so the e2e tests see Hermit's spot affinity match each convention.
+SPOT_CONVENTIONS=(karpenter.sh/capacity-type=spot eks.amazonaws.com/capacityType=SPOT
+  cloud.google.com/gke-spot=true cloud.google.com/gke-provisioning=spot
+  kubernetes.azure.com/scalesetpriority=spot)
+
+# node_labels NAME: the node's labels (instance type, zone, capacity type: one convention's
+# spot label, or Karpenter's on-demand value), comma-separated for kubelet --node-labels.
 node_labels() {
-  local name=$1 i labels
+  local name=$1 i n labels
   i=$(node_index "$name")
   labels="node.kubernetes.io/instance-type=hermit-local,topology.kubernetes.io/zone=local-$(( (i - 1) % 2 + 1 ))"
   if [ "$(node_capacity "$name")" = spot ]; then
-    labels+=",karpenter.sh/capacity-type=spot,eks.amazonaws.com/capacityType=SPOT,cloud.google.com/gke-spot=true"
+    n=$i; [[ $name =~ -([0-9]+)$ ]] && n=$((10#${BASH_REMATCH[1]}))
+    labels+=",${SPOT_CONVENTIONS[$(( (n + ${#SPOT_CONVENTIONS[@]} - 1) % ${#SPOT_CONVENTIONS[@]} ))]}"
   else
-    labels+=",karpenter.sh/capacity-type=on-demand,eks.amazonaws.com/capacityType=ON_DEMAND"
+    labels+=",karpenter.sh/capacity-type=on-demand"
   fi
   echo "$labels"
 }

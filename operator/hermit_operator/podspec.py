@@ -134,8 +134,12 @@ def _describe(toleration: KubeObject) -> str:
 
 
 def build_sandbox_pod(sandbox: KubeObject, settings: OperatorSettings, incarnation: int,
-                      restore_from: str | None) -> KubeObject:
-    """The V1Pod manifest for this incarnation of the sandbox (restoring ``restore_from``)."""
+                      restore_from: str | None, *, on_demand: bool = False) -> KubeObject:
+    """The V1Pod manifest for this incarnation of the sandbox (restoring ``restore_from``).
+
+    ``on_demand``: a sandbox that requires spot nodes asks for a node that is not spot
+    instead (spec.placement.fallbackToOnDemandAfterSeconds has passed); see
+    ``pod_capacity`` for the label that records which."""
     validate(sandbox, settings.pod_policy)
     meta = sandbox["metadata"]
     spec = sandbox.get("spec") or {}
@@ -145,6 +149,10 @@ def build_sandbox_pod(sandbox: KubeObject, settings: OperatorSettings, incarnati
 
     labels = {**(tmeta.get("labels") or {}), protocol.LABEL_SANDBOX: meta["name"],
               protocol.LABEL_INCARNATION: str(incarnation)}
+    labels.pop(protocol.LABEL_CAPACITY, None)
+    capacity = pod_capacity(spec, on_demand)
+    if capacity is not None:
+        labels[protocol.LABEL_CAPACITY] = capacity
     size, mount_path = _workspace(spec)
     annotations = _pod_annotations(sandbox, tmeta, mount_path, restore_from)
 
@@ -155,7 +163,7 @@ def build_sandbox_pod(sandbox: KubeObject, settings: OperatorSettings, incarnati
     pod_spec["restartPolicy"] = "Never"
     pod_spec.setdefault("terminationGracePeriodSeconds", TERMINATION_GRACE_SECONDS)
     pod_spec.setdefault("hostname", meta["name"])
-    _apply_placement(pod_spec, spec)
+    _apply_placement(pod_spec, spec, on_demand=capacity == api.CAPACITY_ON_DEMAND)
 
     pod_meta = _pod_metadata(sandbox, incarnation, labels, annotations)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": pod_meta, "spec": pod_spec}
@@ -311,6 +319,50 @@ def spot_node_selector_terms(spec: KubeObject) -> list[KubeObject] | None:
     return combined
 
 
+def pod_capacity(spec: KubeObject, on_demand: bool) -> str | None:
+    """The capacity a pod of this spec asks for: api.CAPACITY_SPOT, api.CAPACITY_ON_DEMAND
+    (``on_demand``: after the fallback), or None when the sandbox requires no spot node."""
+    if not selects_spot_nodes(spec):
+        return None
+    return api.CAPACITY_ON_DEMAND if on_demand else api.CAPACITY_SPOT
+
+
+def capacity_of(pod: KubeObject | None) -> str | None:
+    """The capacity a sandbox pod asks for (its hermit.dev/capacity label), or None."""
+    labels = ((pod or {}).get("metadata") or {}).get("labels") or {}
+    value = labels.get(protocol.LABEL_CAPACITY)
+    return str(value) if value in api.CAPACITIES else None
+
+
+def fallback_after_seconds(sandbox: KubeObject) -> int | None:
+    """spec.placement.fallbackToOnDemandAfterSeconds: how long a pod may wait for a spot
+    node before it is replaced by an on-demand one; None: never (unset, or the sandbox does
+    not require spot nodes)."""
+    spec = sandbox.get("spec") or {}
+    value = (spec.get("placement") or {}).get("fallbackToOnDemandAfterSeconds")
+    if value is None or isinstance(value, bool) or not selects_spot_nodes(spec):
+        return None
+    try:
+        return max(0, int(value))
+    except (TypeError, ValueError):
+        return None
+
+
+def on_demand_node_selector_terms(spec: KubeObject) -> list[KubeObject] | None:
+    """The nodeSelectorTerms of a fallback pod: a node that carries none of the spot labels
+    of SPOT_NODE_LABELS (NotIn also matches a node without the label), ANDed with each of the
+    template's own required terms; None when the sandbox requires no spot node."""
+    if not selects_spot_nodes(spec):
+        return None
+    not_spot = {"matchExpressions": [{"key": key, "operator": "NotIn", "values": [value]}
+                                     for key, value in SPOT_NODE_LABELS]}
+    user_terms = _required_node_selector_terms(
+        (spec.get("podTemplate") or {}).get("spec") or {})
+    if not user_terms:
+        return [not_spot]
+    return [term for user in user_terms for term in _and_terms(user, [not_spot])]
+
+
 def _required_node_selector_terms(pod_spec: KubeObject) -> list[KubeObject]:
     node_affinity = (pod_spec.get("affinity") or {}).get("nodeAffinity") or {}
     required = node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}
@@ -327,19 +379,20 @@ def _and_terms(user: KubeObject, spot_terms: list[KubeObject]) -> list[KubeObjec
             for spot in spot_terms]
 
 
-def _apply_placement(pod_spec: KubeObject, spec: KubeObject) -> None:
+def _apply_placement(pod_spec: KubeObject, spec: KubeObject, *, on_demand: bool) -> None:
     """Spot node affinity and tolerations, merged with what the user asked for.
 
     The node selector is the template's with placement.nodeSelector added; spot nodes are
     selected by a required node affinity (ANDed with the node selector by the scheduler), see
-    ``spot_node_selector_terms``. The spot tolerations come with placement.spot even when the
-    template's nodeSelector turned the spot affinity off: tolerating a taint never narrows
-    where the pod may run."""
+    ``spot_node_selector_terms``; ``on_demand`` requires a node that is not spot instead
+    (``on_demand_node_selector_terms``). The spot tolerations come with placement.spot even
+    when the template's nodeSelector turned the spot affinity off: tolerating a taint never
+    narrows where the pod may run."""
     placement = spec.get("placement") or {}
     selector = {**(pod_spec.get("nodeSelector") or {}), **(placement.get("nodeSelector") or {})}
     if selector:
         pod_spec["nodeSelector"] = selector
-    terms = spot_node_selector_terms(spec)
+    terms = on_demand_node_selector_terms(spec) if on_demand else spot_node_selector_terms(spec)
     if terms is not None:
         affinity = pod_spec.get("affinity") or {}
         node_affinity = affinity.get("nodeAffinity") or {}

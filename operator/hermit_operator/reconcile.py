@@ -38,7 +38,7 @@ from typing import Any, Final
 from hermit_common import api, display, protocol
 from hermit_common.settings import OperatorSettings
 from hermit_operator import checkpoints as ck
-from hermit_operator import podspec
+from hermit_operator import placement, podspec
 from hermit_operator import situations as sit
 from hermit_operator.conditions import (
     FALSE,
@@ -281,17 +281,25 @@ def _run(st: _State, out: KubeObject, pod: KubeObject | None, incarnation: int) 
     failure = _restore_failure(st, out, pod)
     if failure is not None:
         return _restore_failed(st, out, incarnation, failure)
-    return _observe(st, out, pod)
+    waiting = placement.unplaced(st.sandbox, pod)
+    if waiting is not None and waiting.due(st.now):
+        return _to_on_demand(st, out, incarnation, pod, waiting)
+    return _observe(st, out, pod, waiting)
 
 
 def wants_ticks(spec: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
     """Whether a sandbox needs the frequent timer: interval checkpoints are on, a restore
-    retry is scheduled, or a fork waits for its checkpoint. The plans decide the rest."""
+    retry is scheduled, a fork waits for its checkpoint, or a spot pod that no node has
+    taken yet may fall back to on-demand. The plans decide the rest."""
     if status.get("nextRestoreAt"):
         return True
     if spec.get("suspend") or status.get("phase") in ("Succeeded", "Failed"):
         return False
     if ck.interval_seconds({"spec": spec}) is not None:
+        return True
+    if (status.get("capacity") == api.CAPACITY_SPOT
+            and podspec.fallback_after_seconds({"spec": spec}) is not None
+            and not status.get("nodeName")):
         return True
     return bool(spec.get("restoreFrom")) and not status.get("incarnation")
 
@@ -386,6 +394,7 @@ def _suspend(st: _State, out: KubeObject, pod: KubeObject | None, incarnation: i
         st.events.append(Event(NORMAL, api.REASON_SUSPEND_REQUESTED,
                                f"deleting pod {name}: the sandbox is suspended"))
     out.update(podName=None, nodeName=None)
+    _drop(out, st.status, "capacity")
     return _finish(st, out, None, sit.Suspended(), delete=name)
 
 
@@ -501,24 +510,64 @@ def _fork_blocked(st: _State, out: KubeObject, reason: str, message: str, *, war
 
 def _create(st: _State, out: KubeObject, incarnation: int, delete: str | None,
             restore: _Restore | None, *, fresh: Event | None = None,
-            migration: str | None = None, no_usable: str | None = None) -> Plan:
+            migration: str | None = None, no_usable: str | None = None,
+            on_demand: str | None = None) -> Plan:
     """Create incarnation N+1, restoring ``restore`` (or from scratch, announced by
     ``fresh``; ``no_usable`` says why when a restore was wanted). ``migration``: a
-    stopping checkpoint of the old pod moves the sandbox."""
+    stopping checkpoint of the old pod moves the sandbox. ``on_demand``: why the pod asks
+    for an on-demand node; every other new pod asks for spot (when the sandbox wants it)."""
     new_incarnation = incarnation + 1
     source = restore.name if restore is not None else None
-    manifest = podspec.build_sandbox_pod(st.sandbox, st.settings, new_incarnation, source)
+    manifest = podspec.build_sandbox_pod(st.sandbox, st.settings, new_incarnation, source,
+                                         on_demand=on_demand is not None)
     name = manifest["metadata"]["name"]
     if restore is not None:
-        situation = sit.PodCreating(name, source, restore.reason, restore.message, migration)
+        situation = sit.PodCreating(name, source, restore.reason, restore.message, migration,
+                                    on_demand=on_demand)
         st.events.append(restore.event)
         out["restoredFrom"] = restore.record
     else:
-        situation = sit.PodCreating(name, migration=migration, no_usable=no_usable)
+        situation = sit.PodCreating(name, migration=migration, no_usable=no_usable,
+                                    on_demand=on_demand)
         st.events.append(fresh or Event(NORMAL, api.REASON_POD_CREATING, f"creating pod {name}"))
         _drop(out, st.status, "restoredFrom")
     out.update(incarnation=new_incarnation, podName=name, nodeName=None)
+    _set_capacity(out, st.status, podspec.capacity_of(manifest))
     return _finish(st, out, None, situation, create=manifest, delete=delete)
+
+
+def _set_capacity(out: KubeObject, status: KubeObject, capacity: str | None) -> None:
+    """status.capacity: what the current pod asks for (dropped when it asks for nothing)."""
+    if capacity is None:
+        _drop(out, status, "capacity")
+    else:
+        out["capacity"] = capacity
+
+
+def _to_on_demand(st: _State, out: KubeObject, incarnation: int, pod: KubeObject,
+                  waiting: placement.Unplaced) -> Plan:
+    """No spot node took the pod within spec.placement.fallbackToOnDemandAfterSeconds:
+    replace it by one that asks for an on-demand node and restores the same checkpoint (a
+    restore pod's hermit.dev/restore-from), or starts from scratch as the old one would
+    have. The old pod never ran (no node took it): nothing of the sandbox is lost."""
+    new = _next_pod(st, incarnation)
+    why = (f"no spot node took pod {waiting.pod} within "
+           f"{podspec.fallback_after_seconds(st.sandbox)}s ({waiting.message}): pod {new} "
+           "asks for an on-demand node")
+    source = _restore_source(pod)
+    if source is None:
+        return _create(st, out, incarnation, waiting.pod, None,
+                       fresh=Event(WARNING, api.REASON_ON_DEMAND_FALLBACK, why), on_demand=why)
+    record = st.status.get("restoredFrom") or {}
+    if record.get("name") != source:  # created by an older operator: no record yet
+        record = ck.restore_record(_checkpoint_or_record(st, source), st.now, clean=False)
+    event = Event(WARNING, api.REASON_ON_DEMAND_FALLBACK,
+                  f"{why}, where it restores checkpoint {source}")
+    return _create(st, out, incarnation, waiting.pod,
+                   _Restore(source, dict(record), event, api.REASON_RESTORE_STARTED,
+                            f"restoring checkpoint {source} into pod {new} on an on-demand "
+                            "node"),
+                   on_demand=why)
 
 
 def pod_incarnation(pod: KubeObject) -> int | None:
@@ -591,6 +640,7 @@ def _schedule_retry(st: _State, out: KubeObject, failure: _Failure, attempts: in
                                    clean=False)
     out.update(podName=None, nodeName=None, restoreAttempts=attempts, nextRestoreAt=at,
                restoredFrom=record)
+    _drop(out, st.status, "capacity")
     st.requeue_after = delay
     return _finish(st, out, None, sit.RestoreRetrying(message), delete=failure.pod)
 
@@ -679,14 +729,18 @@ def _pod_state(pod: KubeObject) -> sit.PodState:
     return sit.PodState.PENDING if phase in (None, "Pending") else sit.PodState.NOT_READY
 
 
-def _observe(st: _State, out: KubeObject, pod: KubeObject) -> Plan:
-    """The current pod exists: its state becomes the sandbox's (an Event on a change)."""
+def _observe(st: _State, out: KubeObject, pod: KubeObject,
+             waiting: placement.Unplaced | None = None) -> Plan:
+    """The current pod exists: its state becomes the sandbox's (an Event on a change).
+    ``waiting``: no node has taken it (the tick timer, on while a spot pod with a fallback
+    has no node, looks again until the fallback is due: wants_ticks)."""
     name = pod["metadata"]["name"]
     node = (pod.get("spec") or {}).get("nodeName")
     out.update(podName=name, nodeName=node)
+    _set_capacity(out, st.status, podspec.capacity_of(pod))
     restored = _restore_completed(st, out, pod)
     state = _pod_state(pod)
-    observed = sit.PodObserved(name, node, state, container_message(pod), restored)
+    observed = sit.PodObserved(name, node, state, container_message(pod), restored, waiting)
     if state is sit.PodState.SUCCEEDED and not _was(st.status, api.COND_SUCCEEDED, TRUE):
         st.events.append(Event(NORMAL, api.REASON_POD_SUCCEEDED,
                                f"the sandbox's command in pod {name} exited 0"))

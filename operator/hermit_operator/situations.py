@@ -17,7 +17,7 @@ from datetime import datetime
 from enum import Enum
 from typing import Any, Final, NamedTuple
 
-from hermit_common import api
+from hermit_common import api, protocol
 from hermit_operator import checkpoints as ck
 from hermit_operator.conditions import (
     FALSE,
@@ -26,6 +26,7 @@ from hermit_operator.conditions import (
     get_condition,
     set_condition,
 )
+from hermit_operator.placement import Unplaced
 
 KubeObject = dict[str, Any]
 
@@ -110,7 +111,8 @@ class PodCreating:
     """A new incarnation's pod is created, restoring ``restore_from`` (None: from scratch).
 
     ``migration``: a stopping checkpoint of the old pod moves the sandbox (Migrating=True);
-    ``no_usable``: no checkpoint could be restored, the pod starts from scratch.
+    ``no_usable``: no checkpoint could be restored, the pod starts from scratch;
+    ``on_demand``: why the pod asks for an on-demand node (no spot node took the last one).
     """
 
     pod: str
@@ -119,6 +121,7 @@ class PodCreating:
     restore_message: str | None = None  # None: one that names the checkpoint and the pod
     migration: str | None = None
     no_usable: str | None = None
+    on_demand: str | None = None
 
 
 class PodState(Enum):
@@ -132,13 +135,14 @@ class PodState(Enum):
 @dataclass(frozen=True)
 class PodObserved:
     """The current pod exists and is mirrored; ``restored``: the checkpoint whose restore
-    into it completed in this plan."""
+    into it completed in this plan; ``unplaced``: no node has taken it (yet)."""
 
     pod: str
     node: str | None
     state: PodState
     detail: str = ""  # one line about its containers (reconcile.container_message)
     restored: str | None = None
+    unplaced: Unplaced | None = None
 
     @property
     def ended(self) -> bool:
@@ -258,6 +262,8 @@ def ready(seen: Seen) -> Verdict | None:
     s = seen.situation
     if isinstance(s, PodObserved):
         return _ready_pod(s)
+    if isinstance(s, PodCreating) and s.on_demand is not None:
+        return Verdict(FALSE, api.REASON_ON_DEMAND_FALLBACK, s.on_demand)
     if isinstance(s, PodCreating):
         return Verdict(FALSE, api.REASON_POD_CREATING, f"creating pod {s.pod}")
     if isinstance(s, Suspended):
@@ -280,8 +286,27 @@ def _ready_pod(s: PodObserved) -> Verdict:
         return Verdict(FALSE, api.REASON_POD_FAILED, f"pod {s.pod} failed: {s.detail}")
     if s.state is PodState.RUNNING:
         return Verdict(TRUE, api.REASON_POD_RUNNING, f"pod {s.pod} is running on node {s.node}")
+    if s.unplaced is not None:
+        return _waiting_for_node(s.unplaced)
     reason = api.REASON_POD_PENDING if s.state is PodState.PENDING else api.REASON_POD_NOT_READY
     return Verdict(FALSE, reason, f"pod {s.pod}: {s.detail}")
+
+
+def _waiting_for_node(u: Unplaced) -> Verdict:
+    """No node has taken the pod: for a spot pod, when (or whether) it falls back."""
+    if u.capacity != api.CAPACITY_SPOT:
+        asks = " (it asks for an on-demand node)" if u.capacity == api.CAPACITY_ON_DEMAND else ""
+        return Verdict(FALSE, api.REASON_UNSCHEDULABLE,
+                       f"no node can take pod {u.pod}{asks}: {u.message}")
+    if u.fallback_at is None:
+        then = ("it waits for spot capacity (spec.placement.fallbackToOnDemandAfterSeconds "
+                "is not set)")
+    else:
+        then = (f"it moves to an on-demand node at {protocol.rfc3339(u.fallback_at)} "
+                "(spec.placement.fallbackToOnDemandAfterSeconds) unless a spot node takes "
+                "it first")
+    return Verdict(FALSE, api.REASON_WAITING_FOR_SPOT,
+                   f"no spot node can take pod {u.pod}: {u.message}; {then}")
 
 
 def succeeded(seen: Seen) -> Verdict | None:

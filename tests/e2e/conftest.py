@@ -33,6 +33,14 @@ REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 
 SPOT_LABEL = "karpenter.sh/capacity-type"
+# How each provider marks a spot node (hack/cluster gives each spot node one of them).
+SPOT_NODE_LABELS = {
+    "karpenter": ("karpenter.sh/capacity-type", "spot"),
+    "eks": ("eks.amazonaws.com/capacityType", "SPOT"),
+    "gke-spot": ("cloud.google.com/gke-spot", "true"),
+    "gke-provisioning": ("cloud.google.com/gke-provisioning", "spot"),
+    "aks": ("kubernetes.azure.com/scalesetpriority", "spot"),
+}
 IMDS_ANNOTATION = "hermit.dev/imds-url"
 
 
@@ -129,6 +137,16 @@ def name_of(obj: Obj) -> str:
 def labels_of(obj: Obj) -> dict[str, str]:
     labels: dict[str, str] = obj["metadata"].get("labels") or {}
     return labels
+
+
+def spot_conventions(node: Obj) -> list[str]:
+    """The conventions by which the node is labelled spot (empty: an on-demand node)."""
+    labels = labels_of(node)
+    return [name for name, (key, value) in SPOT_NODE_LABELS.items() if labels.get(key) == value]
+
+
+def is_spot(node: Obj) -> bool:
+    return bool(spot_conventions(node))
 
 
 def is_ready(node: Obj) -> bool:
@@ -321,6 +339,7 @@ def hermit_release(kube: Kube, s3_for_pods: S3, e2e_config: E2EConfig) -> Iterat
     env = {**os.environ, "KUBECONFIG": e2e_config.kubeconfig}
     subprocess.run([helm, "uninstall", RELEASE, "-n", RELEASE_NS, "--wait"], env=env,
                    capture_output=True, check=False)
+    _apply_crds()
     try:
         body: Any = {"metadata": {"name": RELEASE_NS}}
         kube.api.create_namespace(body)
@@ -328,7 +347,6 @@ def hermit_release(kube: Kube, s3_for_pods: S3, e2e_config: E2EConfig) -> Iterat
         if exc.status != 409:
             raise
     _apply_secret(kube, s3_for_pods)
-    _apply_crds()
     proc = subprocess.run(
         [helm, "install", RELEASE, str(REPO / "charts/hermit"), "-n", RELEASE_NS,
          "--set", f"s3.bucket={BUCKET}", "--set", f"s3.endpoint={s3_for_pods.endpoint}",

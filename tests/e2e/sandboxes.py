@@ -29,11 +29,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hermit_common import api
 from tests.e2e.conftest import (
-    SPOT_LABEL,
     E2EConfig,
     Kube,
     is_ready,
-    labels_of,
+    is_spot,
     name_of,
     run_cluster_command,
     wait_until,
@@ -169,8 +168,7 @@ def assert_continues(kube: Kube, ns: str, pod: str, before: int, *,
 
 
 def ready_spot_nodes(kube: Kube) -> list[str]:
-    return sorted(name_of(n) for n in kube.nodes()
-                  if is_ready(n) and labels_of(n).get(SPOT_LABEL) == "spot")
+    return sorted(name_of(n) for n in kube.nodes() if is_ready(n) and is_spot(n))
 
 
 def ensure_spot_nodes(kube: Kube, cfg: E2EConfig, count: int) -> None:

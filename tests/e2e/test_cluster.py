@@ -17,6 +17,7 @@ from .conftest import (
     E2EConfig,
     Kube,
     is_ready,
+    is_spot,
     labels_of,
     name_of,
     pod_manifest,
@@ -30,23 +31,22 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
 def _spot_nodes(kube: Kube) -> list[str]:
-    return sorted(name_of(n) for n in ready_nodes(kube) if labels_of(n).get(SPOT_LABEL) == "spot")
+    return sorted(name_of(n) for n in ready_nodes(kube) if is_spot(n))
 
 
 def test_all_nodes_ready_with_capacity_labels(kube: Kube) -> None:
+    """Spot nodes carry one provider's spot label or more (hack/cluster: one each, in
+    turn); on-demand nodes none, and Karpenter's on-demand value."""
     nodes = kube.nodes()
     not_ready = [name_of(n) for n in nodes if not is_ready(n)]
     assert not not_ready, f"nodes not Ready: {not_ready}"
-    capacity = {name_of(n): labels_of(n).get(SPOT_LABEL) for n in nodes}
-    assert sum(v == "spot" for v in capacity.values()) >= 2, f"need two spot nodes: {capacity}"
-    assert "on-demand" in capacity.values(), f"need an on-demand node: {capacity}"
+    spot = [name_of(n) for n in nodes if is_spot(n)]
+    on_demand = [name_of(n) for n in nodes if not is_spot(n)]
+    assert len(spot) >= 2, f"need two spot nodes: {spot}"
+    assert on_demand, "need an on-demand node"
     for node in nodes:
-        labels = labels_of(node)
-        if labels.get(SPOT_LABEL) == "spot":
-            assert labels.get("eks.amazonaws.com/capacityType") == "SPOT", name_of(node)
-            assert labels.get("cloud.google.com/gke-spot") == "true", name_of(node)
-        else:
-            assert labels.get("eks.amazonaws.com/capacityType") == "ON_DEMAND", name_of(node)
+        if not is_spot(node):
+            assert labels_of(node).get(SPOT_LABEL) == "on-demand", name_of(node)
 
 
 def test_pod_from_local_image_runs_on_each_node(

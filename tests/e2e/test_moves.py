@@ -112,6 +112,9 @@ def test_three_preemptions_in_a_row_then_suspend_resume_and_fork(
     fork_ticks = sb.assert_continues(kube, namespace, forked.pod, seen[0] - 1)
     assert sb.status(namespace, name)["phase"] == "Running", "the original keeps running"
     print(f"fork {fork} on {forked.node} started at tick {fork_ticks[0]}")
+    kubectl = _kubectl()
+    print("after three moves, a suspend/resume and a fork:")
+    print(sb.kubectl_text(kubectl, e2e_config.kubeconfig, "asb,ckpt", "-n", namespace))
     print("moves:")
     for t in timings:
         print(f"  gen {t['generation']}: {t['from']} -> {t['to']}: notice->durable "

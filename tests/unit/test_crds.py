@@ -206,6 +206,7 @@ def test_enums_match_hermit_common_api() -> None:
     checkpoint = dict(walk(schema_of(CRDS[api.CHECKPOINT_PLURAL])))
     assert tuple(sandbox[".status.phase"]["enum"]) == api.SANDBOX_PHASES
     assert tuple(sandbox[".status.lastCheckpoint.reason"]["enum"]) == protocol.REASONS
+    assert tuple(sandbox[".status.capacity"]["enum"]) == api.CAPACITIES
     assert tuple(checkpoint[".spec.reason"]["enum"]) == protocol.REASONS
     assert tuple(checkpoint[".status.phase"]["enum"]) == protocol.CHECKPOINT_PHASES
     assert sandbox[".status.conditions[].status"]["enum"] == ["True", "False", "Unknown"]
@@ -398,6 +399,7 @@ COMPLETED_STATUS = {
 }
 SANDBOX_STATUS = {
     "phase": "Running", "nodeName": "node-a", "podName": "full-1", "incarnation": 1,
+    "capacity": "on-demand",
     "restores": 0, "observedGeneration": 1,
     "lastCheckpoint": {"name": "full-1", "time": "2025-01-01T00:00:00Z", "reason": "Interval"},
     "conditions": [{
@@ -418,6 +420,16 @@ INVALID: dict[str, tuple[Doc, str]] = {
     "intervalSeconds below 30": (_set(SANDBOX, "spec.checkpoint.intervalSeconds", 10),
                                  "spec.checkpoint.intervalSeconds"),
     "retain 0": (_set(SANDBOX, "spec.checkpoint.retain", 0), "spec.checkpoint.retain"),
+    "negative fallbackToOnDemandAfterSeconds": (
+        _set(SANDBOX, "spec.placement.fallbackToOnDemandAfterSeconds", -1),
+        "spec.placement.fallbackToOnDemandAfterSeconds"),
+    "fallbackToOnDemandAfterSeconds over a year": (
+        _set(SANDBOX, "spec.placement.fallbackToOnDemandAfterSeconds", 31536001),
+        "spec.placement.fallbackToOnDemandAfterSeconds"),
+    "fallbackToOnDemandAfterSeconds not a number": (
+        _set(SANDBOX, "spec.placement.fallbackToOnDemandAfterSeconds", "soon"),
+        "spec.placement.fallbackToOnDemandAfterSeconds"),
+    "bad capacity": (_set(SANDBOX, "status", {"capacity": "cheap"}), "status.capacity"),
     "no containers": (_set(SANDBOX, "spec.podTemplate.spec.containers", []),
                       "spec.podTemplate.spec.containers"),
     "container without image": (_drop(SANDBOX, "spec.podTemplate.spec.containers.0.image"),
@@ -541,6 +553,9 @@ CEL_INVALID: dict[str, tuple[Doc, Doc | None, str]] = {
         _drop(SANDBOX, "spec.restoreFrom"), SANDBOX, "spec.restoreFrom can only be set"),
     "restoreFrom added": (
         SANDBOX, _drop(SANDBOX, "spec.restoreFrom"), "spec.restoreFrom can only be set"),
+    "fallback without spot": (
+        _set(SANDBOX, "spec.placement.spot", False), None,
+        "placement.fallbackToOnDemandAfterSeconds only applies when placement.spot is true"),
     "long sandbox name": (
         _set(SANDBOX, "metadata.name", "x" * 64), None, "at most 63 characters"),
     "checkpoint reason changed": (

@@ -28,7 +28,8 @@ def test_minimal_sample_runs_under_hermit_init() -> None:
     meta, spec = pod["metadata"], pod["spec"]
     assert pod["apiVersion"] == "v1" and pod["kind"] == "Pod"
     assert meta["name"] == "minimal-1" and meta["namespace"] == "team-a"
-    assert meta["labels"] == {protocol.LABEL_SANDBOX: "minimal", protocol.LABEL_INCARNATION: "1"}
+    assert meta["labels"] == {protocol.LABEL_SANDBOX: "minimal", protocol.LABEL_INCARNATION: "1",
+                              protocol.LABEL_CAPACITY: "spot"}
     assert meta["annotations"] == {protocol.ANNOTATION_WORKSPACE_PATH: "/workspace"}
     assert meta["ownerReferences"] == [{
         "apiVersion": "hermit.dev/v1alpha1", "kind": "AgentSandbox", "name": "minimal",
@@ -126,15 +127,17 @@ def test_on_demand_placement_adds_no_spot_terms_and_dedups_tolerations() -> None
     assert spec["tolerations"] == [tol]
 
 
-# A node label requirement, as the scheduler reads it (operator In only).
+# A node label requirement, as the scheduler reads it (operators In and NotIn only; NotIn
+# also holds for a node without the label).
 def term_matches(term: dict[str, Any], labels: dict[str, str]) -> bool:
     """A nodeSelectorTerm against a node's labels: all its requirements hold; an empty term
     matches no node."""
     assert not term.get("matchFields")
     expressions = term.get("matchExpressions") or []
     for expr in expressions:
-        assert expr["operator"] == "In", expr
-    return bool(expressions) and all(labels.get(e["key"]) in e["values"] for e in expressions)
+        assert expr["operator"] in ("In", "NotIn"), expr
+    return bool(expressions) and all(
+        (labels.get(e["key"]) in e["values"]) == (e["operator"] == "In") for e in expressions)
 
 
 def schedules_on(spec: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -163,10 +166,10 @@ SPOT_NODES = {
     "gke-spot": {"cloud.google.com/gke-spot": "true"},
     "gke-provisioning": {"cloud.google.com/gke-provisioning": "spot"},
     "aks": {"kubernetes.azure.com/scalesetpriority": "spot"},
-    # what hack/cluster.d labels the local e2e cluster's spot nodes with
-    "local-cluster": {"karpenter.sh/capacity-type": "spot",
-                      "eks.amazonaws.com/capacityType": "SPOT",
-                      "cloud.google.com/gke-spot": "true"},
+    # several conventions on one node (docs/cluster.md's kind example)
+    "several": {"karpenter.sh/capacity-type": "spot",
+                "eks.amazonaws.com/capacityType": "SPOT",
+                "cloud.google.com/gke-spot": "true"},
 }
 ON_DEMAND_NODES = {
     "plain": {"kubernetes.io/hostname": "n1"},
@@ -174,8 +177,8 @@ ON_DEMAND_NODES = {
     "eks": {"eks.amazonaws.com/capacityType": "ON_DEMAND"},
     "gke": {"cloud.google.com/gke-provisioning": "standard"},
     "aks": {"kubernetes.azure.com/scalesetpriority": "regular"},
-    "local-cluster": {"karpenter.sh/capacity-type": "on-demand",
-                      "eks.amazonaws.com/capacityType": "ON_DEMAND"},
+    "several": {"karpenter.sh/capacity-type": "on-demand",
+                "eks.amazonaws.com/capacityType": "ON_DEMAND"},
 }
 
 
@@ -417,3 +420,85 @@ def test_disruption_budget_blocks_evictions_of_the_sandbox_pods() -> None:
                            "selector": {"matchLabels": {protocol.LABEL_SANDBOX: name}}}
     pod_labels = build_sandbox_pod(sb, SETTINGS, 3, None)["metadata"]["labels"]
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+
+# -- the on-demand fallback pod (spec.placement.fallbackToOnDemandAfterSeconds) ----------
+
+@pytest.mark.parametrize("kind", sorted(ON_DEMAND_NODES))
+def test_the_fallback_pod_schedules_on_each_kind_of_on_demand_node(kind: str) -> None:
+    pod = build_sandbox_pod(sample("agentsandbox-minimal.yaml"), SETTINGS, 2, "minimal-1-preempt",
+                            on_demand=True)
+    assert pod["metadata"]["labels"][protocol.LABEL_CAPACITY] == "on-demand"
+    assert schedules_on(pod["spec"], ON_DEMAND_NODES[kind])
+
+
+@pytest.mark.parametrize("convention", sorted(SPOT_NODES))
+def test_the_fallback_pod_never_schedules_on_a_spot_node(convention: str) -> None:
+    spec = build_sandbox_pod(sample("agentsandbox-minimal.yaml"), SETTINGS, 2, None,
+                             on_demand=True)["spec"]
+    assert not schedules_on(spec, {"kubernetes.io/hostname": "n1", **SPOT_NODES[convention]})
+    # One term: a node without any of the spot labels.
+    assert required_terms(spec) == [{"matchExpressions": [
+        {"key": k, "operator": "NotIn", "values": [v]} for k, v in podspec.SPOT_NODE_LABELS]}]
+
+
+def test_the_fallback_pod_restores_the_same_checkpoint_and_keeps_the_rest() -> None:
+    sb = sample("agentsandbox-full.yaml")
+    spot = build_sandbox_pod(sb, SETTINGS, 2, "full-1-preempt")
+    on_demand = build_sandbox_pod(sb, SETTINGS, 3, "full-1-preempt", on_demand=True)
+    assert on_demand["metadata"]["annotations"][protocol.ANNOTATION_RESTORE_FROM] == \
+        "full-1-preempt"
+    assert on_demand["spec"]["containers"] == spot["spec"]["containers"]
+    assert on_demand["spec"]["nodeSelector"] == spot["spec"]["nodeSelector"]
+    assert on_demand["spec"]["tolerations"] == spot["spec"]["tolerations"]
+    m7i = {"node.kubernetes.io/instance-type": "m7i.xlarge"}
+    assert schedules_on(on_demand["spec"], {**m7i, **ON_DEMAND_NODES["eks"]})
+    assert not schedules_on(on_demand["spec"], {**m7i, **SPOT_NODES["eks"]})
+    assert not schedules_on(on_demand["spec"], ON_DEMAND_NODES["eks"])  # the selector holds
+
+
+def test_the_fallback_pod_ands_the_user_terms_with_not_spot() -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    zone_a = {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["a"]}
+    sb["spec"]["podTemplate"]["spec"]["affinity"] = {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{}, {"matchExpressions": [zone_a]}]}}}
+    spec = build_sandbox_pod(sb, SETTINGS, 2, None, on_demand=True)["spec"]
+    terms = required_terms(spec)
+    assert terms is not None and terms[0] == {} and len(terms) == 2
+    assert schedules_on(spec, {"topology.kubernetes.io/zone": "a", **ON_DEMAND_NODES["aks"]})
+    assert not schedules_on(spec, {"topology.kubernetes.io/zone": "a", **SPOT_NODES["aks"]})
+    assert not schedules_on(spec, {"topology.kubernetes.io/zone": "b"})
+
+
+@pytest.mark.parametrize("placement", [{"spot": False}, {"spot": False,
+                                                         "fallbackToOnDemandAfterSeconds": 5}])
+def test_a_sandbox_that_requires_no_spot_node_has_no_capacity_and_no_fallback(
+        placement: dict[str, Any]) -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    sb["spec"]["placement"] = placement
+    for on_demand in (False, True):
+        pod = build_sandbox_pod(sb, SETTINGS, 1, None, on_demand=on_demand)
+        assert protocol.LABEL_CAPACITY not in pod["metadata"]["labels"]
+        assert "affinity" not in pod["spec"]
+        assert podspec.capacity_of(pod) is None
+    assert podspec.fallback_after_seconds(sb) is None
+
+
+def test_the_capacity_label_is_the_operators() -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    sb["spec"]["podTemplate"]["metadata"] = {"labels": {protocol.LABEL_CAPACITY: "on-demand"}}
+    pod = build_sandbox_pod(sb, SETTINGS, 1, None)
+    assert podspec.capacity_of(pod) == "spot"
+    assert podspec.capacity_of({"metadata": {"labels": {protocol.LABEL_CAPACITY: "cheap"}}}) \
+        is None
+    assert podspec.capacity_of(None) is None
+
+
+@pytest.mark.parametrize(("value", "after"), [(None, None), (0, 0), (90, 90), ("30", 30),
+                                              (True, None), ("soon", None)])
+def test_fallback_after_seconds(value: Any, after: int | None) -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    if value is not None:
+        sb["spec"]["placement"] = {"fallbackToOnDemandAfterSeconds": value}
+    assert podspec.fallback_after_seconds(sb) == after
