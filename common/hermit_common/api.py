@@ -73,3 +73,9 @@ REASON_CHECKPOINT_NOT_FOUND: Final = "CheckpointNotFound"
 REASON_CHECKPOINT_UNTRUSTED: Final = "CheckpointUntrusted"  # spec.restoreFrom names no Checkpoint
 # Event on a Checkpoint whose spec.sandboxRef names no AgentSandbox (the operator fails it).
 REASON_SANDBOX_NOT_FOUND: Final = "SandboxNotFound"
+
+# Keys of the Secret that spec.checkpoint.storage.secretRef names (S3 credentials, the AWS
+# SDKs' own names); the session token is optional (temporary credentials).
+STORAGE_SECRET_ACCESS_KEY_ID: Final = "AWS_ACCESS_KEY_ID"
+STORAGE_SECRET_SECRET_ACCESS_KEY: Final = "AWS_SECRET_ACCESS_KEY"
+STORAGE_SECRET_SESSION_TOKEN: Final = "AWS_SESSION_TOKEN"

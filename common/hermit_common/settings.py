@@ -115,6 +115,7 @@ class StoreSettings:
     region: str = "us-east-1"
     access_key_id: str | None = None  # None: boto3's default credential chain
     secret_access_key: str | None = None
+    session_token: str | None = None  # with temporary credentials (a sandbox's Secret)
     transfer_concurrency: int = 8
     chunk_size_bytes: int = 4 * 1024 * 1024
     max_attempts: int = 5
@@ -204,6 +205,9 @@ class NodeSettings:
     log_level: str = "INFO"
     reconcile_interval_seconds: float = 2.0  # how often pods and Checkpoints are listed
     max_frozen_seconds: float = 60.0  # a routine checkpoint thaws the sandbox by then
+    # Honour spec.checkpoint.storage (a sandbox's own bucket and Secret); off: only the
+    # default store above is used and no Secret is ever read.
+    per_sandbox_storage: bool = False
     seal: SealSettings = SealSettings()
 
     @classmethod
@@ -222,6 +226,7 @@ class NodeSettings:
                 "HERMIT_RECONCILE_INTERVAL_SECONDS", 2.0, minimum=0.1, maximum=300.0),
             max_frozen_seconds=env.number(
                 "HERMIT_MAX_FROZEN_SECONDS", 60.0, minimum=1.0, maximum=3600.0),
+            per_sandbox_storage=env.flag("HERMIT_PER_SANDBOX_STORAGE", False),
             seal=SealSettings.from_env(environ),
         )
 
@@ -331,7 +336,7 @@ def _leader_settings(env: Env) -> dict[str, Any]:
             "identity": env.optional_str("HERMIT_POD_NAME") or socket.gethostname()}
 
 
-_SECRET_FIELDS = {"secret_access_key", "access_key_id"}
+_SECRET_FIELDS = {"secret_access_key", "access_key_id", "session_token"}
 
 
 def redacted(settings: object) -> dict[str, object]:

@@ -145,6 +145,7 @@ def make_s3_client(settings: StoreSettings) -> Any:
         region_name=settings.region,
         aws_access_key_id=settings.access_key_id,
         aws_secret_access_key=settings.secret_access_key,
+        aws_session_token=settings.session_token,
         config=config,
     )
 
@@ -338,6 +339,11 @@ class CheckpointStore:
         self._client = client if client is not None else make_s3_client(settings)
         self._endpoint = settings.endpoint_url or "AWS S3"
         self._local = threading.local()
+
+    @property
+    def client(self) -> Any:
+        """The S3 client (thread-safe; stores of other buckets may share it)."""
+        return self._client
 
     # -- keys ---------------------------------------------------------------
 

@@ -20,12 +20,11 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from hermit_common import health as http_health
 from hermit_common import protocol
-from hermit_common.errors import CheckpointRefused, HermitError, RestoreFailed
-from hermit_common.manifest import Manifest as StoredManifest
+from hermit_common.errors import CheckpointFailed, CheckpointRefused, HermitError, RestoreFailed
 from hermit_common.s3errors import CheckpointNotFound
 from hermit_common.settings import NodeSettings, redacted
 from hermit_common.store import UploadProgress
@@ -35,8 +34,12 @@ from hermit_node.checkpoint import CheckpointResult, CheckpointTarget
 from hermit_node.kube import Kube, KubeError, KubeTransient
 from hermit_node.planner import KubeObject, SandboxPod
 from hermit_node.restore import RestoreResult, RestoreTarget
+from hermit_node.storage import Location, StorageError
 from hermit_node.watchers import Notice
 from hermit_node.watchers.base import NullWatcher
+
+if TYPE_CHECKING:
+    from hermit_common.store import CheckpointStore
 
 log = logging.getLogger("hermit_node")
 
@@ -51,20 +54,22 @@ class Checkpointer(Protocol):
                    on_uploading: Callable[[int, int], None] | None = None,
                    on_progress: Callable[[UploadProgress], None] | None = None,
                    on_durable: Callable[[CheckpointResult], None] | None = None,
-                   ) -> CheckpointResult: ...
+                   store: CheckpointStore | None = None) -> CheckpointResult: ...
 
 
 class Restorer(Protocol):
-    def restore(self, target: RestoreTarget, *, timeout: float = 120.0) -> RestoreResult: ...
+    def restore(self, target: RestoreTarget, *, timeout: float = 120.0,
+                store: CheckpointStore | None = None) -> RestoreResult: ...
 
 
-class ManifestReader(Protocol):
-    """The store, as far as recovering a durable but unrecorded checkpoint needs it."""
+class StoreResolver(Protocol):
+    """Which store a sandbox's next checkpoint goes to, and which one an existing
+    checkpoint is read from (``storage.Stores``)."""
 
-    def read_manifest(self, namespace: str, sandbox: str,
-                      checkpoint: str) -> tuple[StoredManifest, str]: ...
+    def for_sandbox(self, sandbox: KubeObject) -> tuple[CheckpointStore, Location]: ...
 
-    def manifest_uri(self, namespace: str, sandbox: str, checkpoint: str) -> str: ...
+    def for_checkpoint(self, ckpt: KubeObject,
+                       owner: KubeObject | None) -> CheckpointStore: ...
 
 
 class TreeControl(Protocol):
@@ -146,7 +151,7 @@ class NodeAgent:
     """Applies the planner's decisions for one node."""
 
     def __init__(self, node: str, kube: Kube, checkpointer: Checkpointer, restorer: Restorer,
-                 *, manifests: ManifestReader | None = None, trees: TreeControl | None = None,
+                 *, stores: StoreResolver | None = None, trees: TreeControl | None = None,
                  jobs: Jobs | None = None, proc_root: Path = Path("/proc"),
                  clock: Callable[[], datetime] = utc_now,
                  stopping: threading.Event | None = None,
@@ -155,7 +160,9 @@ class NodeAgent:
         self._kube = kube
         self._checkpointer = checkpointer
         self._restorer = restorer
-        self._manifests = manifests
+        # None: the engines' own store for everything (no per-sandbox storage, nothing
+        # recorded in status.storage, no recovery from the store after a restart).
+        self._stores = stores
         self._trees = trees
         self._health = health
         self._stopping = stopping or threading.Event()
@@ -293,15 +300,18 @@ class NodeAgent:
         """Completed when its manifest is durable, else Failed; False when undecided."""
         meta = ckpt.get("metadata") or {}
         namespace, name = str(meta.get("namespace")), str(meta.get("name"))
-        sandbox = str(((ckpt.get("spec") or {}).get("sandboxRef") or {}).get("name") or "")
-        if self._manifests is not None and sandbox:
+        sandbox = protocol.sandbox_of(ckpt) or ""
+        if self._stores is not None and sandbox:
             try:
-                stored, digest = self._manifests.read_manifest(namespace, sandbox, name)
+                # Where it was being written (status.storage), with its sandbox's credentials.
+                store = self._stores.for_checkpoint(
+                    ckpt, self._kube.get_sandbox(namespace, sandbox))
+                stored, digest = store.read_manifest(namespace, sandbox, name)
             except CheckpointNotFound:
                 pass
             except HermitError as exc:
-                # The store is unreachable: we cannot tell, so leave it for the next start
-                # rather than fail a checkpoint that may be durable.
+                # The store (or its Secret, or the API) cannot be reached: we cannot tell, so
+                # leave it for a later loop rather than fail a checkpoint that may be durable.
                 log.warning("cannot tell whether checkpoint %s/%s is durable: %s",
                             namespace, name, exc)
                 return False
@@ -309,9 +319,8 @@ class NodeAgent:
                 log.warning("checkpoint %s/%s was durable before the agent restarted: "
                             "recording it Completed", namespace, name)
                 self._write_status(namespace, name, planner.status_recovered(
-                    stored.totals.to_dict(), self._manifests.manifest_uri(
-                        namespace, sandbox, name), digest, stored.binding.to_dict(),
-                    self._clock()), forever=True)
+                    stored.totals.to_dict(), store.manifest_uri(namespace, sandbox, name),
+                    digest, stored.binding.to_dict(), self._clock()), forever=True)
                 return True
         message = "the node-agent restarted while taking this checkpoint"
         self._write_status(namespace, name,
@@ -347,12 +356,8 @@ class NodeAgent:
         namespace, name = str(protocol.meta(ckpt).get("namespace")), protocol.name_of(ckpt)
         stop = protocol.is_stopping(protocol.reason_of(ckpt))
         began = time.monotonic()
-        try:
-            self._kube.patch_checkpoint_status(
-                namespace, name, planner.status_dumping(self.node, self._clock(), sp.restore_from))
-        except KubeError as exc:
-            log.warning("%s", exc)
-            self._release(str(protocol.meta(ckpt).get("uid") or ""))
+        started, store = self._begin_checkpoint(ckpt, sp)
+        if not started:
             return
         log.info("checkpoint %s/%s of %s (%s, stop=%s) started%s", namespace, name, sp.pod,
                  protocol.reason_of(ckpt), stop, self._time_left())
@@ -367,7 +372,7 @@ class NodeAgent:
             recorded.set()
 
         try:
-            result = self._take(ckpt, sp, stop, record)
+            result = self._take(ckpt, sp, stop, record, store)
         except Exception as exc:
             if recorded.is_set():  # durable and Completed: only what came after it failed
                 log.exception("checkpoint %s/%s: after it was durable", namespace, name)
@@ -382,8 +387,46 @@ class NodeAgent:
         log.info("checkpoint %s/%s Completed in %.1f s%s", namespace, name,
                  time.monotonic() - began, self._time_left())
 
+    def _begin_checkpoint(self, ckpt: KubeObject, sp: SandboxPod
+                          ) -> tuple[bool, CheckpointStore | None]:
+        """Decide where the checkpoint goes and record Dumping with that location. (False,
+        None) when it did not start: an API hiccup (the next loop retries) or a storage
+        that cannot be used (the checkpoint is Failed, with why, and the sandbox runs on)."""
+        namespace, name = str(protocol.meta(ckpt).get("namespace")), protocol.name_of(ckpt)
+        try:
+            store, location = self._store_for(sp)
+        except KubeTransient as exc:
+            log.warning("%s", exc)
+            self._release(str(protocol.meta(ckpt).get("uid") or ""))
+            return False, None
+        except HermitError as exc:
+            self._checkpoint_failed(ckpt, CheckpointFailed(
+                f"checkpoint {namespace}/{name} failed, sandbox left running: {exc}"), 0.0)
+            return False, None
+        try:
+            self._kube.patch_checkpoint_status(namespace, name, planner.status_dumping(
+                self.node, self._clock(), sp.restore_from,
+                location.to_status() if location is not None else None))
+        except KubeError as exc:
+            log.warning("%s", exc)
+            self._release(str(protocol.meta(ckpt).get("uid") or ""))
+            return False, None
+        return True, store
+
+    def _store_for(self, sp: SandboxPod) -> tuple[CheckpointStore | None, Location | None]:
+        """The store of the sandbox's next checkpoint (its spec.checkpoint.storage, read
+        now, or the default store) and where that is; (None, None) without ``stores``."""
+        if self._stores is None:
+            return None, None
+        sandbox = self._kube.get_sandbox(sp.namespace, sp.sandbox)
+        if sandbox is None:
+            raise StorageError(f"AgentSandbox {sp.namespace}/{sp.sandbox} does not exist: "
+                               "cannot tell where its checkpoints go")
+        return self._stores.for_sandbox(sandbox)
+
     def _take(self, ckpt: KubeObject, sp: SandboxPod, stop: bool,
-              record: Callable[[CheckpointResult], None]) -> CheckpointResult:
+              record: Callable[[CheckpointResult], None],
+              store: CheckpointStore | None) -> CheckpointResult:
         """Run the engine on the pod's container."""
         namespace, name = str(protocol.meta(ckpt).get("namespace")), protocol.name_of(ckpt)
         if sp.container_id is None:
@@ -394,7 +437,8 @@ class NodeAgent:
             namespace=namespace, sandbox=sp.sandbox, sandbox_uid=sp.sandbox_uid,
             checkpoint=name, init_pid=pid, workspace_path=sp.workspace_path,
             image_digest=sp.image_digest), stop=stop, deadline=self._deadline(),
-            on_uploading=progress.uploading, on_progress=progress, on_durable=record)
+            on_uploading=progress.uploading, on_progress=progress, on_durable=record,
+            store=store)
 
     def _checkpoint_failed(self, ckpt: KubeObject, exc: Exception, seconds: float) -> None:
         """Failed, with why, on the Checkpoint and in an Event (the sandbox runs on)."""
@@ -491,23 +535,28 @@ class NodeAgent:
     def _restore(self, sp: SandboxPod, name: str) -> RestoreResult:
         ckpt = self._kube.get_checkpoint(sp.namespace, name)
         origin = planner.restore_origin(ckpt, name)
-        if isinstance(origin, str):
+        if isinstance(origin, str) or ckpt is None:
             # Gone for good, or not Completed yet (the same restore may work later).
-            raise (CheckpointRefused if ckpt is None else RestoreFailed)(origin)
+            raise (CheckpointRefused if ckpt is None else RestoreFailed)(str(origin))
         sandbox_uid = sp.sandbox_uid
+        owner = None  # the sandbox the checkpoint is of: its uid binds it, its Secret reads it
+        if origin.sandbox != sp.sandbox or self._stores is not None:
+            owner = self._kube.get_sandbox(sp.namespace, origin.sandbox)
         if origin.sandbox != sp.sandbox:  # a fork: the checkpoint is bound to its own sandbox
-            other = self._kube.get_sandbox(sp.namespace, origin.sandbox)
-            if other is None:
+            if owner is None:
                 raise CheckpointRefused(
                     f"Checkpoint {name} belongs to AgentSandbox {origin.sandbox}, which is gone")
-            sandbox_uid = str((other.get("metadata") or {}).get("uid"))
+            sandbox_uid = str((owner.get("metadata") or {}).get("uid"))
+        # Read from where it was written (status.storage), whatever the spec says now.
+        store = self._stores.for_checkpoint(ckpt, owner) if self._stores is not None else None
         if sp.container_id is None:
             raise RestoreFailed(f"pod {sp.namespace}/{sp.pod} has no container id")
         pid = locate.find_init_pid(sp.container_id, self._proc_root)
         return self._restorer.restore(RestoreTarget(
             namespace=sp.namespace, sandbox=origin.sandbox, sandbox_uid=sandbox_uid,
             checkpoint=name, init_pid=pid, image_digest=sp.image_digest,
-            expect_manifest_digest=origin.manifest_digest, workspace_path=sp.workspace_path))
+            expect_manifest_digest=origin.manifest_digest, workspace_path=sp.workspace_path),
+            store=store)
 
     def _annotate(self, sp: SandboxPod, annotations: dict[str, str | None]) -> None:
         self._retry(f"annotating pod {sp.namespace}/{sp.pod}", False,
@@ -540,15 +589,19 @@ def build_agent(settings: NodeSettings, stop: threading.Event,
     from hermit_node.checkpoint import CheckpointEngine
     from hermit_node.criu import Criu
     from hermit_node.restore import RestoreEngine
+    from hermit_node.storage import Stores
 
     kube = Kube.connect(settings.node_name)
     criu = Criu(settings.criu_path)
-    store = CheckpointStore(settings.store, sealing=sealing_from(settings.seal))
+    sealing = sealing_from(settings.seal)
+    store = CheckpointStore(settings.store, sealing=sealing)
+    stores = Stores(settings.store, kube, allowed=settings.per_sandbox_storage,
+                    default_store=store, sealing=sealing)
     work_dir = Path(settings.work_dir)
     return NodeAgent(settings.node_name, kube,
                      CheckpointEngine(criu, store, work_dir,
                                       max_frozen_seconds=settings.max_frozen_seconds),
-                     RestoreEngine(criu, store, work_dir), manifests=store,
+                     RestoreEngine(criu, store, work_dir), stores=stores,
                      trees=freezer.Trees(), stopping=stop, health=health)
 
 

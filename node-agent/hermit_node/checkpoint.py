@@ -174,6 +174,7 @@ class _Plan:
     restore: dict[str, Any]
     workspace_source: str | None
     binding: Binding
+    store: CheckpointStore  # where the checkpoint goes
 
 
 @dataclass
@@ -201,7 +202,7 @@ class CheckpointEngine:
                    on_uploading: Callable[[int, int], None] | None = None,
                    on_progress: ProgressCallback | None = None,
                    on_durable: Callable[[CheckpointResult], None] | None = None,
-                   ) -> CheckpointResult:
+                   store: CheckpointStore | None = None) -> CheckpointResult:
         """Take one checkpoint. ``stop=True``: the sandbox ends once it is durable (migration).
 
         On failure the sandbox is thawed and keeps running; CheckpointFailed says why.
@@ -212,8 +213,9 @@ class CheckpointEngine:
         ``on_progress`` after each chunk (on this thread; it must not raise);
         ``on_durable(result)`` once the manifest is in the store and, with ``stop``,
         before the old tree is killed: it records the checkpoint so nothing can lose it.
+        ``store``: where it goes (the sandbox's own storage), else the engine's store.
         """
-        plan = self._plan(target)
+        plan = self._plan(target, store or self._store)
         cap = _Capture(frozen_at=time.monotonic())
         freezer.freeze(plan.cgroup)
         try:
@@ -251,8 +253,8 @@ class CheckpointEngine:
         if on_uploading is not None:
             on_uploading(_ms(cap.frozen_at), cap.dump_ms)
         started = time.monotonic()
-        uploaded = self._store.upload(plan.binding, cap.sections, plan.restore,
-                                      on_progress=on_progress, deadline=deadline)
+        uploaded = plan.store.upload(plan.binding, cap.sections, plan.restore,
+                                     on_progress=on_progress, deadline=deadline)
         result = _result(plan, cap, uploaded, upload_ms=_ms(started),
                          frozen_ms=frozen_ms if not stop else _ms(cap.frozen_at))
         if on_durable is not None:
@@ -265,7 +267,7 @@ class CheckpointEngine:
             cap.thawed = True
         return result
 
-    def _plan(self, target: CheckpointTarget) -> _Plan:
+    def _plan(self, target: CheckpointTarget, store: CheckpointStore) -> _Plan:
         """Read the container and decide the dump's externals, before anything is frozen."""
         view = container.inspect(target.init_pid, target.bundle)
         cgroup = view.freezer_cgroup()
@@ -292,7 +294,7 @@ class CheckpointEngine:
                                  external_cgroup_mounts(view)),
             workspace_source=(view.bind_source(target.workspace_path)
                               if target.workspace_path else None),
-            binding=binding)
+            binding=binding, store=store)
 
     def _capture(self, plan: _Plan, cap: _Capture, *, routine: bool) -> None:
         """Dump memory and copy the writable layer and workspace while the tree is frozen.

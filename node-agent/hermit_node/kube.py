@@ -47,7 +47,8 @@ __all__ = [
 
 class Kube(KubeApi):
     """Exactly the calls the node-agent makes: its node, the pods on it, Checkpoints
-    (get, list cluster-wide, create, patch status: KubeApi) and Events on them."""
+    (get, list cluster-wide, create, patch status: KubeApi), Events on them, and the one
+    Secret a sandbox's per-sandbox storage names (get only)."""
 
     def __init__(self, api_client: client.ApiClient, node_name: str) -> None:
         super().__init__(api_client)
@@ -78,6 +79,15 @@ class Kube(KubeApi):
     def patch_node(self, patch: KubeObject) -> None:
         self._call(f"patching node {self.node_name}", self._core.patch_node, self.node_name,
                    patch, _content_type=MERGE_PATCH)
+
+    # -- secrets --------------------------------------------------------------------
+
+    def get_secret(self, namespace: str, name: str) -> KubeObject | None:
+        """One Secret, or None when it does not exist: read when a checkpoint or a restore
+        needs it, never listed or watched. Its data must never reach a log."""
+        out = self._get_or_none(f"reading Secret {namespace}/{name}",
+                                self._core.read_namespaced_secret, name, namespace)
+        return None if out is None else self._dict(out)
 
     # -- events ---------------------------------------------------------------------
 

@@ -331,13 +331,19 @@ def restore_annotations(phase: str, message: str | None = None, *,
 
 # -- Checkpoint status ----------------------------------------------------------------
 
-def status_dumping(node: str, now: datetime, parent: str | None = None) -> KubeObject:
+def status_dumping(node: str, now: datetime, parent: str | None = None,
+                   storage: Mapping[str, str] | None = None) -> KubeObject:
     """Dumping has started; ``parent`` is the Checkpoint the pod was restored from (its
-    ``restore-from`` annotation), recorded as ``status.parent``: the sandbox's lineage."""
+    ``restore-from`` annotation), recorded as ``status.parent``: the sandbox's lineage.
+    ``storage`` is where the checkpoint is written (``storage.Location.to_status``),
+    recorded as ``status.storage`` before anything is: restores and a restarted agent
+    read it from there."""
     status: KubeObject = {"phase": protocol.DUMPING, "nodeName": node,
                           "startedAt": protocol.rfc3339(now), "progress": display.DUMPING}
     if parent:
         status["parent"] = parent
+    if storage:
+        status["storage"] = dict(storage)
     return status
 
 

@@ -174,13 +174,16 @@ class RestoreEngine:
         self._store = store
         self._work_dir = work_dir
 
-    def restore(self, target: RestoreTarget, *, timeout: float = 120.0) -> RestoreResult:
+    def restore(self, target: RestoreTarget, *, timeout: float = 120.0,
+                store: CheckpointStore | None = None) -> RestoreResult:
+        """Restore ``target``'s checkpoint, read from ``store`` (where it was written),
+        else from the engine's store."""
         began = time.monotonic()
         view = container.inspect(target.init_pid, target.bundle)
         local = self._work_dir / "restores" / target.namespace / target.sandbox / target.checkpoint
         shutil.rmtree(local, ignore_errors=True)
         local.mkdir(parents=True)
-        manifest, admitted, download_ms = self._download(target, view, local)
+        manifest, admitted, download_ms = self._download(target, view, local, store)
         mapped = _map_externals(manifest.restore, view)
 
         started = time.monotonic()
@@ -203,13 +206,16 @@ class RestoreEngine:
         return result
 
     def _download(self, target: RestoreTarget, view: container.ContainerView,
-                  local: Path) -> tuple[Manifest, admit.Admitted, int]:
-        """Reads the manifest, admits it, then fetches and verifies the checkpoint into
-        ``local``. Returns the manifest, what to apply, and the duration in milliseconds."""
+                  local: Path, store: CheckpointStore | None = None,
+                  ) -> tuple[Manifest, admit.Admitted, int]:
+        """Reads the manifest from ``store`` (where the checkpoint was written; default: the
+        engine's store), admits it, then fetches and verifies the checkpoint into ``local``.
+        Returns the manifest, what to apply, and the duration in milliseconds."""
+        store = store or self._store
         started = time.monotonic()
         # A sealed manifest is verified here (signature, namespace, sandbox uid, name):
         # nothing is downloaded or written for one that does not verify.
-        manifest, digest = self._store.read_manifest(
+        manifest, digest = store.read_manifest(
             target.namespace, target.sandbox, target.checkpoint,
             expect_uid=target.sandbox_uid)
         if target.expect_manifest_digest is not None and digest != target.expect_manifest_digest:
@@ -221,7 +227,7 @@ class RestoreEngine:
         admitted = self._admit(target, manifest, view)
         check_room(manifest, admitted, local, view)
         # The manifest downloaded is the one admitted: the same bytes, by digest.
-        self._store.download(
+        store.download(
             target.namespace, target.sandbox, target.checkpoint, local,
             expect_uid=target.sandbox_uid, expect_digest=digest)
         return manifest, admitted, _ms(started)

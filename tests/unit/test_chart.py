@@ -183,3 +183,30 @@ def test_helm_template_renders() -> None:
     missing = subprocess.run(
         [helm, "template", "hermit", str(CHART)], capture_output=True, text=True, timeout=60)
     assert missing.returncode != 0 and "s3/bucket" in missing.stderr, missing.stderr
+
+
+def _node_agent_parts(*sets: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The node-agent ClusterRole's rules and its container's env, rendered with ``sets``."""
+    helm = _helm()
+    if helm is None:
+        pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
+    args = [a for s in ("s3.bucket=checkpoints", *sets) for a in ("--set", s)]
+    out = subprocess.run([helm, "template", "hermit", str(CHART), *args], check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    [role] = [d for d in docs if d["kind"] == "ClusterRole"
+              and d["metadata"]["name"].endswith("node-agent")]
+    [ds] = [d for d in docs if d["kind"] == "DaemonSet"]
+    env = {e["name"]: e.get("value", "") for e in
+           ds["spec"]["template"]["spec"]["containers"][0]["env"]}
+    return role["rules"], env
+
+
+def test_per_sandbox_storage_is_off_by_default_and_grants_only_get_on_secrets() -> None:
+    rules, env = _node_agent_parts()
+    assert not any("secrets" in r["resources"] for r in rules)
+    assert env["HERMIT_PER_SANDBOX_STORAGE"] == "false"
+    rules_on, env_on = _node_agent_parts("nodeAgent.perSandboxStorage=true")
+    assert [r for r in rules_on if r not in rules] == [
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
+    assert env_on["HERMIT_PER_SANDBOX_STORAGE"] == "true"

@@ -386,6 +386,8 @@ COMPLETED_STATUS = {
     "parent": "minimal-preempt",
     "frozenMs": 120, "dumpMs": 100, "uploadMs": 900,
     "imageBytes": 20_000_000, "uploadedBytes": 3_000_000, "storedBytes": 6_000_000,
+    "storage": {"bucket": "bucket", "prefix": "hermit", "region": "us-east-1",
+                "endpoint": "http://minio.minio:9000"},
     "manifestURI": "s3://bucket/hermit/default/minimal/checkpoints/minimal-manual-1/manifest.json",
     "manifestDigest": "sha256:" + "a" * 64,
     "criuVersion": "4.2.1",
@@ -437,8 +439,17 @@ INVALID: dict[str, tuple[Doc, str]] = {
     "relative mountPath": (_set(SANDBOX, "spec.workspace.mountPath", "work"),
                            "spec.workspace.mountPath"),
     "misspelt field": (_set(SANDBOX, "spec.checkpoint.intervalSecond", 60), "spec.checkpoint"),
-    "removed field storage": (_set(SANDBOX, "spec.checkpoint.storage", {"bucket": "b"}),
-                              "spec.checkpoint"),
+    "storage without bucket": (_drop(SANDBOX, "spec.checkpoint.storage.bucket"),
+                               "spec.checkpoint.storage"),
+    "storage bucket too short": (_set(SANDBOX, "spec.checkpoint.storage.bucket", "ab"),
+                                 "spec.checkpoint.storage.bucket"),
+    "storage misspelt field": (_set(SANDBOX, "spec.checkpoint.storage.secret", "s"),
+                               "spec.checkpoint.storage"),
+    "secretRef without name": (_set(SANDBOX, "spec.checkpoint.storage.secretRef", {}),
+                               "spec.checkpoint.storage.secretRef"),
+    "checkpoint storage without bucket": (
+        _set(CHECKPOINT, "status", {**COMPLETED_STATUS, "storage": {"prefix": "", "region": "r"}}),
+        "status.storage"),
     "removed field storageClassName": (_set(SANDBOX, "spec.workspace.storageClassName", "gp3"),
                                        "spec.workspace"),
     "checkpoint spec.parent": (_set(CHECKPOINT, "spec.parent", "older"), "spec"),
@@ -552,6 +563,45 @@ CEL_INVALID: dict[str, tuple[Doc, Doc | None, str]] = {
     "checkpoint sandboxRef changed": (
         _set(CHECKPOINT, "spec.sandboxRef.name", "other"), CHECKPOINT,
         "Checkpoint spec is immutable"),
+    "storage endpoint without secretRef": (
+        _drop(SANDBOX, "spec.checkpoint.storage.secretRef"), None,
+        "storage.endpoint needs storage.secretRef"),
+    "storage bucket with capitals": (
+        _set(SANDBOX, "spec.checkpoint.storage.bucket", "My-Bucket"), None,
+        "bucket must be an S3 bucket name"),
+    "storage bucket with two dots": (
+        _set(SANDBOX, "spec.checkpoint.storage.bucket", "my..bucket"), None,
+        "bucket must be an S3 bucket name"),
+    "storage bucket ending in a hyphen": (
+        _set(SANDBOX, "spec.checkpoint.storage.bucket", "bucket-"), None,
+        "bucket must be an S3 bucket name"),
+    "storage prefix with a leading slash": (
+        _set(SANDBOX, "spec.checkpoint.storage.prefix", "/team"), None,
+        "prefix must be segments"),
+    "storage prefix with a trailing slash": (
+        _set(SANDBOX, "spec.checkpoint.storage.prefix", "team/"), None,
+        "prefix must be segments"),
+    "storage prefix with a dot-dot segment": (
+        _set(SANDBOX, "spec.checkpoint.storage.prefix", "team/../other"), None,
+        "prefix must be segments"),
+    "storage prefix with a double slash": (
+        _set(SANDBOX, "spec.checkpoint.storage.prefix", "team//x"), None,
+        "prefix must be segments"),
+    "storage endpoint without scheme": (
+        _set(SANDBOX, "spec.checkpoint.storage.endpoint", "minio:9000"), None,
+        "endpoint must be an http or https URL"),
+    "storage endpoint with a query": (
+        _set(SANDBOX, "spec.checkpoint.storage.endpoint", "https://s3.example.com/?x=1"),
+        None, "endpoint must be an http or https URL"),
+    "storage endpoint ftp": (
+        _set(SANDBOX, "spec.checkpoint.storage.endpoint", "ftp://files.example.com"), None,
+        "endpoint must be an http or https URL"),
+    "storage region with capitals": (
+        _set(SANDBOX, "spec.checkpoint.storage.region", "EU-West-1"), None,
+        "region must be lowercase"),
+    "storage secret name with capitals": (
+        _set(SANDBOX, "spec.checkpoint.storage.secretRef.name", "My_Secret"), None,
+        "secretRef.name must be a Secret name"),
     "completed without digest": (
         _set(CHECKPOINT, "status", {k: v for k, v in COMPLETED_STATUS.items()
                                     if k != "manifestDigest"}),
@@ -565,3 +615,23 @@ def test_cel_rule_rejects(case: str) -> None:
     assert schema_errors(new) == [], "the document must pass the schema, only CEL rejects it"
     violations = cel_violations(defaulted(new), None if old is None else defaulted(old))
     assert any(message in v for v in violations), violations
+
+
+STORAGE_ACCEPTED: dict[str, tuple[str, Any]] = {
+    "bucket only": ("spec.checkpoint.storage", {"bucket": "team-a.checkpoints"}),
+    "bucket and secret": ("spec.checkpoint.storage", {"bucket": "b-1", "secretRef": {
+        "name": "s3.team-a"}}),
+    "nested prefix": ("spec.checkpoint.storage.prefix", "org/team_a/v1.2"),
+    "minio endpoint with a port and a path": ("spec.checkpoint.storage.endpoint",
+                                              "http://minio.minio.svc:9000/s3"),
+    "endpoint ip": ("spec.checkpoint.storage.endpoint", "http://10.213.0.1:39000"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STORAGE_ACCEPTED))
+def test_storage_forms_that_are_accepted(case: str) -> None:
+    path, value = STORAGE_ACCEPTED[case]
+    doc = defaulted(_set(SANDBOX, path, value))
+    assert schema_errors(doc) == []
+    assert cel_violations(doc) == []
+    assert cel_violations(doc, old=defaulted(SANDBOX)) == [], "storage may change later"

@@ -390,14 +390,16 @@ class FakeEngine:
         self.error = error
         self.progress = progress or []  # reported after on_uploading, as the store does
         self.calls: list[tuple[Any, bool]] = []
+        self.stores: list[Any] = []  # the store each call was given
 
     def checkpoint(self, target: Any, *, stop: bool = False,
                    keep_local: bool = False, deadline: float | None = None,
                    on_uploading: Callable[[int, int], None] | None = None,
                    on_progress: Callable[[UploadProgress], None] | None = None,
                    on_durable: Callable[[CheckpointResult], None] | None = None,
-                   ) -> CheckpointResult:
+                   store: Any = None) -> CheckpointResult:
         self.calls.append((target, stop))
+        self.stores.append(store)
         if on_uploading is not None and self.error is None:
             on_uploading(5, 4)
         for step in self.progress:
@@ -409,8 +411,10 @@ class FakeEngine:
             on_durable(RESULT)
         return RESULT
 
-    def restore(self, target: Any, *, timeout: float = 120.0) -> RestoreResult:
+    def restore(self, target: Any, *, timeout: float = 120.0,
+                store: Any = None) -> RestoreResult:
         self.calls.append((target, False))
+        self.stores.append(store)
         if self.error is not None:
             raise self.error
         return RestoreResult(download_ms=1, apply_ms=1, restore_ms=1, total_ms=3,
@@ -673,6 +677,24 @@ class FakeManifests:
         return f"s3://b/{namespace}/{sandbox}/checkpoints/{checkpoint}/manifest.json"
 
 
+class FakeStores:
+    """storage.Stores with one store for everything; records what it was asked."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.asked: list[tuple[str, Any]] = []
+
+    def for_sandbox(self, sandbox: dict[str, Any]) -> tuple[Any, Any]:
+        from hermit_node.storage import Location
+
+        self.asked.append(("sandbox", sandbox))
+        return self.store, Location(bucket="b", prefix="hermit", region="us-east-1")
+
+    def for_checkpoint(self, c: dict[str, Any], owner: dict[str, Any] | None) -> Any:
+        self.asked.append((c["metadata"]["name"], owner))
+        return self.store
+
+
 class FakeTrees:
     def __init__(self) -> None:
         self.settled: list[tuple[int, bool]] = []
@@ -690,7 +712,7 @@ def test_restart_completes_a_checkpoint_whose_manifest_is_durable(tmp_path: Path
     kube = FakeKube([pod("box-1")], [uploading, lost])
     trees = FakeTrees()
     agent = NodeAgent(NODE, kube, FakeEngine(), FakeEngine(),  # type: ignore[arg-type]
-                      manifests=FakeManifests({"box-1-preempt"}), trees=trees,
+                      stores=FakeStores(FakeManifests({"box-1-preempt"})), trees=trees,
                       proc_root=fake_proc(tmp_path), clock=lambda: NOW)
     agent.reconcile_once()
     agent.shutdown()
@@ -706,7 +728,7 @@ def test_restart_thaws_a_tree_with_no_durable_stop(tmp_path: Path) -> None:
     kube = FakeKube([pod("box-1")], [])
     trees = FakeTrees()
     agent = NodeAgent(NODE, kube, FakeEngine(), FakeEngine(),  # type: ignore[arg-type]
-                      manifests=FakeManifests(set()), trees=trees,
+                      stores=FakeStores(FakeManifests(set())), trees=trees,
                       proc_root=fake_proc(tmp_path), clock=lambda: NOW)
     agent.reconcile_once()
     agent.shutdown()

@@ -43,3 +43,17 @@ def test_redacted_masks_credentials() -> None:
 def test_watcher_urls_are_trimmed() -> None:
     w = WatcherSettings.from_env({"HERMIT_AWS_IMDS_URL": "http://127.0.0.1:1338/"})
     assert w.aws_imds_url == "http://127.0.0.1:1338"
+
+
+def test_per_sandbox_storage_is_off_unless_turned_on() -> None:
+    assert NodeSettings.from_env(BASE).per_sandbox_storage is False
+    on = NodeSettings.from_env({**BASE, "HERMIT_PER_SANDBOX_STORAGE": "true"})
+    assert on.per_sandbox_storage is True
+    with pytest.raises(SettingsError, match="HERMIT_PER_SANDBOX_STORAGE='maybe' is not a "):
+        NodeSettings.from_env({**BASE, "HERMIT_PER_SANDBOX_STORAGE": "maybe"})
+
+
+def test_redacted_masks_a_session_token() -> None:
+    s = StoreSettings(bucket="b-1", access_key_id="AKIA", secret_access_key="s",
+                      session_token="very-secret-token")
+    assert redacted(s)["session_token"] == "***"

@@ -1,0 +1,518 @@
+"""Per-sandbox storage (hermit_node.storage): where a checkpoint goes and where it is read,
+the Secret parse, the errors, the client cache; and the agent using it."""
+
+from __future__ import annotations
+
+import base64
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hermit_common import api
+from hermit_common.errors import CheckpointRefused
+from hermit_common.settings import StoreSettings
+from hermit_node import planner, storage
+from hermit_node.kube import KubeForbidden, KubeTransient
+from hermit_node.storage import Credentials, Location, StorageError, Stores
+from tests.unit.test_crds import schema_errors
+from tests.unit.test_node_planner import (
+    DIGEST,
+    NOW,
+    FakeEngine,
+    FakeKube,
+    FakeStores,
+    _with_status,
+    ckpt,
+    make_agent,
+    pod,
+)
+
+DEFAULTS = StoreSettings(bucket="shared", prefix="hermit", endpoint_url="http://minio:9000",
+                         region="us-east-1", access_key_id="AGENT", secret_access_key="agent-s",
+                         transfer_concurrency=6, chunk_size_bytes=1 << 20)
+DEFAULT = Location(bucket="shared", prefix="hermit", region="us-east-1",
+                   endpoint="http://minio:9000")
+ACCESS, SECRET_KEY, TOKEN = "AKIATEAMA", "team-a-very-secret", "session-token-xyz"
+
+
+def sandbox(name: str = "box", namespace: str = "agents",
+            store: dict[str, Any] | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"checkpoint": {"onPreemption": True, "retain": 3}}
+    if store is not None:
+        spec["checkpoint"]["storage"] = store
+    return {"apiVersion": api.API_VERSION, "kind": api.SANDBOX_KIND,
+            "metadata": {"name": name, "namespace": namespace, "uid": f"uid-of-{name}"},
+            "spec": spec}
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def secret(**data: str) -> dict[str, Any]:
+    return {"metadata": {"name": "s3", "namespace": "agents"},
+            "data": {k: b64(v) for k, v in data.items()}}
+
+
+GOOD = secret(AWS_ACCESS_KEY_ID=ACCESS, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+
+
+# -- where the next checkpoint goes -------------------------------------------------------
+
+def test_a_sandbox_without_storage_uses_the_default_store() -> None:
+    wanted = storage.sandbox_storage(sandbox(), DEFAULTS, allowed=True)
+    assert wanted == storage.SandboxStorage(DEFAULT, None)
+    # Off or on, a sandbox that asks nothing gets the default.
+    assert storage.sandbox_storage(sandbox(), DEFAULTS, allowed=False).location == DEFAULT
+
+
+def test_unset_fields_come_from_the_default_store() -> None:
+    wanted = storage.sandbox_storage(sandbox(store={"bucket": "team-a"}), DEFAULTS,
+                                     allowed=True)
+    assert wanted.location == Location(bucket="team-a", prefix="hermit", region="us-east-1",
+                                       endpoint="http://minio:9000")
+    assert wanted.secret is None  # the node-agent's own credentials, on its own endpoint
+
+
+def test_every_field_of_the_spec_is_used() -> None:
+    wanted = storage.sandbox_storage(sandbox(store={
+        "bucket": "team-a", "prefix": "org/team-a", "endpoint": "https://s3.example.com/",
+        "region": "eu-west-1", "secretRef": {"name": "team-a-s3"}}), DEFAULTS, allowed=True)
+    assert wanted.location == Location(bucket="team-a", prefix="org/team-a",
+                                       region="eu-west-1", endpoint="https://s3.example.com")
+    assert wanted.secret == "team-a-s3"
+
+
+def test_per_sandbox_storage_off_refuses_a_sandbox_that_asks_for_it() -> None:
+    with pytest.raises(StorageError, match=r"nodeAgent\.perSandboxStorage") as err:
+        storage.sandbox_storage(sandbox(store={"bucket": "team-a"}), DEFAULTS, allowed=False)
+    assert "AgentSandbox agents/box" in str(err.value)
+
+
+def test_own_credentials_never_go_to_another_endpoint() -> None:
+    # The CRD already needs a secretRef with an endpoint; the code holds it too.
+    with pytest.raises(StorageError, match="only go to its own endpoint"):
+        storage.sandbox_storage(sandbox(store={"bucket": "b-1", "endpoint": "https://evil.io"}),
+                                DEFAULTS, allowed=True)
+    same = storage.sandbox_storage(sandbox(store={"bucket": "b-1",
+                                                  "endpoint": "http://minio:9000"}),
+                                   DEFAULTS, allowed=True)
+    assert same.location.endpoint == "http://minio:9000" and same.secret is None
+
+
+def test_an_endpoint_that_is_not_a_url_is_refused() -> None:
+    with pytest.raises(StorageError, match="not an http"):
+        storage.sandbox_storage(sandbox(store={"bucket": "b-1", "endpoint": "minio:9000",
+                                               "secretRef": {"name": "s"}}),
+                                DEFAULTS, allowed=True)
+
+
+# -- where an existing checkpoint is read ------------------------------------------------
+
+def test_the_location_round_trips_through_the_checkpoint_status() -> None:
+    where = Location(bucket="team-a", prefix="", region="eu-west-1",
+                     endpoint="https://s3.example.com")
+    status = planner.status_dumping("node-a", NOW, "box-1-preempt", where.to_status())
+    assert status["storage"] == {"bucket": "team-a", "prefix": "", "region": "eu-west-1",
+                                 "endpoint": "https://s3.example.com"}
+    assert storage.recorded_location(ckpt("c1", status=status)) == where
+    aws = Location(bucket="team-a", prefix="p", region="eu-west-1")
+    assert "endpoint" not in aws.to_status()
+    assert storage.recorded_location(ckpt("c1", status={"storage": aws.to_status()})) == aws
+    assert schema_errors(_with_status(status)) == []
+
+
+def test_a_checkpoint_without_a_recorded_location_is_in_the_default_store() -> None:
+    assert storage.recorded_location(ckpt("c1", status={"phase": "Completed"})) is None
+    wanted = storage.restore_storage(None, sandbox(), DEFAULTS, allowed=True)
+    assert wanted == storage.SandboxStorage(DEFAULT, None)
+
+
+@pytest.mark.parametrize("raw", ["s3://x", {"prefix": "p", "region": "r"},
+                                 {"bucket": "b", "region": "r"},
+                                 {"bucket": "b", "prefix": "p", "region": "r", "endpoint": 5},
+                                 {"bucket": "b", "prefix": "p", "region": "r",
+                                  "endpoint": "ftp://x"}])
+def test_an_unreadable_recorded_location_refuses_the_checkpoint(raw: object) -> None:
+    with pytest.raises(CheckpointRefused, match=r"status\.storage|not an http"):
+        storage.recorded_location(ckpt("c1", status={"storage": raw}))
+
+
+def test_a_checkpoint_is_read_where_it_was_written_whatever_the_spec_says_now() -> None:
+    written = Location(bucket="team-a-old", prefix="v1", region="us-east-1",
+                       endpoint="http://minio:9000")
+    owner_now = sandbox(store={"bucket": "team-a-new", "prefix": "v2",
+                               "secretRef": {"name": "team-a-s3"}})
+    wanted = storage.restore_storage(written, owner_now, DEFAULTS, allowed=True)
+    # The recorded location, with the credentials the owning sandbox names now.
+    assert wanted == storage.SandboxStorage(written, "team-a-s3")
+
+
+def test_a_checkpoint_of_a_sandbox_that_went_back_to_the_default_uses_own_credentials() -> None:
+    written = Location(bucket="team-a", prefix="hermit", region="us-east-1",
+                       endpoint="http://minio:9000")
+    assert storage.restore_storage(written, sandbox(), DEFAULTS, allowed=True) == \
+        storage.SandboxStorage(written, None)
+    assert storage.restore_storage(written, None, DEFAULTS, allowed=True) == \
+        storage.SandboxStorage(written, None)
+
+
+def test_a_recorded_foreign_endpoint_needs_the_owners_secret() -> None:
+    foreign = Location(bucket="team-a", prefix="p", region="r", endpoint="https://s3.other.io")
+    with pytest.raises(StorageError, match="only go to its own endpoint"):
+        storage.restore_storage(foreign, sandbox(), DEFAULTS, allowed=True)
+    assert storage.restore_storage(foreign, sandbox(store={
+        "bucket": "x-1", "endpoint": "https://s3.other.io", "secretRef": {"name": "s"}}),
+        DEFAULTS, allowed=True).secret == "s"
+
+
+def test_per_sandbox_storage_off_reads_the_default_store_only() -> None:
+    owner = sandbox(store={"bucket": "team-a", "secretRef": {"name": "s"}})
+    # A checkpoint in the default store: read with the node-agent's own credentials.
+    assert storage.restore_storage(DEFAULT, owner, DEFAULTS, allowed=False) == \
+        storage.SandboxStorage(DEFAULT, None)
+    elsewhere = Location(bucket="team-a", prefix="hermit", region="us-east-1",
+                         endpoint="http://minio:9000")
+    with pytest.raises(StorageError, match=r"s3://team-a/hermit at http://minio:9000.*"
+                                           r"nodeAgent\.perSandboxStorage"):
+        storage.restore_storage(elsewhere, owner, DEFAULTS, allowed=False)
+
+
+# -- the Secret ---------------------------------------------------------------------------
+
+def test_a_secret_gives_credentials_and_an_optional_session_token() -> None:
+    assert storage.parse_credentials(GOOD, "agents/s3") == Credentials(ACCESS, SECRET_KEY)
+    with_token = secret(AWS_ACCESS_KEY_ID=ACCESS, AWS_SECRET_ACCESS_KEY=SECRET_KEY,
+                        AWS_SESSION_TOKEN=TOKEN)
+    assert storage.parse_credentials(with_token, "agents/s3").session_token == TOKEN
+
+
+@pytest.mark.parametrize(("data", "missing"), [
+    ({}, "has no AWS_ACCESS_KEY_ID and no AWS_SECRET_ACCESS_KEY"),
+    ({"AWS_ACCESS_KEY_ID": ACCESS}, "has no AWS_SECRET_ACCESS_KEY ("),
+    ({"AWS_SECRET_ACCESS_KEY": SECRET_KEY}, "has no AWS_ACCESS_KEY_ID ("),
+    ({"AWS_ACCESS_KEY_ID": ACCESS, "AWS_SECRET_ACCESS_KEY": "  "}, "has no AWS_SECRET_ACCESS_KEY"),
+    ({"aws_access_key_id": ACCESS, "aws_secret_access_key": SECRET_KEY},
+     "has no AWS_ACCESS_KEY_ID and no AWS_SECRET_ACCESS_KEY"),
+])
+def test_missing_keys_are_named_and_no_value_is_shown(data: dict[str, str],
+                                                      missing: str) -> None:
+    with pytest.raises(StorageError) as err:
+        storage.parse_credentials(secret(**data), "agents/s3")
+    message = str(err.value)
+    assert f"Secret agents/s3 {missing}" in message
+    assert ACCESS not in message and SECRET_KEY not in message
+
+
+def test_a_value_that_is_not_base64_is_named_not_shown() -> None:
+    bad = {"data": {"AWS_ACCESS_KEY_ID": b64(ACCESS), "AWS_SECRET_ACCESS_KEY": "%%" + SECRET_KEY}}
+    with pytest.raises(StorageError, match="AWS_SECRET_ACCESS_KEY is not base64") as err:
+        storage.parse_credentials(bad, "agents/s3")
+    assert SECRET_KEY not in str(err.value)
+
+
+def test_credentials_stay_out_of_repr_and_settings_logs() -> None:
+    creds = Credentials(ACCESS, SECRET_KEY, TOKEN)
+    assert ACCESS not in repr(creds) and SECRET_KEY not in repr(creds) and TOKEN not in repr(creds)
+    from hermit_common.settings import redacted
+
+    moved = storage.store_settings(DEFAULTS, DEFAULT, creds)
+    shown = repr(redacted(moved))
+    assert SECRET_KEY not in shown and TOKEN not in shown and ACCESS not in shown
+
+
+def test_store_settings_move_the_location_and_keep_the_tuning() -> None:
+    team = Location(bucket="team-a", prefix="t", region="eu-west-1", endpoint="https://s3.x.io")
+    own = storage.store_settings(DEFAULTS, team, None)
+    assert (own.bucket, own.prefix, own.region, own.endpoint_url) == (
+        "team-a", "t", "eu-west-1", "https://s3.x.io")
+    assert (own.access_key_id, own.secret_access_key) == ("AGENT", "agent-s")
+    assert (own.transfer_concurrency, own.chunk_size_bytes) == (6, 1 << 20)
+    given = storage.store_settings(DEFAULTS, team, Credentials(ACCESS, SECRET_KEY, TOKEN))
+    assert (given.access_key_id, given.secret_access_key, given.session_token) == (
+        ACCESS, SECRET_KEY, TOKEN)
+
+
+def test_client_keys_tell_credentials_apart_without_holding_them() -> None:
+    a = storage.client_key(DEFAULT, Credentials(ACCESS, SECRET_KEY))
+    assert a == storage.client_key(DEFAULT, Credentials(ACCESS, SECRET_KEY))
+    assert a != storage.client_key(DEFAULT, Credentials(ACCESS, "rotated"))
+    assert a != storage.client_key(DEFAULT, Credentials(ACCESS, SECRET_KEY, TOKEN))
+    assert storage.client_key(DEFAULT, None) == ("http://minio:9000", "us-east-1", "default")
+    assert SECRET_KEY not in repr(a) and ACCESS not in repr(a)
+
+
+# -- Stores: one GET per use, cached clients ------------------------------------------------
+
+class Secrets:
+    """The node-agent's Kube as far as Stores uses it: get one Secret."""
+
+    def __init__(self, **secrets: dict[str, Any]) -> None:
+        self.secrets = secrets
+        self.reads: list[tuple[str, str]] = []
+        self.error: Exception | None = None
+
+    def get_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.reads.append((namespace, name))
+        if self.error is not None:
+            raise self.error
+        return self.secrets.get(name)
+
+
+class Clients:
+    def __init__(self) -> None:
+        self.made: list[StoreSettings] = []
+
+    def __call__(self, settings: StoreSettings) -> object:
+        self.made.append(settings)
+        return object()
+
+
+def stores(secrets: Secrets, *, allowed: bool = True, max_clients: int = 32
+           ) -> tuple[Stores, Clients]:
+    clients = Clients()
+    return Stores(DEFAULTS, secrets, allowed=allowed, make_client=clients,
+                  max_clients=max_clients), clients
+
+
+def team_sandbox(bucket: str = "team-a", secret_name: str | None = "team-a-s3"
+                 ) -> dict[str, Any]:
+    spec: dict[str, Any] = {"bucket": bucket}
+    if secret_name:
+        spec["secretRef"] = {"name": secret_name}
+    return sandbox(store=spec)
+
+
+def test_the_default_location_with_own_credentials_is_the_default_store() -> None:
+    secrets = Secrets()
+    s, clients = stores(secrets)
+    store, where = s.for_sandbox(sandbox())
+    assert store is s.default and where == DEFAULT
+    assert s.for_checkpoint(ckpt("c1", status={"storage": DEFAULT.to_status()}), sandbox()) \
+        is s.default
+    assert secrets.reads == [] and len(clients.made) == 1  # the default store's client
+
+
+def test_a_sandbox_store_reads_its_secret_each_time_and_shares_one_client() -> None:
+    secrets = Secrets(**{"team-a-s3": GOOD})
+    s, clients = stores(secrets)
+    first, where = s.for_sandbox(team_sandbox())
+    second, _ = s.for_sandbox(team_sandbox(bucket="team-a-2"))
+    assert where.bucket == "team-a" and first.settings.bucket == "team-a"
+    assert first.settings.access_key_id == ACCESS
+    assert secrets.reads == [("agents", "team-a-s3")] * 2  # at use time, never cached
+    assert len(clients.made) == 2  # the default's, and one for these credentials
+    assert first.client is second.client
+    secrets.secrets["team-a-s3"] = secret(AWS_ACCESS_KEY_ID=ACCESS,
+                                          AWS_SECRET_ACCESS_KEY="rotated")
+    rotated, _ = s.for_sandbox(team_sandbox())
+    assert rotated.client is not first.client and len(clients.made) == 3
+
+
+def test_without_a_secret_another_bucket_uses_own_credentials() -> None:
+    s, clients = stores(Secrets())
+    store, _ = s.for_sandbox(team_sandbox(secret_name=None))
+    assert store is not s.default and store.settings.bucket == "team-a"
+    assert store.settings.access_key_id == "AGENT"
+    assert store.client is s.default.client and len(clients.made) == 1
+
+
+def test_the_client_cache_is_bounded() -> None:
+    secrets = Secrets()
+    s, clients = stores(secrets, max_clients=2)
+    for n in range(4):
+        secrets.secrets[f"s{n}"] = secret(AWS_ACCESS_KEY_ID=f"K{n}", AWS_SECRET_ACCESS_KEY="x")
+        s.for_sandbox(team_sandbox(secret_name=f"s{n}"))
+    assert len(s._clients) == 2
+    s.for_sandbox(team_sandbox(secret_name="s0"))  # evicted: built again
+    assert len(clients.made) == 1 + 5
+
+
+def test_a_missing_or_forbidden_secret_is_a_storage_error() -> None:
+    secrets = Secrets()
+    s, _ = stores(secrets)
+    with pytest.raises(StorageError, match=re.escape(
+            "Secret agents/team-a-s3, named by spec.checkpoint.storage.secretRef, does not "
+            "exist")):
+        s.for_sandbox(team_sandbox())
+    secrets.error = KubeForbidden("reading Secret agents/team-a-s3 failed: forbidden",
+                                  status=403, detail="forbidden")
+    with pytest.raises(StorageError, match=r"may not read Secret agents/team-a-s3 \(forbidden\)"
+                                           r".*nodeAgent\.perSandboxStorage"):
+        s.for_sandbox(team_sandbox())
+    secrets.error = KubeTransient("reading Secret agents/team-a-s3 failed: HTTP 503", status=503)
+    with pytest.raises(KubeTransient):  # the caller retries on a later loop
+        s.for_sandbox(team_sandbox())
+
+
+def test_off_never_reads_a_secret() -> None:
+    secrets = Secrets(**{"team-a-s3": GOOD})
+    s, _ = stores(secrets, allowed=False)
+    with pytest.raises(StorageError, match="per-sandbox storage is off"):
+        s.for_sandbox(team_sandbox())
+    assert s.for_checkpoint(ckpt("c1"), team_sandbox()) is s.default
+    assert secrets.reads == []
+
+
+# -- the agent: record the location, use the store, fail clearly -----------------------------
+
+class SandboxKube(FakeKube):
+    """FakeKube whose sandboxes have a spec (get_sandbox returns them)."""
+
+    def __init__(self, pods: list[dict[str, Any]], checkpoints: list[dict[str, Any]],
+                 sandboxes: dict[str, dict[str, Any]]) -> None:
+        super().__init__(pods, checkpoints)
+        self.sandboxes = sandboxes
+
+    def get_sandbox(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.sandboxes.get(name)
+
+
+def real_stores(secrets: Secrets) -> Stores:
+    return Stores(DEFAULTS, secrets, allowed=True, make_client=Clients())
+
+
+def test_a_checkpoint_records_where_it_goes_and_uses_that_store(tmp_path: Path) -> None:
+    kube = SandboxKube([pod("box-1")], [ckpt("manual")], {"box": team_sandbox()})
+    engine = FakeEngine()
+    agent = make_agent(tmp_path, kube, engine)
+    agent._stores = real_stores(Secrets(**{"team-a-s3": GOOD}))
+    agent.reconcile_once()
+    agent.shutdown()
+    dumping = kube.statuses[0][1]
+    assert dumping["phase"] == "Dumping"
+    assert dumping["storage"] == {"bucket": "team-a", "prefix": "hermit", "region": "us-east-1",
+                                  "endpoint": "http://minio:9000"}
+    [store] = engine.stores
+    assert store.settings.bucket == "team-a" and store.settings.access_key_id == ACCESS
+    assert kube.checkpoints["manual"]["status"]["phase"] == "Completed"
+
+
+def test_a_missing_secret_fails_the_checkpoint_with_why_and_an_event(tmp_path: Path) -> None:
+    kube = SandboxKube([pod("box-1")], [ckpt("manual")], {"box": team_sandbox()})
+    engine = FakeEngine()
+    agent = make_agent(tmp_path, kube, engine)
+    agent._stores = real_stores(Secrets())
+    agent.reconcile_once()
+    agent.shutdown()
+    assert engine.calls == []  # nothing frozen: the sandbox runs on
+    status = kube.checkpoints["manual"]["status"]
+    assert status["phase"] == "Failed"
+    assert status["message"] == (
+        "checkpoint agents/manual failed, sandbox left running: Secret agents/team-a-s3, "
+        "named by spec.checkpoint.storage.secretRef, does not exist")
+    assert kube.events == [("manual", "Warning", "CheckpointFailed")]
+
+
+def test_an_api_hiccup_reading_the_secret_retries_the_checkpoint_later(tmp_path: Path) -> None:
+    kube = SandboxKube([pod("box-1")], [ckpt("manual")], {"box": team_sandbox()})
+    engine = FakeEngine()
+    secrets = Secrets(**{"team-a-s3": GOOD})
+    secrets.error = KubeTransient("reading Secret agents/team-a-s3 failed: HTTP 503", status=503)
+    agent = make_agent(tmp_path, kube, engine)
+    agent._stores = real_stores(secrets)
+    agent.reconcile_once()
+    deadline = time.monotonic() + 10
+    while agent._jobs.busy() and time.monotonic() < deadline:  # the job runs on the pool
+        time.sleep(0.01)
+    assert not agent._jobs.busy()
+    assert kube.statuses == [] and engine.calls == []
+    secrets.error = None
+    agent.reconcile_once()
+    agent.shutdown()
+    assert [t.checkpoint for t, _ in engine.calls] == ["manual"]
+
+
+def test_a_restore_reads_the_recorded_location_with_the_owners_secret(tmp_path: Path) -> None:
+    written = Location(bucket="team-a-old", prefix="hermit", region="us-east-1",
+                       endpoint="http://minio:9000")
+    restoring = pod("box-2", incarnation=2, annotations={"hermit.dev/restore-from": "c1"})
+    kube = SandboxKube([restoring], [ckpt("c1", status={
+        "phase": "Completed", "manifestDigest": DIGEST, "storage": written.to_status()})],
+        {"box": team_sandbox(bucket="team-a-new")})
+    engine = FakeEngine()
+    agent = make_agent(tmp_path, kube, engine)
+    agent._stores = real_stores(Secrets(**{"team-a-s3": GOOD}))
+    agent.reconcile_once()
+    agent.shutdown()
+    [store] = engine.stores
+    assert store.settings.bucket == "team-a-old" and store.settings.access_key_id == ACCESS
+    assert kube.annotations[-1][1]["hermit.dev/restore-phase"] == "Restored"
+
+
+def test_a_fork_reads_with_the_source_sandboxs_location_and_secret(tmp_path: Path) -> None:
+    written = Location(bucket="team-a", prefix="hermit", region="us-east-1",
+                       endpoint="http://minio:9000")
+    fork = pod("fork-1", sandbox="fork", annotations={"hermit.dev/restore-from": "box-1-x"})
+    kube = SandboxKube([fork], [ckpt("box-1-x", sandbox="box", status={
+        "phase": "Completed", "manifestDigest": DIGEST, "storage": written.to_status()})],
+        {"box": team_sandbox(), "fork": sandbox("fork")})
+    engine = FakeEngine()
+    agent = make_agent(tmp_path, kube, engine)
+    agent._stores = real_stores(Secrets(**{"team-a-s3": GOOD}))
+    agent.reconcile_once()
+    agent.shutdown()
+    [(target, _)] = engine.calls
+    assert (target.sandbox, target.sandbox_uid) == ("box", "uid-of-box")
+    [store] = engine.stores
+    assert store.settings.bucket == "team-a" and store.settings.access_key_id == ACCESS
+
+
+@pytest.mark.parametrize(("secrets", "retryable"), [
+    (Secrets(), "true"),  # a missing Secret can be created: try again later
+    (Secrets(**{"team-a-s3": secret(AWS_ACCESS_KEY_ID=ACCESS)}), "true"),
+])
+def test_a_restore_whose_secret_is_unusable_fails_as_retryable(
+        tmp_path: Path, secrets: Secrets, retryable: str) -> None:
+    restoring = pod("box-2", incarnation=2, annotations={"hermit.dev/restore-from": "c1"})
+    kube = SandboxKube([restoring], [ckpt("c1", status={
+        "phase": "Completed", "manifestDigest": DIGEST,
+        "storage": {"bucket": "team-a", "prefix": "hermit", "region": "us-east-1",
+                    "endpoint": "http://minio:9000"}})], {"box": team_sandbox()})
+    engine = FakeEngine()
+    agent = make_agent(tmp_path, kube, engine)
+    agent._stores = real_stores(secrets)
+    agent.reconcile_once()
+    agent.shutdown()
+    assert engine.calls == []
+    last = kube.annotations[-1][1]
+    assert last["hermit.dev/restore-phase"] == "Failed"
+    assert last["hermit.dev/restore-retryable"] == retryable
+    assert "Secret agents/team-a-s3" in str(last["hermit.dev/restore-message"])
+
+
+def test_a_garbled_recorded_location_is_refused_for_good(tmp_path: Path) -> None:
+    restoring = pod("box-2", incarnation=2, annotations={"hermit.dev/restore-from": "c1"})
+    kube = SandboxKube([restoring], [ckpt("c1", status={
+        "phase": "Completed", "manifestDigest": DIGEST, "storage": {"bucket": 7}})],
+        {"box": sandbox()})
+    agent = make_agent(tmp_path, kube, FakeEngine())
+    agent._stores = real_stores(Secrets())
+    agent.reconcile_once()
+    agent.shutdown()
+    assert kube.annotations[-1][1]["hermit.dev/restore-retryable"] == "false"
+
+
+def test_a_restarted_agent_looks_for_the_manifest_where_it_was_being_written(
+        tmp_path: Path) -> None:
+    from tests.unit.test_node_planner import FakeManifests, FakeTrees
+
+    where = Location(bucket="team-a", prefix="hermit", region="us-east-1").to_status()
+    uploading = ckpt("box-1-preempt", reason="Preemption",
+                     status={"phase": "Uploading", "nodeName": "node-a", "storage": where})
+    kube = SandboxKube([pod("box-1")], [uploading], {"box": team_sandbox()})
+    fake = FakeStores(FakeManifests({"box-1-preempt"}))
+    from hermit_node.agent import NodeAgent
+    from tests.unit.test_node_planner import fake_proc
+
+    agent = NodeAgent("node-a", kube, FakeEngine(), FakeEngine(),  # type: ignore[arg-type]
+                      stores=fake, trees=FakeTrees(), proc_root=fake_proc(tmp_path),
+                      clock=lambda: NOW)
+    agent.reconcile_once()
+    agent.shutdown()
+    assert fake.asked[0] == ("box-1-preempt", team_sandbox())  # its record and its owner
+    assert kube.checkpoints["box-1-preempt"]["status"]["phase"] == "Completed"
+    assert kube.checkpoints["box-1-preempt"]["status"]["storage"] == where
