@@ -571,10 +571,18 @@ class CheckpointStore:
         return manifest, digest
 
     def _open_manifest(self, namespace: str, sandbox: str, checkpoint: str,
-                       expect_uid: str | None) -> tuple[Manifest, str, ChunkCipher | None]:
+                       expect_uid: str | None, expect_digest: str | None = None,
+                       ) -> tuple[Manifest, str, ChunkCipher | None]:
+        """Fetches a manifest, checks its stored bytes against ``expect_digest`` (before
+        anything is decrypted), unseals and parses it."""
         raw = self._read_manifest_bytes(namespace, sandbox, checkpoint)
+        actual = digest_bytes(raw)
+        if expect_digest is not None and actual != expect_digest:
+            raise CheckpointRefused(
+                f"checkpoint {namespace}/{checkpoint}: manifest digest {actual} does not match "
+                f"the expected {expect_digest}")
         plain, cipher = self._unseal(raw, namespace, sandbox, checkpoint, expect_uid)
-        return Manifest.from_json(plain), digest_bytes(raw), cipher
+        return Manifest.from_json(plain), actual, cipher
 
     def collect_garbage(self, namespace: str, sandbox: str, *,
                         min_age_seconds: float = 0.0) -> int:
@@ -719,14 +727,8 @@ class CheckpointStore:
         checkpoint), CheckpointNotFound, or StoreUnavailable. On failure nothing
         is left under ``dest``; on success every byte has been verified.
         """
-        raw = self._read_manifest_bytes(namespace, sandbox, checkpoint)
-        actual = digest_bytes(raw)
-        if expect_digest is not None and actual != expect_digest:
-            raise CheckpointRefused(
-                f"checkpoint {namespace}/{checkpoint}: manifest digest {actual} does not match "
-                f"the expected {expect_digest}")
-        plain, cipher = self._unseal(raw, namespace, sandbox, checkpoint, expect_uid)
-        manifest = Manifest.from_json(plain)
+        manifest, _, cipher = self._open_manifest(namespace, sandbox, checkpoint, expect_uid,
+                                                  expect_digest)
         b = manifest.binding
         if (b.namespace, b.sandbox, b.sandbox_uid, b.checkpoint) != \
                 (namespace, sandbox, expect_uid, checkpoint):
