@@ -19,7 +19,7 @@ from botocore.exceptions import (
     ReadTimeoutError,
 )
 
-from hermit_common.errors import CheckpointRefused, HermitError, StoreUnavailable
+from hermit_common.errors import CheckpointFailed, CheckpointRefused, HermitError, StoreUnavailable
 
 NOT_FOUND_CODES: Final = frozenset({"NoSuchKey", "404", "NotFound"})
 _DENIED_CODES: Final = frozenset({
@@ -33,8 +33,18 @@ _TRANSIENT_CODES: Final = frozenset({
 })
 
 
+# A conditional PUT (If-None-Match) found an object: 412 on S3 and MinIO; 409 when another
+# conditional write of the same key is under way.
+_PRECONDITION_CODES: Final = frozenset({"PreconditionFailed", "412",
+                                        "ConditionalRequestConflict"})
+
+
 class CheckpointNotFound(CheckpointRefused):
     """The requested checkpoint has no manifest in the store."""
+
+
+class ObjectExists(CheckpointFailed):
+    """A conditional PUT was refused: the object exists (another writer made it)."""
 
 
 def error_code(exc: ClientError) -> str:
@@ -48,6 +58,11 @@ def error_code(exc: ClientError) -> str:
 
 def is_not_found(exc: BaseException) -> bool:
     return isinstance(exc, ClientError) and error_code(exc) in NOT_FOUND_CODES
+
+
+def is_precondition_failed(exc: BaseException) -> bool:
+    """True when a conditional request was refused because its condition did not hold."""
+    return isinstance(exc, ClientError) and error_code(exc) in _PRECONDITION_CODES
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -35,7 +35,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
@@ -44,7 +44,9 @@ from typing import Any, Final, TypeVar
 
 import zstandard
 
+from hermit_common import gc
 from hermit_common.errors import CheckpointFailed, CheckpointRefused, HermitError
+from hermit_common.gc import CollectResult
 from hermit_common.manifest import (
     MAX_MANIFEST_BYTES,
     Binding,
@@ -56,7 +58,9 @@ from hermit_common.manifest import (
 )
 from hermit_common.s3errors import (
     CheckpointNotFound,
+    ObjectExists,
     is_not_found,
+    is_precondition_failed,
     is_transient,
     to_hermit_error,
 )
@@ -80,8 +84,8 @@ from hermit_common.tree import (
     scan_tree,
 )
 
-__all__ = ["CheckpointNotFound", "CheckpointStore", "UploadProgress", "UploadResult",
-           "make_s3_client"]
+__all__ = ["CheckpointNotFound", "CheckpointStore", "CollectResult", "ObjectExists",
+           "UploadProgress", "UploadResult", "make_s3_client"]
 
 log = logging.getLogger(__name__)
 
@@ -388,8 +392,13 @@ class CheckpointStore:
             token = page.get("NextContinuationToken")
 
     def _put(self, key: str, body: bytes, content_type: str, action: str,
-             stop: threading.Event | None = None, deadline: float | None = None) -> None:
-        """PUT with extra backoff-and-jitter attempts for errors botocore gave up on."""
+             stop: threading.Event | None = None, deadline: float | None = None, *,
+             exclusive: bool = False) -> None:
+        """PUT with extra backoff-and-jitter attempts for errors botocore gave up on.
+
+        ``exclusive``: a conditional PUT (``If-None-Match: *``) that never replaces an
+        object; ObjectExists when there is one already."""
+        extra: dict[str, str] = {"IfNoneMatch": "*"} if exclusive else {}
         for attempt in range(1, _PUT_ATTEMPTS + 1):
             if stop is not None and stop.is_set():
                 raise CheckpointFailed("upload aborted")
@@ -397,9 +406,14 @@ class CheckpointStore:
                 raise CheckpointFailed(f"cannot {action}: the upload deadline passed")
             try:
                 self._client.put_object(Bucket=self.settings.bucket, Key=key, Body=body,
-                                        ContentType=content_type)
+                                        ContentType=content_type, **extra)
                 return
             except Exception as exc:
+                if exclusive and is_precondition_failed(exc):
+                    raise ObjectExists(
+                        f"cannot {action} s3://{self.settings.bucket}/{key}: an object "
+                        "exists there already (written by another writer); it was not "
+                        "replaced") from None
                 if attempt == _PUT_ATTEMPTS or not is_transient(exc):
                     raise self._error(exc, key, action) from None
                 delay = min(_BACKOFF_CAP_SECONDS, _BACKOFF_BASE_SECONDS * 2 ** (attempt - 1))
@@ -591,8 +605,30 @@ class CheckpointStore:
         Chunks younger than ``min_age_seconds`` are kept (they may belong to an
         upload whose manifest is not written yet).
         """
+        return len(self.collect(namespace, sandbox, keep=None,
+                                min_age_seconds=min_age_seconds).chunks)
+
+    def collect(self, namespace: str, sandbox: str, *, keep: Collection[str] | None,
+                min_age_seconds: float = 0.0,
+                may_delete: Callable[[], bool] | None = None) -> CollectResult:
+        """Garbage collection of one sandbox's prefix (gc.py decides, this lists and deletes).
+
+        Manifests of checkpoints not in ``keep`` (None: keep every manifest) are deleted,
+        then the chunks no remaining manifest references. Nothing younger than
+        ``min_age_seconds`` goes. ``may_delete`` is asked before every delete request;
+        False stops the collection there (``aborted``). Must not run concurrently with an
+        upload of the same sandbox: the caller serialises them (docs/storage.md).
+        """
+        checkpoints = f"{self._sandbox_prefix(namespace, sandbox)}checkpoints/"
+        manifests = {name: age for name, age in self._ages(checkpoints, "list checkpoints")
+                     if name.endswith("/manifest.json")}
+        stored = {name.removesuffix("/manifest.json"): age for name, age in manifests.items()}
+        gone = [] if keep is None else gc.doomed(stored, keep, min_age_seconds)
+        if not self._delete([f"{checkpoints}{n}/manifest.json" for n in gone],
+                            "delete manifests", may_delete):
+            return CollectResult(aborted=True)
         referenced: set[str] = set()  # object names
-        for name in self.list_checkpoints(namespace, sandbox):
+        for name in sorted(set(stored) - set(gone)):
             try:
                 # A manifest that does not open (e.g. its KEK is gone) raises: nothing is
                 # deleted while what it references is unknown.
@@ -601,33 +637,43 @@ class CheckpointStore:
                 continue  # deleted meanwhile
             referenced |= {_object_name(cipher, d) for d in manifest.chunk_digests()}
         prefix = f"{self._sandbox_prefix(namespace, sandbox)}chunks/"
+        chunks = gc.doomed(dict(self._ages(prefix, "list chunks")), referenced, min_age_seconds)
+        if not self._delete([f"{prefix}{c}" for c in chunks], "delete chunks", may_delete):
+            return CollectResult(manifests=tuple(gone), aborted=True)
+        if gone or chunks:
+            log.info("collected %s/%s: %d manifests and %d chunks deleted", namespace, sandbox,
+                     len(gone), len(chunks))
+        return CollectResult(manifests=tuple(gone), chunks=tuple(chunks))
+
+    def _ages(self, prefix: str, action: str) -> Iterator[tuple[str, float | None]]:
+        """(name under ``prefix``, age in seconds or None) of every object there."""
         now = time.time()
-        doomed = []
-        for obj in self._list(prefix, "list chunks"):
-            if obj["Key"][len(prefix):] in referenced:
-                continue
+        for obj in self._list(prefix, action):
             modified = obj.get("LastModified")
-            if min_age_seconds > 0 and modified is not None and \
-                    now - modified.timestamp() < min_age_seconds:
-                continue
-            doomed.append(obj["Key"])
-        for start in range(0, len(doomed), _DELETE_BATCH):
-            batch = doomed[start:start + _DELETE_BATCH]
+            yield obj["Key"][len(prefix):], (
+                None if modified is None else now - modified.timestamp())
+
+    def _delete(self, keys: Sequence[str], action: str,
+                may_delete: Callable[[], bool] | None) -> bool:
+        """Deletes ``keys`` in batches; False when ``may_delete`` stopped it first."""
+        for start in range(0, len(keys), _DELETE_BATCH):
+            if may_delete is not None and not may_delete():
+                log.info("garbage collection stopped before it could %s", action)
+                return False
+            batch = keys[start:start + _DELETE_BATCH]
             try:
                 response = self._client.delete_objects(
                     Bucket=self.settings.bucket,
                     Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
             except Exception as exc:
-                raise self._error(exc, prefix, "delete chunks") from None
+                raise self._error(exc, batch[0], action) from None
             errors = response.get("Errors", [])
             if errors:
                 first = errors[0]
                 raise self._error(
                     RuntimeError(f"{first.get('Code')}: {first.get('Message')}"),
-                    str(first.get("Key", prefix)), "delete chunks")
-        if doomed:
-            log.info("deleted %d unreferenced chunks of %s/%s", len(doomed), namespace, sandbox)
-        return len(doomed)
+                    str(first.get("Key", batch[0])), action)
+        return True
 
     # -- upload -----------------------------------------------------------------
 
@@ -665,7 +711,7 @@ class CheckpointStore:
         if keys is not None:
             assert self._sealing is not None
             raw = seal_manifest(self._sealing.wrapper, keys[0], keys[1], context, raw)
-        self._put(manifest_key, raw, "application/json", "write manifest", deadline=deadline)
+        self._put_manifest(manifest_key, raw, deadline)
         result = UploadResult(
             manifest_uri=f"s3://{self.settings.bucket}/{manifest_key}",
             manifest_digest=digest_bytes(raw), manifest=manifest, image_bytes=image_bytes,
@@ -677,6 +723,21 @@ class CheckpointStore:
                  ns, sandbox, binding.checkpoint, image_bytes, tally.new, len(tasks),
                  result.duration)
         return result
+
+    def _put_manifest(self, key: str, raw: bytes, deadline: float | None) -> None:
+        """Writes a manifest that must not exist yet: two writers of one checkpoint never
+        replace each other's. The same bytes already there are ours (a retried PUT whose
+        first answer was lost); anything else is another writer's and fails this upload."""
+        try:
+            self._put(key, raw, "application/json", "write manifest", deadline=deadline,
+                      exclusive=True)
+        except ObjectExists as exc:
+            try:
+                stored = self._get(key, "read manifest", MAX_MANIFEST_BYTES)
+            except Exception:
+                stored = b""
+            if stored != raw:
+                raise CheckpointFailed(str(exc)) from None
 
     def _run_upload(self, tasks: list[_ChunkTask], state: _UploadState, ns: str, sandbox: str,
                     deadline: float | None, on_done: Callable[[_ChunkDone], None]) -> None:
