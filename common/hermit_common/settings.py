@@ -209,6 +209,13 @@ class NodeSettings:
     # default store above is used and no Secret is ever read.
     per_sandbox_storage: bool = False
     seal: SealSettings = SealSettings()
+    # S3 garbage collection after each routine checkpoint (docs/storage.md): nothing
+    # younger than the minimum age is deleted (longer than any upload takes).
+    gc_enabled: bool = True
+    gc_min_age_seconds: float = 3600.0
+    # A routine (Interval, Manual, Turn) checkpoint's upload gives up after this long; a
+    # notice's deadline bounds the stopping ones.
+    routine_upload_seconds: float = 900.0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> NodeSettings:
@@ -228,6 +235,11 @@ class NodeSettings:
                 "HERMIT_MAX_FROZEN_SECONDS", 60.0, minimum=1.0, maximum=3600.0),
             per_sandbox_storage=env.flag("HERMIT_PER_SANDBOX_STORAGE", False),
             seal=SealSettings.from_env(environ),
+            gc_enabled=env.flag("HERMIT_GC_ENABLED", True),
+            gc_min_age_seconds=env.number(
+                "HERMIT_GC_MIN_AGE_SECONDS", 3600.0, minimum=0.0, maximum=30 * 86400.0),
+            routine_upload_seconds=env.number(
+                "HERMIT_ROUTINE_UPLOAD_SECONDS", 900.0, minimum=10.0, maximum=86400.0),
         )
 
 

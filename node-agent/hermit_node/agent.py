@@ -31,6 +31,7 @@ from hermit_common.store import UploadProgress
 from hermit_node import freezer, locate, metrics, planner
 from hermit_node import health as agent_health
 from hermit_node.checkpoint import CheckpointResult, CheckpointTarget
+from hermit_node.collect import Collector
 from hermit_node.kube import Kube, KubeError, KubeTransient
 from hermit_node.planner import KubeObject, SandboxPod
 from hermit_node.restore import RestoreResult, RestoreTarget
@@ -155,7 +156,9 @@ class NodeAgent:
                  jobs: Jobs | None = None, proc_root: Path = Path("/proc"),
                  clock: Callable[[], datetime] = utc_now,
                  stopping: threading.Event | None = None,
-                 health: agent_health.AgentHealth | None = None) -> None:
+                 health: agent_health.AgentHealth | None = None,
+                 collector: Collector | None = None,
+                 routine_upload_seconds: float | None = None) -> None:
         self.node = node
         self._kube = kube
         self._checkpointer = checkpointer
@@ -165,6 +168,8 @@ class NodeAgent:
         self._stores = stores
         self._trees = trees
         self._health = health
+        self._collector = collector  # None: nothing is deleted from S3
+        self._routine_upload = routine_upload_seconds  # None: routine uploads unbounded
         self._stopping = stopping or threading.Event()
         self._jobs = jobs or Jobs()
         self._proc_root = proc_root
@@ -386,6 +391,13 @@ class NodeAgent:
             stored_bytes=result.stored_bytes)
         log.info("checkpoint %s/%s Completed in %.1f s%s", namespace, name,
                  time.monotonic() - began, self._time_left())
+        if not stop and self._collector is not None and store is not None:
+            self._collector.after_checkpoint(name, sp, store, self._halted)
+
+    def _halted(self) -> bool:
+        """A notice came or the agent stops: background work gives way."""
+        with self._lock:
+            return self._notice is not None or self._stopping.is_set()
 
     def _begin_checkpoint(self, ckpt: KubeObject, sp: SandboxPod
                           ) -> tuple[bool, CheckpointStore | None]:
@@ -436,7 +448,9 @@ class NodeAgent:
         return self._checkpointer.checkpoint(CheckpointTarget(
             namespace=namespace, sandbox=sp.sandbox, sandbox_uid=sp.sandbox_uid,
             checkpoint=name, init_pid=pid, workspace_path=sp.workspace_path,
-            image_digest=sp.image_digest), stop=stop, deadline=self._deadline(),
+            image_digest=sp.image_digest), stop=stop,
+            deadline=planner.upload_deadline(self._deadline(), time.monotonic(),
+                                             protocol.reason_of(ckpt), self._routine_upload),
             on_uploading=progress.uploading, on_progress=progress, on_durable=record,
             store=store)
 
@@ -598,11 +612,15 @@ def build_agent(settings: NodeSettings, stop: threading.Event,
     stores = Stores(settings.store, kube, allowed=settings.per_sandbox_storage,
                     default_store=store, sealing=sealing)
     work_dir = Path(settings.work_dir)
+    collector = Collector(kube, min_age_seconds=settings.gc_min_age_seconds,
+                          stopping=stop) if settings.gc_enabled else None
     return NodeAgent(settings.node_name, kube,
                      CheckpointEngine(criu, store, work_dir,
                                       max_frozen_seconds=settings.max_frozen_seconds),
                      RestoreEngine(criu, store, work_dir), stores=stores,
-                     trees=freezer.Trees(), stopping=stop, health=health)
+                     trees=freezer.Trees(), stopping=stop, health=health,
+                     collector=collector,
+                     routine_upload_seconds=settings.routine_upload_seconds)
 
 
 def run_agent(environ: Mapping[str, str], *, stop: threading.Event | None = None,

@@ -280,6 +280,21 @@ def stale_checkpoints(checkpoints: Iterable[Mapping[str, Any]], node: str,
             and (str(protocol.meta(c).get("namespace")), protocol.name_of(c)) not in in_flight]
 
 
+def upload_deadline(notice_deadline: float | None, now: float, reason: str,
+                    routine_seconds: float | None) -> float | None:
+    """When a checkpoint's upload gives up (a ``time.monotonic()`` value; None: never).
+
+    During a notice every checkpoint must be durable by the notice's deadline. Otherwise a
+    routine checkpoint (Interval, Manual, Turn) gets ``routine_seconds`` from ``now``; a
+    stopping one (Eviction, Suspend) has no deadline: it keeps trying while the sandbox
+    waits for it."""
+    if notice_deadline is not None:
+        return notice_deadline
+    if protocol.is_stopping(reason) or routine_seconds is None:
+        return None
+    return now + routine_seconds
+
+
 # -- restores -------------------------------------------------------------------------
 
 def pods_to_restore(pods: Iterable[SandboxPod]) -> list[SandboxPod]:
