@@ -32,7 +32,8 @@ from hermit_node import freezer, locate, metrics, planner
 from hermit_node import health as agent_health
 from hermit_node.checkpoint import CheckpointResult, CheckpointTarget
 from hermit_node.collect import Collector
-from hermit_node.kube import Kube, KubeError, KubeTransient
+from hermit_node.fence import Fence
+from hermit_node.kube import Kube, KubeConflict, KubeError, KubeTransient
 from hermit_node.planner import KubeObject, SandboxPod
 from hermit_node.restore import RestoreResult, RestoreTarget
 from hermit_node.storage import Location, StorageError
@@ -157,7 +158,7 @@ class NodeAgent:
                  clock: Callable[[], datetime] = utc_now,
                  stopping: threading.Event | None = None,
                  health: agent_health.AgentHealth | None = None,
-                 collector: Collector | None = None,
+                 collector: Collector | None = None, fence: Fence | None = None,
                  routine_upload_seconds: float | None = None) -> None:
         self.node = node
         self._kube = kube
@@ -169,6 +170,7 @@ class NodeAgent:
         self._trees = trees
         self._health = health
         self._collector = collector  # None: nothing is deleted from S3
+        self._fence = fence  # None: restores do not wait for older incarnations (tests)
         self._routine_upload = routine_upload_seconds  # None: routine uploads unbounded
         self._stopping = stopping or threading.Event()
         self._jobs = jobs or Jobs()
@@ -416,9 +418,16 @@ class NodeAgent:
                 f"checkpoint {namespace}/{name} failed, sandbox left running: {exc}"), 0.0)
             return False, None
         try:
+            # The claim: only the version listed, so two agents never both take it.
             self._kube.patch_checkpoint_status(namespace, name, planner.status_dumping(
                 self.node, self._clock(), sp.restore_from,
-                location.to_status() if location is not None else None))
+                location.to_status() if location is not None else None),
+                resource_version=protocol.meta(ckpt).get("resourceVersion") or None)
+        except KubeConflict:
+            log.info("Checkpoint %s/%s changed since it was listed (or another node-agent "
+                     "took it): looking at it again on the next loop", namespace, name)
+            self._release(str(protocol.meta(ckpt).get("uid") or ""))
+            return False, None
         except KubeError as exc:
             log.warning("%s", exc)
             self._release(str(protocol.meta(ckpt).get("uid") or ""))
@@ -517,6 +526,9 @@ class NodeAgent:
 
     def run_restore(self, sp: SandboxPod) -> None:
         name = str(sp.restore_from)
+        if self._fenced(sp):
+            self._release(sp.uid)  # not started: the next loop looks again
+            return
         try:
             self._kube.annotate_pod(sp.namespace, sp.pod,
                                     planner.restore_annotations(protocol.RESTORING))
@@ -545,6 +557,16 @@ class NodeAgent:
         self._annotate(sp, planner.restore_annotations(
             protocol.RESTORED, f"restored from {name} in {result.total_ms} ms "
                         f"({result.downloaded_bytes} bytes downloaded)"))
+
+    def _fenced(self, sp: SandboxPod) -> bool:
+        """An older incarnation of the sandbox may still run (fence.py): do not start."""
+        if self._fence is None:
+            return False
+        try:
+            return self._fence.holds(sp)
+        except KubeError as exc:
+            log.warning("%s", exc)
+            return True  # cannot tell: wait
 
     def _restore(self, sp: SandboxPod, name: str) -> RestoreResult:
         ckpt = self._kube.get_checkpoint(sp.namespace, name)
@@ -619,7 +641,7 @@ def build_agent(settings: NodeSettings, stop: threading.Event,
                                       max_frozen_seconds=settings.max_frozen_seconds),
                      RestoreEngine(criu, store, work_dir), stores=stores,
                      trees=freezer.Trees(), stopping=stop, health=health,
-                     collector=collector,
+                     collector=collector, fence=Fence(kube),
                      routine_upload_seconds=settings.routine_upload_seconds)
 
 

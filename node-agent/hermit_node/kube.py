@@ -63,6 +63,13 @@ class Kube(KubeApi):
                          field_selector=f"spec.nodeName={self.node_name}")
         return [self._dict(p) for p in out.items or []]
 
+    def list_sandbox_pods(self, namespace: str, sandbox: str) -> list[KubeObject]:
+        """Every pod of one sandbox (label ``hermit.dev/sandbox``), on any node."""
+        out = self._call(f"listing the pods of AgentSandbox {namespace}/{sandbox}",
+                         self._core.list_namespaced_pod, namespace,
+                         label_selector=f"{protocol.LABEL_SANDBOX}={sandbox}")
+        return [self._dict(p) for p in out.items or []]
+
     def annotate_pod(self, namespace: str, name: str,
                      annotations: dict[str, str | None]) -> None:
         """Merge ``annotations`` into the pod's (a None value removes one)."""

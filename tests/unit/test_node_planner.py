@@ -15,7 +15,7 @@ from hermit_common.store import UploadProgress
 from hermit_node import planner
 from hermit_node.agent import NodeAgent
 from hermit_node.checkpoint import CheckpointResult
-from hermit_node.kube import KubeError, KubeTransient
+from hermit_node.kube import KubeConflict, KubeError, KubeTransient
 from hermit_node.restore import RestoreResult
 from hermit_node.watchers import Notice
 from tests.unit.test_crds import schema_errors
@@ -344,6 +344,7 @@ class FakeKube:
         self.annotations: list[tuple[str, dict[str, str | None]]] = []
         self.events: list[tuple[str, str, str]] = []
         self.fail_lists = 0
+        self.claims: list[tuple[str, str | None]] = []  # (name, resourceVersion precondition)
 
     def list_node_pods(self) -> list[dict[str, Any]]:
         if self.fail_lists:
@@ -367,7 +368,13 @@ class FakeKube:
                                           sandbox=body["spec"]["sandboxRef"]["name"])
         return self.checkpoints[name]
 
-    def patch_checkpoint_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+    def patch_checkpoint_status(self, namespace: str, name: str, status: dict[str, Any], *,
+                                resource_version: str | None = None) -> None:
+        current = self.checkpoints[name]["metadata"].get("resourceVersion")
+        if resource_version is not None and resource_version != current:
+            raise KubeConflict(f"patching the status of Checkpoint {namespace}/{name} failed: "
+                               "HTTP 409")
+        self.claims.append((name, resource_version))
         self.statuses.append((name, status))
         self.checkpoints[name].setdefault("status", {}).update(status)
 
@@ -496,10 +503,10 @@ def test_a_failed_progress_write_does_not_fail_the_checkpoint(
     kube = FakeKube([pod("box-1")], [ckpt("manual")])
     real = kube.patch_checkpoint_status
 
-    def patch(namespace: str, name: str, status: dict[str, Any]) -> None:
+    def patch(namespace: str, name: str, status: dict[str, Any], **kw: Any) -> None:
         if "progress" in status and len(status) == 1:
             raise KubeTransient("HTTP 503")
-        real(namespace, name, status)
+        real(namespace, name, status, **kw)
 
     kube.patch_checkpoint_status = patch  # type: ignore[method-assign]
     agent = make_agent(tmp_path, kube, FakeEngine(progress=[UploadProgress(20, 40, 2, 4, 1)]))
@@ -751,11 +758,11 @@ def test_completed_is_retried_until_it_lands_before_the_tree_is_killed(
     failures = {"left": 3}
     real_patch = kube.patch_checkpoint_status
 
-    def flaky(namespace: str, name: str, status: dict[str, Any]) -> None:
+    def flaky(namespace: str, name: str, status: dict[str, Any], **kw: Any) -> None:
         if status.get("phase") == "Completed" and failures["left"]:
             failures["left"] -= 1
             raise KubeTransient("the API server is busy: HTTP 429", status=429)
-        real_patch(namespace, name, status)
+        real_patch(namespace, name, status, **kw)
 
     kube.patch_checkpoint_status = flaky  # type: ignore[method-assign]
     agent = make_agent(tmp_path, kube, FakeEngine())
