@@ -225,16 +225,10 @@ class KubeApi:
                 raise KubeTransient(f"{what}: it existed and vanished; retrying") from None
         return out if isinstance(out, dict) else {}
 
-    def patch_checkpoint_status(self, namespace: str, name: str, status: Manifest, *,
-                                resource_version: str | None = None) -> None:
+    def patch_checkpoint_status(self, namespace: str, name: str, status: Manifest) -> None:
         """A JSON merge patch of the Checkpoint's status subresource (None values remove
-        fields); KubeNotFound when the Checkpoint does not exist. With
-        ``resource_version`` the patch applies only to that version of the object
-        (KubeConflict when it changed since: a claim someone else may have made first)."""
-        body: Manifest = {"status": status}
-        if resource_version is not None:
-            body["metadata"] = {"resourceVersion": resource_version}
+        fields); KubeNotFound when the Checkpoint does not exist."""
         self._call(f"patching the status of Checkpoint {namespace}/{name}",
                    self._custom.patch_namespaced_custom_object_status, api.GROUP, api.VERSION,
-                   namespace, api.CHECKPOINT_PLURAL, name, body,
+                   namespace, api.CHECKPOINT_PLURAL, name, {"status": status},
                    _content_type=MERGE_PATCH)

@@ -28,7 +28,7 @@ from hermit_common.errors import CheckpointFailed, CheckpointRefused, HermitErro
 from hermit_common.s3errors import CheckpointNotFound
 from hermit_common.settings import NodeSettings, redacted
 from hermit_common.store import UploadProgress
-from hermit_node import freezer, locate, metrics, planner
+from hermit_node import freezer, locate, metrics, planner, staging
 from hermit_node import health as agent_health
 from hermit_node.checkpoint import CheckpointResult, CheckpointTarget
 from hermit_node.collect import Collector
@@ -419,10 +419,10 @@ class NodeAgent:
             return False, None
         try:
             # The claim: only the version listed, so two agents never both take it.
-            self._kube.patch_checkpoint_status(namespace, name, planner.status_dumping(
+            self._kube.claim_checkpoint(namespace, name, planner.status_dumping(
                 self.node, self._clock(), sp.restore_from,
                 location.to_status() if location is not None else None),
-                resource_version=protocol.meta(ckpt).get("resourceVersion") or None)
+                protocol.meta(ckpt).get("resourceVersion") or None)
         except KubeConflict:
             log.info("Checkpoint %s/%s changed since it was listed (or another node-agent "
                      "took it): looking at it again on the next loop", namespace, name)
@@ -654,6 +654,7 @@ def run_agent(environ: Mapping[str, str], *, stop: threading.Event | None = None
     health = agent_health.AgentHealth(
         settings.reconcile_interval_seconds, stopping=stop,
         watcher_polls=settings.watcher.provider != NullWatcher.provider)
+    staging.clean(Path(settings.work_dir))  # no job runs yet: all of it is an earlier run's
     agent = build_agent(settings, stop, health)
     if install_signals:
         signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(stop))

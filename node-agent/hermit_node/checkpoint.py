@@ -28,7 +28,7 @@ from typing import Any
 from hermit_common.errors import CheckpointFailed, HermitError
 from hermit_common.manifest import Binding
 from hermit_common.store import CheckpointStore, ProgressCallback, UploadResult
-from hermit_node import container, freezer, locate, sysinfo
+from hermit_node import container, freezer, locate, staging, sysinfo
 from hermit_node.criu import Criu, DumpRequest
 
 log = logging.getLogger(__name__)
@@ -217,21 +217,22 @@ class CheckpointEngine:
         """
         plan = self._plan(target, store or self._store)
         cap = _Capture(frozen_at=time.monotonic())
-        freezer.freeze(plan.cgroup)
+        kept = False
         try:
+            freezer.freeze(plan.cgroup)
             result = self._capture_and_upload(target, plan, cap, stop=stop, deadline=deadline,
                                               on_uploading=on_uploading,
                                               on_progress=on_progress, on_durable=on_durable)
+            kept = keep_local
         except HermitError as exc:
-            shutil.rmtree(plan.local, ignore_errors=True)
             raise CheckpointFailed(
                 f"checkpoint {target.namespace}/{target.checkpoint} failed, "
                 f"sandbox left running: {exc}") from exc
         finally:
             if not cap.thawed:
                 freezer.thaw(plan.cgroup)
-        if not keep_local:
-            shutil.rmtree(plan.local, ignore_errors=True)
+            if not kept:  # whatever happened: nothing stays staged on the node
+                shutil.rmtree(plan.local, ignore_errors=True)
         log.info("checkpoint %s/%s: frozen %d ms, dump %d ms, upload %d ms, %d bytes stored",
                  target.namespace, target.checkpoint, result.frozen_ms, result.dump_ms,
                  result.upload_ms, result.stored_bytes)
@@ -273,9 +274,13 @@ class CheckpointEngine:
         cgroup = view.freezer_cgroup()
         if cgroup is None:
             raise CheckpointFailed(f"pid {target.init_pid} has no freezer cgroup")
-        local = self.local_dir(target)
-        shutil.rmtree(local, ignore_errors=True)
-        (local / SECTION_IMAGES).mkdir(parents=True)
+        workspace_source = view.bind_source(target.workspace_path) \
+            if target.workspace_path else None
+        staging.check_checkpoint_room(
+            self._work_dir, cgroup_dirs=[cg.host_path() for cg in view.cgroups],
+            trees=[(what, Path(path)) for what, path in (
+                ("the writable layer", view.upperdir), ("the workspace", workspace_source))
+                if path is not None])
         mount_keys = external_mounts(view)
         cgroup_points = {f"cg{i}": m.mountpoint for i, m in enumerate(view.cgroup_mounts)}
         externals = (f"net[{view.netns_inode}]:{NETNS_KEY}",
@@ -287,13 +292,15 @@ class CheckpointEngine:
             criu_version=self._criu.version(), kernel=sysinfo.kernel_release(),
             cpu_flags=sysinfo.cpu_flags(), image_digest=target.image_digest,
         )
+        local = self.local_dir(target)
+        shutil.rmtree(local, ignore_errors=True)
+        (local / SECTION_IMAGES).mkdir(parents=True)
         return _Plan(
             view=view, cgroup=cgroup, root_pid=locate.dump_root(target.init_pid), local=local,
             externals=externals,
             restore=restore_info(view, target.workspace_path, mount_keys,
                                  external_cgroup_mounts(view)),
-            workspace_source=(view.bind_source(target.workspace_path)
-                              if target.workspace_path else None),
+            workspace_source=workspace_source,
             binding=binding, store=store)
 
     def _capture(self, plan: _Plan, cap: _Capture, *, routine: bool) -> None:

@@ -87,6 +87,20 @@ class Kube(KubeApi):
         self._call(f"patching node {self.node_name}", self._core.patch_node, self.node_name,
                    patch, _content_type=MERGE_PATCH)
 
+    # -- Checkpoints ----------------------------------------------------------------
+
+    def claim_checkpoint(self, namespace: str, name: str, status: KubeObject,
+                         resource_version: str | None) -> None:
+        """Take a Pending Checkpoint: its first status write (a JSON merge patch of the
+        status subresource), applied only to ``resource_version`` of the object.
+        KubeConflict when it changed since (another node-agent may have taken it)."""
+        body: KubeObject = {"status": status}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
+        self._call(f"claiming Checkpoint {namespace}/{name}",
+                   self._custom.patch_namespaced_custom_object_status, api.GROUP, api.VERSION,
+                   namespace, api.CHECKPOINT_PLURAL, name, body, _content_type=MERGE_PATCH)
+
     # -- secrets --------------------------------------------------------------------
 
     def get_secret(self, namespace: str, name: str) -> KubeObject | None:

@@ -25,9 +25,9 @@ from hermit_common import protocol
 from hermit_common.errors import CheckpointRefused, RestoreFailed
 from hermit_common.manifest import Manifest
 from hermit_common.store import CheckpointStore
-from hermit_node import admit, container, sysinfo
+from hermit_node import admit, container, staging, sysinfo
 from hermit_node.checkpoint import NETNS_KEY, SECTION_IMAGES, SECTION_ROOTFS, SECTION_WORKSPACE
-from hermit_node.criu import Criu
+from hermit_node.criu import Criu, RestoreRequest
 from hermit_node.fsapply import apply_tree
 from hermit_node.imagefiles import image_lookup
 from hermit_node.restore_worker import WorkerRequest
@@ -183,23 +183,27 @@ class RestoreEngine:
         local = self._work_dir / "restores" / target.namespace / target.sandbox / target.checkpoint
         shutil.rmtree(local, ignore_errors=True)
         local.mkdir(parents=True)
-        manifest, admitted, download_ms = self._download(target, view, local, store)
-        mapped = _map_externals(manifest.restore, view)
+        try:
+            manifest, admitted, download_ms = self._download(target, view, local, store)
+            mapped = _map_externals(manifest.restore, view)
 
-        started = time.monotonic()
-        _apply_files(admitted, local, view)
-        apply_ms = _ms(started)
+            started = time.monotonic()
+            _apply_files(admitted, local, view)
+            apply_ms = _ms(started)
 
-        started = time.monotonic()
-        pid = self._run_criu(target, manifest, local, view, mapped, timeout)
-        restore_ms = _ms(started)
+            started = time.monotonic()
+            pid = self._run_criu(target, manifest, local, view, mapped, timeout)
+            restore_ms = _ms(started)
+        except BaseException:
+            # Nothing downloaded stays on the node; CRIU's log is kept beside the dir.
+            staging.discard(local, local / SECTION_IMAGES / RestoreRequest.log_file)
+            raise
         result = RestoreResult(
             download_ms=download_ms, apply_ms=apply_ms, restore_ms=restore_ms,
             total_ms=_ms(began), restored_pid=pid,
             downloaded_bytes=manifest.totals.image_bytes,
         )
-        # The restored tree holds nothing open in the staging dir; CRIU's log stays
-        # only when the restore failed.
+        # The restored tree holds nothing open in the staging dir.
         shutil.rmtree(local, ignore_errors=True)
         log.info("restored %s/%s into pid %d: %s", target.namespace, target.checkpoint,
                  target.init_pid, result)

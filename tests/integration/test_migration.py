@@ -330,10 +330,19 @@ def _small_totals(doc: dict[str, Any]) -> None:
 def _refused_by_policy(settings: StoreSettings, engine: RestoreEngine, target: RestoreTarget,
                        staging: Path) -> None:
     """Rewrites the checkpoint's manifest in S3 three ways; each restore is refused with
-    the policy's reason and leaves the staging dir empty. The original is put back."""
+    the policy's reason and leaves no staging dir behind. The original is put back."""
     client = make_s3_client(settings)
     key = CheckpointStore(settings).manifest_key(NAMESPACE, target.sandbox, target.checkpoint)
     original = client.get_object(Bucket=settings.bucket, Key=key)["Body"].read()
+    engine_client = engine._store.client
+    read: list[str] = []  # keys the engine's (real) client GETs
+    real_get = engine_client.get_object
+
+    def get_object(**kwargs: Any) -> Any:
+        read.append(kwargs["Key"])
+        return real_get(**kwargs)
+
+    engine_client.get_object = get_object
     try:
         for change, reason in (
                 (_wipe_etc, "restore.workspace names /etc, but the new pod's workspace is "
@@ -345,8 +354,13 @@ def _refused_by_policy(settings: StoreSettings, engine: RestoreEngine, target: R
             client.put_object(Bucket=settings.bucket, Key=key, Body=json.dumps(doc).encode())
             with pytest.raises(CheckpointRefused, match=re.escape(reason)):
                 engine.restore(target)
-            assert list(staging.iterdir()) == [], "downloaded before the policy check"
+            assert [k for k in read if "/chunks/" in k] == [], \
+                "downloaded before the policy check"
+            # A failed restore removes its staging dir (CRIU never ran: no log is kept).
+            assert not staging.exists(), "a refused restore left its staging dir"
+            assert not staging.with_name(f"{staging.name}.restore.log").exists()
     finally:
+        del engine_client.get_object
         client.put_object(Bucket=settings.bucket, Key=key, Body=original)
 
 

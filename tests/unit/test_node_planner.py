@@ -368,13 +368,15 @@ class FakeKube:
                                           sandbox=body["spec"]["sandboxRef"]["name"])
         return self.checkpoints[name]
 
-    def patch_checkpoint_status(self, namespace: str, name: str, status: dict[str, Any], *,
-                                resource_version: str | None = None) -> None:
+    def claim_checkpoint(self, namespace: str, name: str, status: dict[str, Any],
+                         resource_version: str | None) -> None:
         current = self.checkpoints[name]["metadata"].get("resourceVersion")
         if resource_version is not None and resource_version != current:
-            raise KubeConflict(f"patching the status of Checkpoint {namespace}/{name} failed: "
-                               "HTTP 409")
+            raise KubeConflict(f"claiming Checkpoint {namespace}/{name} failed: HTTP 409")
         self.claims.append((name, resource_version))
+        self.patch_checkpoint_status(namespace, name, status)
+
+    def patch_checkpoint_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         self.statuses.append((name, status))
         self.checkpoints[name].setdefault("status", {}).update(status)
 
@@ -503,10 +505,10 @@ def test_a_failed_progress_write_does_not_fail_the_checkpoint(
     kube = FakeKube([pod("box-1")], [ckpt("manual")])
     real = kube.patch_checkpoint_status
 
-    def patch(namespace: str, name: str, status: dict[str, Any], **kw: Any) -> None:
+    def patch(namespace: str, name: str, status: dict[str, Any]) -> None:
         if "progress" in status and len(status) == 1:
             raise KubeTransient("HTTP 503")
-        real(namespace, name, status, **kw)
+        real(namespace, name, status)
 
     kube.patch_checkpoint_status = patch  # type: ignore[method-assign]
     agent = make_agent(tmp_path, kube, FakeEngine(progress=[UploadProgress(20, 40, 2, 4, 1)]))
@@ -758,11 +760,11 @@ def test_completed_is_retried_until_it_lands_before_the_tree_is_killed(
     failures = {"left": 3}
     real_patch = kube.patch_checkpoint_status
 
-    def flaky(namespace: str, name: str, status: dict[str, Any], **kw: Any) -> None:
+    def flaky(namespace: str, name: str, status: dict[str, Any]) -> None:
         if status.get("phase") == "Completed" and failures["left"]:
             failures["left"] -= 1
             raise KubeTransient("the API server is busy: HTTP 429", status=429)
-        real_patch(namespace, name, status, **kw)
+        real_patch(namespace, name, status)
 
     kube.patch_checkpoint_status = flaky  # type: ignore[method-assign]
     agent = make_agent(tmp_path, kube, FakeEngine())
