@@ -632,10 +632,9 @@ class CheckpointStore:
             try:
                 # A manifest that does not open (e.g. its KEK is gone) raises: nothing is
                 # deleted while what it references is unknown.
-                manifest, _, cipher = self._open_manifest(namespace, sandbox, name, None)
+                referenced |= self.referenced_chunks(namespace, sandbox, name)
             except CheckpointNotFound:
                 continue  # deleted meanwhile
-            referenced |= {_object_name(cipher, d) for d in manifest.chunk_digests()}
         prefix = f"{self._sandbox_prefix(namespace, sandbox)}chunks/"
         chunks = gc.doomed(dict(self._ages(prefix, "list chunks")), referenced, min_age_seconds)
         if not self._delete([f"{prefix}{c}" for c in chunks], "delete chunks", may_delete):
@@ -644,6 +643,11 @@ class CheckpointStore:
             log.info("collected %s/%s: %d manifests and %d chunks deleted", namespace, sandbox,
                      len(gone), len(chunks))
         return CollectResult(manifests=tuple(gone), chunks=tuple(chunks))
+
+    def referenced_chunks(self, namespace: str, sandbox: str, checkpoint: str) -> set[str]:
+        """The object names (under ``chunks/``) of the chunks a checkpoint references."""
+        manifest, _, cipher = self._open_manifest(namespace, sandbox, checkpoint, None)
+        return {_object_name(cipher, d) for d in manifest.chunk_digests()}
 
     def _ages(self, prefix: str, action: str) -> Iterator[tuple[str, float | None]]:
         """(name under ``prefix``, age in seconds or None) of every object there."""

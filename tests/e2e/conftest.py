@@ -351,6 +351,9 @@ def hermit_release(kube: Kube, s3_for_pods: S3, e2e_config: E2EConfig) -> Iterat
         [helm, "install", RELEASE, str(REPO / "charts/hermit"), "-n", RELEASE_NS,
          "--set", f"s3.bucket={BUCKET}", "--set", f"s3.endpoint={s3_for_pods.endpoint}",
          "--set", "s3.existingSecret=hermit-s3", "--set", "nodeAgent.logLevel=DEBUG",
+         # S3 garbage collection without its minimum age: what retention drops goes at
+         # once (test_gc.py), and every test runs with it.
+         "--set", "nodeAgent.gc.minAgeSeconds=0",
          "--set-string", "operator.nodeSelector.karpenter\\.sh/capacity-type=on-demand",
          "--wait", "--timeout", "180s"],
         env=env, capture_output=True, text=True, check=False)
