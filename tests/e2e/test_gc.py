@@ -65,7 +65,8 @@ def _keys(s3: S3, prefix: str) -> set[str]:
 def _store(kube: Kube, s3: S3, keys_dir: Path) -> CheckpointStore:
     """The e2e bucket, read with the release's KEKs (the Secret the chart generated)."""
     secrets = kube.api.list_namespaced_secret(RELEASE_NS).items
-    sealing = next(s for s in secrets if (s.metadata.name or "").endswith("-sealing"))
+    sealing = next(s for s in secrets
+                   if s.metadata is not None and (s.metadata.name or "").endswith("-sealing"))
     keys_dir.mkdir()
     for key, value in (sealing.data or {}).items():
         (keys_dir / key).write_bytes(base64.b64decode(value))
