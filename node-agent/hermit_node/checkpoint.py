@@ -215,7 +215,7 @@ class CheckpointEngine:
         before the old tree is killed: it records the checkpoint so nothing can lose it.
         ``store``: where it goes (the sandbox's own storage), else the engine's store.
         """
-        plan = self._plan(target, store or self._store)
+        plan = self._plan(target, store or self._store, strict_room=not stop)
         cap = _Capture(frozen_at=time.monotonic())
         kept = False
         try:
@@ -268,7 +268,8 @@ class CheckpointEngine:
             cap.thawed = True
         return result
 
-    def _plan(self, target: CheckpointTarget, store: CheckpointStore) -> _Plan:
+    def _plan(self, target: CheckpointTarget, store: CheckpointStore, *,
+              strict_room: bool = True) -> _Plan:
         """Read the container and decide the dump's externals, before anything is frozen."""
         view = container.inspect(target.init_pid, target.bundle)
         cgroup = view.freezer_cgroup()
@@ -280,7 +281,7 @@ class CheckpointEngine:
             self._work_dir, cgroup_dirs=[cg.host_path() for cg in view.cgroups],
             trees=[(what, Path(path)) for what, path in (
                 ("the writable layer", view.upperdir), ("the workspace", workspace_source))
-                if path is not None])
+                if path is not None], strict=strict_room)
         mount_keys = external_mounts(view)
         cgroup_points = {f"cg{i}": m.mountpoint for i, m in enumerate(view.cgroup_mounts)}
         externals = (f"net[{view.netns_inode}]:{NETNS_KEY}",

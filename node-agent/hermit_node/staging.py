@@ -79,13 +79,20 @@ def memory_bytes(cgroup_dirs: Iterable[Path]) -> int:
 
 
 def check_checkpoint_room(work_dir: Path, *, cgroup_dirs: Iterable[Path],
-                          trees: Sequence[tuple[str, Path]]) -> None:
-    """The work dir can hold a checkpoint of a container: its memory (the images) and
-    the trees it copies (the writable layer, the workspace). CheckpointFailed if not."""
+                          trees: Sequence[tuple[str, Path]], strict: bool = True) -> None:
+    """The work dir can hold a checkpoint of a container: its memory (the images; the
+    cgroup's charge, page cache included, so an upper bound) and the trees it copies (the
+    writable layer, the workspace). CheckpointFailed if not; with ``strict`` False (a
+    stopping checkpoint: the sandbox is lost anyway if it is not taken) only a warning."""
     work_dir.mkdir(parents=True, exist_ok=True)
     needs = [("the memory images", memory_bytes(cgroup_dirs)),
              *((f"a copy of {what} ({path})", tree_bytes(path)) for what, path in trees)]
-    check_room(work_dir, needs, free_bytes(work_dir))
+    try:
+        check_room(work_dir, needs, free_bytes(work_dir))
+    except CheckpointFailed as exc:
+        if strict:
+            raise
+        log.warning("%s; trying anyway (a stopping checkpoint)", exc)
 
 
 def discard(local: Path, keep: Path | None = None) -> None:
