@@ -120,3 +120,29 @@ def test_twenty_checkpoints_with_retain_three_leave_three_in_the_bucket(
     chunks = [k for k in listed if "/chunks/" in k]
     print(f"\ngc: {CHECKPOINTS} checkpoints in {taken:.1f}s; bucket prefix {prefix} holds "
           f"{len(listed)} objects: {RETAIN} manifests, {len(chunks)} chunks, 1 key")
+
+
+def test_a_claim_on_a_stale_resource_version_is_refused(
+    namespace: str, hermit_release: str, e2e_config: E2EConfig,
+) -> None:
+    """The node-agent's claim (its first status write) is refused by the API server once
+    the Checkpoint changed since it was listed: two node-agents never both take one."""
+    from hermit_node.kube import Kube as NodeKube
+    from hermit_node.kube import KubeConflict
+
+    name = f"claim-{uuid.uuid4().hex[:6]}"
+    _request(namespace, "no-such-sandbox", name)
+    listed: Any = sb.custom().get_namespaced_custom_object(api.GROUP, api.VERSION, namespace,
+                                                      api.CHECKPOINT_PLURAL, name)
+    stale = listed["metadata"]["resourceVersion"]
+    sb.custom().patch_namespaced_custom_object(api.GROUP, api.VERSION, namespace,
+                                               api.CHECKPOINT_PLURAL, name,
+                                               {"metadata": {"labels": {"touched": "yes"}}})
+    agent_kube = NodeKube.connect("e2e-test-node")
+    with pytest.raises(KubeConflict):
+        agent_kube.claim_checkpoint(namespace, name, {"phase": "Dumping"}, stale)
+    current: Any = sb.custom().get_namespaced_custom_object(api.GROUP, api.VERSION, namespace,
+                                                       api.CHECKPOINT_PLURAL, name)
+    assert (current.get("status") or {}).get("phase") != "Dumping"
+    print(f"\nclaim on resourceVersion {stale} refused after the Checkpoint changed to "
+          f"{current['metadata']['resourceVersion']}")
