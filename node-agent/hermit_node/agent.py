@@ -47,6 +47,7 @@ log = logging.getLogger("hermit_node")
 
 WORKERS = 4
 STATUS_ATTEMPTS = 5
+CLAIM_ATTEMPTS = 3  # claims of one Checkpoint per loop (each 409 re-reads it)
 EVENT_CHECKPOINT_FAILED = "CheckpointFailed"
 
 
@@ -418,21 +419,36 @@ class NodeAgent:
                 f"checkpoint {namespace}/{name} failed, sandbox left running: {exc}"), 0.0)
             return False, None
         try:
-            # The claim: only the version listed, so two agents never both take it.
-            self._kube.claim_checkpoint(namespace, name, planner.status_dumping(
+            claimed = self._claim(ckpt, planner.status_dumping(
                 self.node, self._clock(), sp.restore_from,
-                location.to_status() if location is not None else None),
-                protocol.meta(ckpt).get("resourceVersion") or None)
-        except KubeConflict:
-            log.info("Checkpoint %s/%s changed since it was listed (or another node-agent "
-                     "took it): looking at it again on the next loop", namespace, name)
-            self._release(str(protocol.meta(ckpt).get("uid") or ""))
-            return False, None
+                location.to_status() if location is not None else None))
         except KubeError as exc:
             log.warning("%s", exc)
+            claimed = False
+        if not claimed:
             self._release(str(protocol.meta(ckpt).get("uid") or ""))
             return False, None
         return True, store
+
+    def _claim(self, ckpt: KubeObject, status: KubeObject) -> bool:
+        """Take a Pending Checkpoint with its first status write, only on the version read,
+        so two node-agents never both take it. A 409 means it changed: read it again and
+        claim that version while it is still Pending (the operator adopting it changes its
+        metadata); False once someone else took it (or it is gone)."""
+        namespace, name = str(protocol.meta(ckpt).get("namespace")), protocol.name_of(ckpt)
+        current: KubeObject | None = ckpt
+        for _ in range(CLAIM_ATTEMPTS):
+            if current is None or not planner.claimable(current):
+                break
+            try:
+                self._kube.claim_checkpoint(namespace, name, status, protocol.meta(
+                    current).get("resourceVersion") or None)
+                return True
+            except KubeConflict:
+                current = self._kube.get_checkpoint(namespace, name)
+        log.info("Checkpoint %s/%s was taken by someone else, or keeps changing: looking "
+                 "at it again on the next loop", namespace, name)
+        return False
 
     def _store_for(self, sp: SandboxPod) -> tuple[CheckpointStore | None, Location | None]:
         """The store of the sandbox's next checkpoint (its spec.checkpoint.storage, read

@@ -234,9 +234,7 @@ def checkpoints_to_serve(checkpoints: Iterable[Mapping[str, Any]],
     current = current_pods(pods)
     chosen: dict[tuple[str, str], tuple[KubeObject, SandboxPod]] = {}
     pending = sorted(
-        (c for c in checkpoints if not (c.get("status") or {}).get("phase")
-         and not protocol.meta(c).get(
-            "deletionTimestamp")),
+        (c for c in checkpoints if claimable(c)),
         key=lambda c: (not protocol.is_stopping(protocol.reason_of(c)),
                        str(protocol.meta(c).get("creationTimestamp") or ""),
                        protocol.name_of(c)))
@@ -248,6 +246,12 @@ def checkpoints_to_serve(checkpoints: Iterable[Mapping[str, Any]],
                 and protocol.node_of(ckpt) == sp.node):
             chosen[key] = (dict(ckpt), sp)
     return list(chosen.values())
+
+
+def claimable(ckpt: Mapping[str, Any]) -> bool:
+    """Still a Pending request nobody took: no status phase, not being deleted."""
+    return not (ckpt.get("status") or {}).get("phase") and \
+        not protocol.meta(ckpt).get("deletionTimestamp")
 
 
 def _for_incarnation(ckpt: Mapping[str, Any], sp: SandboxPod) -> bool:

@@ -33,21 +33,34 @@ def test_the_claim_is_made_on_the_version_listed(tmp_path: Path) -> None:
     assert kube.checkpoints["manual"]["status"]["phase"] == "Completed"
 
 
-def test_a_checkpoint_changed_since_it_was_listed_is_not_taken(tmp_path: Path) -> None:
+def _listed_as(kube: FakeKube, rv: str) -> None:
+    """The loop's listing shows every Checkpoint Pending at ``rv`` (an older version)."""
+    listed = [{**c, "metadata": {**c["metadata"], "resourceVersion": rv}, "status": {}}
+              for c in kube.list_checkpoints()]
+    kube.list_checkpoints = lambda: listed  # type: ignore[method-assign]
+
+
+def test_a_checkpoint_changed_but_still_pending_is_claimed_on_its_new_version(
+        tmp_path: Path) -> None:
     kube = FakeKube([pod("box-1")], [_with_rv(ckpt("manual"), "41")])
-    listed = kube.list_checkpoints()
-    kube.list_checkpoints = lambda: [  # type: ignore[method-assign]
-        {**c, "metadata": {**c["metadata"], "resourceVersion": "40"}} for c in listed]
+    _listed_as(kube, "40")  # e.g. the operator adopted it after the list
     engine = FakeEngine()
     agent = make_agent(tmp_path, kube, engine)
-    agent.reconcile_once()  # 409: someone else changed (or took) it; nothing is done
+    agent.reconcile_once()
     agent.shutdown()
-    assert engine.calls == [] and kube.statuses == []
-    kube.list_checkpoints = lambda: listed  # type: ignore[method-assign]
-    agent = make_agent(tmp_path / "again", kube, engine)
-    agent.reconcile_once()  # the next loop sees the current version and takes it
-    agent.shutdown()
+    assert kube.claims[0] == ("manual", "41")
     assert [t.checkpoint for t, _ in engine.calls] == ["manual"]
+
+
+def test_a_checkpoint_another_agent_took_is_not_taken(tmp_path: Path) -> None:
+    taken = _with_rv(ckpt("manual", status={"phase": "Dumping", "nodeName": "node-b"}), "41")
+    kube = FakeKube([pod("box-1")], [taken])
+    _listed_as(kube, "40")  # listed while it was still Pending
+    engine = FakeEngine()
+    agent = make_agent(tmp_path, kube, engine)
+    agent.reconcile_once()  # 409, re-read: Dumping elsewhere; nothing is done here
+    agent.shutdown()
+    assert engine.calls == [] and kube.statuses == [] and kube.claims == []
 
 
 def _pods(*specs: tuple[str, int, str, bool]) -> list[dict[str, Any]]:
