@@ -69,8 +69,9 @@ REASON_RESTORE_FALLBACK: Final = "RestoreFallback"  # refused: the previous chec
 REASON_NO_USABLE_CHECKPOINT: Final = "NoUsableCheckpoint"  # refused, none older: from scratch
 REASON_WORK_LOST: Final = "WorkLost"  # a lost pod's newest checkpoint predates its end
 REASON_CHECKPOINT_NOT_FOUND: Final = "CheckpointNotFound"
-# A checkpoint labelled with a node its incarnation never ran on: failed, never restored.
-REASON_CHECKPOINT_UNTRUSTED: Final = "CheckpointUntrusted"  # spec.restoreFrom names no Checkpoint
+# A Checkpoint whose node the operator could not verify: failed when it is mislabelled,
+# not restored by a fork (spec.restoreFrom) while it lacks the node-verified mark.
+REASON_CHECKPOINT_UNTRUSTED: Final = "CheckpointUntrusted"
 # Event on a Checkpoint whose spec.sandboxRef names no AgentSandbox (the operator fails it).
 REASON_SANDBOX_NOT_FOUND: Final = "SandboxNotFound"
 

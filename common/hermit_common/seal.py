@@ -13,9 +13,12 @@ Pure functions and small classes over the ``cryptography`` library; the store
   HMAC(DEK, name, sha256 of the bytes encrypted): deterministic, and a different
   input can never reuse a nonce.
 - A manifest is encrypted under the DEK and signed with HMAC-SHA256 under a key
-  derived from the KEK, over the namespace, sandbox, uid and checkpoint name it is
-  bound to. ``open_manifest`` verifies the signature and that binding before it
-  decrypts anything; a failure is a ``CheckpointRefused``.
+  derived from the KEK, over the namespace, sandbox, uid, checkpoint name, parent
+  checkpoint and uid lineage it is bound to. ``open_manifest`` verifies the signature
+  and that binding before it decrypts anything; a failure is a ``CheckpointRefused``.
+- A fork inherits its source's DEK (the lineage grows by the fork's uid), so the
+  chunks of a fork and of its source have the same names; a DEK record is bound to
+  its sandbox and lineage and opens for no other.
 
 Key bytes never appear in messages, reprs or logs.
 """
@@ -42,14 +45,17 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from hermit_common.errors import CheckpointRefused, SettingsError
 from hermit_common.settings import SealSettings
 
-__all__ = ["CURRENT_KEY", "ChunkCipher", "Context", "KeyWrapper", "Keyring",
-           "KeyringWrapper", "Sealing", "Wrapped", "is_sealed", "new_dek", "open_manifest",
-           "seal_manifest", "sealing_from"]
+__all__ = ["CURRENT_KEY", "ChunkCipher", "Context", "Expected", "KeyWrapper", "Keyring",
+           "KeyringWrapper", "Opened", "Sealing", "Wrapped", "check_lineage", "is_sealed",
+           "new_dek", "open_manifest", "seal_manifest", "sealing_from"]
 
 KEY_BYTES: Final = 32
 NONCE_BYTES: Final = 12
 CURRENT_KEY: Final = "current"  # the Secret's key that names the KEK new checkpoints use
-SEALED_FORMAT: Final = 1
+SEALED_FORMAT_V1: Final = 1  # binds namespace, sandbox, uid, checkpoint (still read)
+SEALED_FORMAT: Final = 2  # also the parent checkpoint and the uid lineage
+MAX_LINEAGE: Final = 64  # a fork of a fork of ...: beyond, a fork starts a new lineage
+_UID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 _KEY_ID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 _CHUNK_MAGIC: Final = b"HSC1"
 _WRAP_INFO: Final = b"hermit/kek/wrap/v1"
@@ -82,37 +88,74 @@ def new_dek() -> bytes:
 
 @dataclass(frozen=True)
 class Context:
-    """What sealed data is bound to: a sandbox (its uid) and, for a manifest, a checkpoint."""
+    """What sealed data is bound to: a sandbox (its uid and lineage) and, for a manifest,
+    a checkpoint and its parent.
+
+    ``lineage`` is the chain of sandbox uids that share the sandbox's data key, the
+    first sandbox first and ``sandbox_uid`` last (a fork inherits its source's key and
+    appends its own uid). ``parent`` is the checkpoint the sandbox was restored from
+    ("": started from scratch). An empty lineage is the first sealed format, which
+    bound neither (``SEALED_FORMAT_V1``).
+    """
 
     namespace: str
     sandbox: str
     sandbox_uid: str
     checkpoint: str = ""
+    parent: str = ""
+    lineage: tuple[str, ...] = ()
 
     def sandbox_bytes(self) -> bytes:
-        """The DEK's context: the sandbox, whichever checkpoint."""
-        return _canonical({"namespace": self.namespace, "sandbox": self.sandbox,
-                           "sandbox_uid": self.sandbox_uid})
+        """The DEK's context: the sandbox and its lineage, whichever checkpoint."""
+        data: dict[str, Any] = {"namespace": self.namespace, "sandbox": self.sandbox,
+                                "sandbox_uid": self.sandbox_uid}
+        if self.lineage:
+            data["lineage"] = list(self.lineage)
+        return _canonical(data)
 
-    def to_dict(self) -> dict[str, str]:
-        return {"namespace": self.namespace, "sandbox": self.sandbox,
-                "sandbox_uid": self.sandbox_uid, "checkpoint": self.checkpoint}
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"namespace": self.namespace, "sandbox": self.sandbox,
+                                "sandbox_uid": self.sandbox_uid, "checkpoint": self.checkpoint}
+        if self.lineage:
+            data.update(parent=self.parent, lineage=list(self.lineage))
+        return data
 
     def describe(self) -> str:
         return f"{self.namespace}/{self.checkpoint} of sandbox {self.sandbox} " \
                f"(uid {self.sandbox_uid})"
 
 
+def check_lineage(lineage: object, sandbox_uid: str) -> tuple[str, ...]:
+    """``lineage`` as a tuple when it is well formed for ``sandbox_uid``: 1 to
+    ``MAX_LINEAGE`` distinct uids ending with it. CheckpointRefused otherwise."""
+    if not isinstance(lineage, (list, tuple)) or not 0 < len(lineage) <= MAX_LINEAGE or \
+            not all(isinstance(u, str) and _UID_RE.match(u) for u in lineage) or \
+            len(set(lineage)) != len(lineage) or lineage[-1] != sandbox_uid:
+        raise CheckpointRefused(f"its sealed lineage is not 1 to {MAX_LINEAGE} distinct "
+                                f"sandbox uids ending with {sandbox_uid!r:.80}")
+    return tuple(lineage)
+
+
 @dataclass(frozen=True)
 class Wrapped:
-    """A DEK wrapped by the KEK ``key_id``."""
+    """A DEK wrapped by the KEK ``key_id``; as a sandbox's key record (``keys/<uid>``) it
+    also names the lineage the DEK is bound to (empty: the first format, bound to the
+    sandbox alone) and ``source``, the sandbox (same namespace) whose chunks a fork may
+    copy instead of uploading them again ("": none)."""
 
     key_id: str
     blob: bytes = field(repr=False)
+    lineage: tuple[str, ...] = ()
+    source: str = ""
 
     def to_bytes(self) -> bytes:
         """As stored next to the sandbox's chunks."""
-        return _canonical({"kek": self.key_id, "dek": _b64(self.blob)})
+        data: dict[str, Any] = {"kek": self.key_id, "dek": _b64(self.blob)}
+        if self.lineage:
+            data["lineage"] = list(self.lineage)
+        if self.source:
+            data["source"] = self.source
+        return _canonical(data)
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> Wrapped:
@@ -120,10 +163,16 @@ class Wrapped:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise CheckpointRefused("the wrapped data key is not JSON") from None
-        if not isinstance(data, dict) or set(data) != {"kek", "dek"} or \
+        if not isinstance(data, dict) or not {"kek", "dek"} <= set(data) <= \
+                {"kek", "dek", "lineage", "source"} or \
                 not isinstance(data["kek"], str) or not _KEY_ID_RE.match(data["kek"]):
             raise CheckpointRefused("the wrapped data key is malformed")
-        return cls(data["kek"], _unb64(data["dek"], "dek"))
+        lineage = data.get("lineage", [])
+        source = data.get("source", "")
+        if not isinstance(lineage, list) or not all(isinstance(u, str) for u in lineage) or \
+                not isinstance(source, str) or (source and not _UID_RE.match(source)):
+            raise CheckpointRefused("the wrapped data key is malformed")
+        return cls(data["kek"], _unb64(data["dek"], "dek"), tuple(lineage), source)
 
 
 class KeyWrapper(Protocol):
@@ -302,12 +351,17 @@ def is_sealed(raw: bytes) -> bool:
 
 def _signed_bytes(envelope: Mapping[str, Any]) -> bytes:
     body = {k: v for k, v in envelope.items() if k != "signature"}
-    return b"hermit/manifest/v1\0" + _canonical(body)
+    tag = b"hermit/manifest/v1\0" if envelope.get("sealed") == SEALED_FORMAT_V1 \
+        else b"hermit/manifest/v2\0"
+    return tag + _canonical(body)
 
 
 def seal_manifest(wrapper: KeyWrapper, dek: bytes, wrapped: Wrapped, context: Context,
                   manifest_json: bytes) -> bytes:
-    """The stored bytes of a sealed manifest: an envelope signed with ``wrapped.key_id``."""
+    """The stored bytes of a sealed manifest: an envelope signed with ``wrapped.key_id``
+    over ``context``: its namespace, sandbox, uid, checkpoint, parent and lineage (which
+    must be set, and ``wrapped`` bound to it)."""
+    check_lineage(context.lineage, context.sandbox_uid)
     nonce = os.urandom(NONCE_BYTES)
     ciphertext = AESGCM(dek).encrypt(nonce, manifest_json, _canonical(context.to_dict()))
     envelope: dict[str, Any] = {
@@ -325,37 +379,78 @@ def _parse_envelope(raw: bytes) -> dict[str, Any]:
         raise CheckpointRefused("its sealed manifest is not JSON") from None
     if not isinstance(data, dict) or set(data) != _ENVELOPE_FIELDS:
         raise CheckpointRefused("its sealed manifest does not have the envelope's fields")
-    if data["sealed"] != SEALED_FORMAT:
+    if data["sealed"] not in (SEALED_FORMAT_V1, SEALED_FORMAT) or \
+            isinstance(data["sealed"], bool):
         raise CheckpointRefused(f"its sealed manifest has format {data['sealed']!r:.20}, "
-                                f"not {SEALED_FORMAT}")
+                                f"not {SEALED_FORMAT_V1} or {SEALED_FORMAT}")
     if not isinstance(data["kek"], str) or not _KEY_ID_RE.match(data["kek"]):
         raise CheckpointRefused("its sealed manifest names no valid key id")
     return data
 
 
-def _check_context(claimed: object, expect: Context, expect_uid: str | None) -> Context:
-    if not isinstance(claimed, dict) or set(claimed) != set(expect.to_dict()) or \
-            not all(isinstance(v, str) for v in claimed.values()):
+@dataclass(frozen=True)
+class Expected:
+    """What a restore expects a sealed manifest to be bound to. ``uid``, ``parent`` and
+    ``lineage`` are checked when not None (``parent`` "": restored from nothing)."""
+
+    namespace: str
+    sandbox: str
+    checkpoint: str
+    uid: str | None = None
+    parent: str | None = None
+    lineage: tuple[str, ...] | None = None
+
+
+def _claimed_context(claimed: object, sealed_format: int) -> Context:
+    names = {"namespace", "sandbox", "sandbox_uid", "checkpoint"}
+    if sealed_format == SEALED_FORMAT:
+        names |= {"parent", "lineage"}
+    if not isinstance(claimed, dict) or set(claimed) != names or \
+            not all(isinstance(v, str) for k, v in claimed.items() if k != "lineage"):
         raise CheckpointRefused("its sealed manifest has no valid context")
-    got = Context(**claimed)
+    if sealed_format == SEALED_FORMAT_V1:
+        return Context(**claimed)
+    lineage = check_lineage(claimed["lineage"], claimed["sandbox_uid"])
+    return Context(**{**claimed, "lineage": lineage})
+
+
+def _check_context(got: Context, expect: Expected) -> None:
     want = (expect.namespace, expect.sandbox, expect.checkpoint,
-            expect_uid if expect_uid is not None else got.sandbox_uid)
+            expect.uid if expect.uid is not None else got.sandbox_uid)
     if (got.namespace, got.sandbox, got.checkpoint, got.sandbox_uid) != want:
         raise CheckpointRefused(f"it is sealed for checkpoint {got.describe()}, not for "
                                 f"{expect.namespace}/{expect.checkpoint} of sandbox "
-                                f"{expect.sandbox} (uid {expect_uid or 'any'})")
-    return got
+                                f"{expect.sandbox} (uid {expect.uid or 'any'})")
+    if not got.lineage:
+        return  # the first format signed no parent and no lineage: nothing to compare
+    if expect.parent is not None and got.parent != expect.parent:
+        raise CheckpointRefused(
+            f"it is sealed with parent checkpoint {got.parent or '(none)'!r}, but the "
+            f"Checkpoint records {expect.parent or '(none)'!r}")
+    if expect.lineage is not None and got.lineage != expect.lineage:
+        raise CheckpointRefused(
+            f"it is sealed for sandbox lineage {'/'.join(got.lineage)}, but the "
+            f"Checkpoint records {'/'.join(expect.lineage) or '(none)'}")
 
 
-def open_manifest(wrapper: KeyWrapper, raw: bytes, location: Context,
-                  expect_uid: str | None) -> tuple[bytes, bytes]:
-    """Verifies and decrypts a sealed manifest read at ``location`` (its namespace,
-    sandbox and checkpoint; ``sandbox_uid`` unused). Returns the manifest's JSON and
-    the sandbox's DEK.
+@dataclass(frozen=True)
+class Opened:
+    """A verified, decrypted manifest: its JSON, the sandbox's data key and the context
+    it was signed for (an empty lineage: the first format)."""
 
-    The signature is checked first, then that the signed context is ``location`` (and
-    ``expect_uid``, when given); only then is anything decrypted. Raises
-    CheckpointRefused with the reason (without the checkpoint's name: callers add it).
+    plain: bytes
+    dek: bytes = field(repr=False)
+    context: Context
+
+
+def open_manifest(wrapper: KeyWrapper, raw: bytes, expect: Expected) -> Opened:
+    """Verifies and decrypts a sealed manifest read where ``expect`` says.
+
+    The signature is checked first, then that the signed context is the one expected
+    (namespace, sandbox, checkpoint, and uid, parent and lineage when given); only then
+    is anything decrypted. A manifest of the first format (no parent, no lineage
+    signed) is read under its own, older rules. Raises CheckpointRefused with the
+    reason (without the checkpoint's name: callers add it).
     """
     envelope = _parse_envelope(raw)
     key_id = envelope["kek"]
@@ -363,7 +458,8 @@ def open_manifest(wrapper: KeyWrapper, raw: bytes, location: Context,
     if not wrapper.verify(key_id, _signed_bytes(envelope), signature):
         raise CheckpointRefused(f"its manifest's signature (sealing key {key_id!r}) does "
                                 "not verify: the manifest was altered")
-    context = _check_context(envelope["context"], location, expect_uid)
+    context = _claimed_context(envelope["context"], envelope["sealed"])
+    _check_context(context, expect)
     dek = wrapper.unwrap(Wrapped(key_id, _unb64(envelope["dek"], "dek")),
                          context.sandbox_bytes())
     nonce = _unb64(envelope["nonce"], "nonce")
@@ -372,7 +468,7 @@ def open_manifest(wrapper: KeyWrapper, raw: bytes, location: Context,
                                     _canonical(context.to_dict()))
     except (InvalidTag, ValueError):
         raise CheckpointRefused("its manifest does not decrypt") from None
-    return plain, dek
+    return Opened(plain, dek, context)
 
 
 @dataclass(frozen=True)

@@ -65,10 +65,13 @@ from hermit_common.s3errors import (
     to_hermit_error,
 )
 from hermit_common.seal import (
+    MAX_LINEAGE,
     ChunkCipher,
     Context,
+    Expected,
     Sealing,
     Wrapped,
+    check_lineage,
     is_sealed,
     new_dek,
     open_manifest,
@@ -124,6 +127,8 @@ class UploadResult:
     chunks_total: int  # chunk references
     chunks_uploaded: int
     duration: float  # seconds
+    chunks_copied: int = 0  # copied in the store from a fork's source, not uploaded
+    lineage: tuple[str, ...] = ()  # the uid lineage a sealed manifest is signed for
 
 
 ProgressCallback = Callable[[UploadProgress], None]
@@ -175,17 +180,46 @@ class _ChunkDone:
     task: _ChunkTask
     digest: str
     uploaded_bytes: int
+    copied: bool = False
+
+
+@dataclass(frozen=True)
+class _DataKey:
+    """A sandbox's data key as an upload uses it: the key, its record (wrapped under the
+    current KEK), the lineage it is bound to and the sandbox whose chunks may be copied."""
+
+    dek: bytes = dataclasses.field(repr=False)
+    wrapped: Wrapped
+    lineage: tuple[str, ...]
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class _Opened:
+    """A manifest read from the store: parsed, with its stored digest, the cipher of its
+    chunks (None: plain) and, sealed, its data key and signed context."""
+
+    manifest: Manifest
+    digest: str
+    cipher: ChunkCipher | None
+    dek: bytes | None = dataclasses.field(default=None, repr=False)
+    context: Context | None = None
 
 
 class _UploadState:
     """Shared between upload workers: which chunks exist, which are claimed."""
 
-    def __init__(self, existing: Mapping[str, int], cipher: ChunkCipher | None) -> None:
+    def __init__(self, existing: Mapping[str, int], cipher: ChunkCipher | None,
+                 source: str = "", source_chunks: Mapping[str, int] | None = None) -> None:
         self.cipher = cipher  # None: plain chunks, named by their digest
         self.lock = threading.Lock()
         self.sizes: dict[str, int] = dict(existing)  # object name -> stored size
         self.claimed: set[str] = set(existing)
         self.stop = threading.Event()
+        # A fork's first upload: the source sandbox's chunks (same data key, same names),
+        # copied inside the store instead of uploaded.
+        self.source = source
+        self.source_chunks: Mapping[str, int] = source_chunks or {}
 
 
 class _Tally:
@@ -195,7 +229,7 @@ class _Tally:
                  on_progress: ProgressCallback | None) -> None:
         self.digests: dict[tuple[str, int], list[str]] = {}  # (section, entry) -> chunks
         self.chunks_total, self.bytes_total = chunks_total, bytes_total
-        self.done = self.bytes = self.uploaded = self.new = 0
+        self.done = self.bytes = self.uploaded = self.new = self.copied = 0
         self._on_progress = on_progress
 
     def record(self, done: _ChunkDone) -> None:
@@ -205,7 +239,9 @@ class _Tally:
         slot[t.chunk_index] = done.digest
         self.done += 1
         self.bytes += t.length
-        if done.uploaded_bytes:
+        if done.copied:
+            self.copied += 1
+        elif done.uploaded_bytes:
             self.uploaded += done.uploaded_bytes
             self.new += 1
         if self._on_progress is not None:
@@ -470,28 +506,45 @@ class CheckpointStore:
 
     # -- sealing ----------------------------------------------------------------
 
-    def _sandbox_dek(self, context: Context, deadline: float | None) -> tuple[bytes, Wrapped]:
+    def _sandbox_dek(self, context: Context, deadline: float | None) -> _DataKey:
         """The sandbox's data key, wrapped under the current KEK (made, or re-wrapped after
-        a rotation, and stored when needed: a rotation keeps the key, so dedup goes on)."""
+        a rotation or from the first record format, and stored when needed: a rotation
+        keeps the key, so dedup goes on), with the lineage it is bound to."""
         assert self._sealing is not None
         wrapper = self._sealing.wrapper
         key = self.sandbox_key_key(context.namespace, context.sandbox, context.sandbox_uid)
         stored = self._read_sandbox_key(key)
         dek: bytes | None = None
+        lineage: tuple[str, ...] = (context.sandbox_uid,)
+        source = ""
         if stored is not None:
+            bound = dataclasses.replace(context, lineage=stored.lineage)
             try:
-                dek = wrapper.unwrap(stored, context.sandbox_bytes())
+                if stored.lineage:
+                    check_lineage(stored.lineage, context.sandbox_uid)
+                dek = wrapper.unwrap(stored, bound.sandbox_bytes())
             except CheckpointRefused as exc:  # its KEK is gone, or it was altered
                 log.warning("the data key of sandbox %s/%s is unusable, making a new one: %s",
                             context.namespace, context.sandbox, exc)
             else:
-                if stored.key_id == wrapper.current_key_id():
-                    return dek, stored
+                lineage, source = stored.lineage or lineage, stored.source
+                if stored.key_id == wrapper.current_key_id() and stored.lineage:
+                    return _DataKey(dek, stored, lineage, stored.source)
         dek = dek if dek is not None else new_dek()
-        wrapped = wrapper.wrap(dek, context.sandbox_bytes())
+        wrapped = self._write_sandbox_key(dataclasses.replace(context, lineage=lineage),
+                                          dek, source, deadline)
+        return _DataKey(dek, wrapped, lineage, source)
+
+    def _write_sandbox_key(self, context: Context, dek: bytes, source: str,
+                           deadline: float | None) -> Wrapped:
+        """Stores ``dek`` as the sandbox's key record, bound to its lineage."""
+        assert self._sealing is not None
+        wrapped = self._sealing.wrapper.wrap(dek, context.sandbox_bytes())
+        wrapped = dataclasses.replace(wrapped, lineage=context.lineage, source=source)
+        key = self.sandbox_key_key(context.namespace, context.sandbox, context.sandbox_uid)
         self._put(key, wrapped.to_bytes(), "application/json", "write sandbox key",
                   deadline=deadline)
-        return dek, wrapped
+        return wrapped
 
     def _read_sandbox_key(self, key: str) -> Wrapped | None:
         try:
@@ -503,28 +556,55 @@ class CheckpointStore:
                 return None
             raise
 
-    def _unseal(self, raw: bytes, namespace: str, sandbox: str, checkpoint: str,
-                expect_uid: str | None) -> tuple[bytes, ChunkCipher | None]:
-        """The manifest JSON in stored bytes ``raw``, and the cipher of its chunks (None:
-        plain). Refuses what this store may not read or what does not verify."""
-        where = f"checkpoint {namespace}/{checkpoint}"
+    def _unseal(self, raw: bytes, expect: Expected) -> tuple[bytes, bytes | None,
+                                                             Context | None]:
+        """The manifest JSON in stored bytes ``raw``, and (sealed) its data key and signed
+        context. Refuses what this store may not read or what does not verify."""
+        where = f"checkpoint {expect.namespace}/{expect.checkpoint}"
         if not is_sealed(raw):
             if self._sealing is not None and not self._sealing.accept_plain:
                 raise CheckpointRefused(
                     f"{where} is refused: it is not sealed; this node-agent reads only sealed "
                     "checkpoints (HERMIT_SEAL_ACCEPT_PLAIN=true reads plain ones, for a "
                     "migration)")
-            return raw, None
+            return raw, None, None
         if self._sealing is None:
             raise CheckpointRefused(
                 f"{where} is refused: it is sealed, and this node-agent has no sealing keys "
                 "(HERMIT_SEAL_KEYS_DIR)")
-        location = Context(namespace, sandbox, "", checkpoint)
         try:
-            plain, dek = open_manifest(self._sealing.wrapper, raw, location, expect_uid)
+            opened = open_manifest(self._sealing.wrapper, raw, expect)
         except CheckpointRefused as exc:
             raise CheckpointRefused(f"{where} is refused: {exc}") from None
-        return plain, ChunkCipher(dek)
+        return opened.plain, opened.dek, opened.context
+
+    def inherit_data_key(self, source: Expected, expect_digest: str | None,
+                         heir: CheckpointStore, namespace: str, sandbox: str,
+                         sandbox_uid: str) -> bool:
+        """Gives a fork (``sandbox``, ``sandbox_uid`` in ``heir``) the data key of the sealed
+        checkpoint ``source`` it was restored from, bound to the source's lineage plus the
+        fork's uid, unless the fork has a key already. Its chunks then get the same names
+        as the source's (and, in the same store, are copied rather than uploaded by its
+        first checkpoint). The source is verified exactly as a restore verifies it.
+        False when nothing was inherited (plain, a lineage too long, a key already there)."""
+        if self._sealing is None or heir._sealing is None:
+            return False
+        opened = self._open_manifest(source, expect_digest)
+        if opened.dek is None or opened.context is None:
+            return False
+        lineage = (*(opened.context.lineage or (opened.context.sandbox_uid,)), sandbox_uid)
+        if len(lineage) > MAX_LINEAGE or sandbox_uid in lineage[:-1]:
+            return False
+        key = heir.sandbox_key_key(namespace, sandbox, sandbox_uid)
+        if heir._read_sandbox_key(key) is not None:
+            return False
+        same_store = (heir.settings.bucket, heir.settings.endpoint_url, heir.settings.prefix) \
+            == (self.settings.bucket, self.settings.endpoint_url, self.settings.prefix)
+        heir._write_sandbox_key(Context(namespace, sandbox, sandbox_uid, lineage=lineage),
+                                opened.dek, source.sandbox if same_store else "", None)
+        log.info("sandbox %s/%s inherits the data key of %s/%s (lineage of %d)", namespace,
+                 sandbox, source.namespace, source.sandbox, len(lineage))
+        return True
 
     # -- public API -------------------------------------------------------------
 
@@ -577,26 +657,29 @@ class CheckpointStore:
             raise self._error(exc, key, "delete checkpoint") from None
 
     def read_manifest(self, namespace: str, sandbox: str, checkpoint: str, *,
-                      expect_uid: str | None = None) -> tuple[Manifest, str]:
+                      expect_uid: str | None = None, expect_parent: str | None = None,
+                      expect_lineage: tuple[str, ...] | None = None,
+                      ) -> tuple[Manifest, str]:
         """Fetches, verifies (when sealed) and parses a manifest; returns it with the
-        digest of its stored bytes. ``expect_uid``: the sandbox uid a sealed manifest
-        must be signed for."""
-        manifest, digest, _ = self._open_manifest(namespace, sandbox, checkpoint, expect_uid)
-        return manifest, digest
+        digest of its stored bytes. ``expect_uid``, ``expect_parent`` and
+        ``expect_lineage``: what a sealed manifest must be signed for, when given."""
+        opened = self._open_manifest(Expected(namespace, sandbox, checkpoint, expect_uid,
+                                              expect_parent, expect_lineage))
+        return opened.manifest, opened.digest
 
-    def _open_manifest(self, namespace: str, sandbox: str, checkpoint: str,
-                       expect_uid: str | None, expect_digest: str | None = None,
-                       ) -> tuple[Manifest, str, ChunkCipher | None]:
+    def _open_manifest(self, expect: Expected, expect_digest: str | None = None) -> _Opened:
         """Fetches a manifest, checks its stored bytes against ``expect_digest`` (before
         anything is decrypted), unseals and parses it."""
-        raw = self._read_manifest_bytes(namespace, sandbox, checkpoint)
+        namespace, checkpoint = expect.namespace, expect.checkpoint
+        raw = self._read_manifest_bytes(namespace, expect.sandbox, checkpoint)
         actual = digest_bytes(raw)
         if expect_digest is not None and actual != expect_digest:
             raise CheckpointRefused(
                 f"checkpoint {namespace}/{checkpoint}: manifest digest {actual} does not match "
                 f"the expected {expect_digest}")
-        plain, cipher = self._unseal(raw, namespace, sandbox, checkpoint, expect_uid)
-        return Manifest.from_json(plain), actual, cipher
+        plain, dek, context = self._unseal(raw, expect)
+        return _Opened(Manifest.from_json(plain), actual,
+                       ChunkCipher(dek) if dek is not None else None, dek, context)
 
     def collect_garbage(self, namespace: str, sandbox: str, *,
                         min_age_seconds: float = 0.0) -> int:
@@ -646,8 +729,8 @@ class CheckpointStore:
 
     def referenced_chunks(self, namespace: str, sandbox: str, checkpoint: str) -> set[str]:
         """The object names (under ``chunks/``) of the chunks a checkpoint references."""
-        manifest, _, cipher = self._open_manifest(namespace, sandbox, checkpoint, None)
-        return {_object_name(cipher, d) for d in manifest.chunk_digests()}
+        opened = self._open_manifest(Expected(namespace, sandbox, checkpoint))
+        return {_object_name(opened.cipher, d) for d in opened.manifest.chunk_digests()}
 
     def _ages(self, prefix: str, action: str) -> Iterator[tuple[str, float | None]]:
         """(name under ``prefix``, age in seconds or None) of every object there."""
@@ -683,12 +766,13 @@ class CheckpointStore:
 
     def upload(self, binding: Binding, sections: Mapping[str, Path],
                restore: Mapping[str, Any], *, on_progress: ProgressCallback | None = None,
-               deadline: float | None = None) -> UploadResult:
+               deadline: float | None = None, parent: str = "") -> UploadResult:
         """Uploads the directory trees ``sections`` as checkpoint ``binding.checkpoint``.
 
-        ``deadline`` is a ``time.monotonic()`` value after which the upload gives
-        up. Any failure raises StoreUnavailable or CheckpointFailed and leaves
-        no manifest (chunks already PUT stay for reuse or garbage collection).
+        ``parent``: the checkpoint the sandbox was restored from ("": none), which a
+        sealed manifest is signed for. ``deadline`` is a ``time.monotonic()`` value after
+        which the upload gives up. Any failure raises StoreUnavailable or CheckpointFailed
+        and leaves no manifest (chunks already PUT stay for reuse or garbage collection).
         """
         started = time.monotonic()
         ns, sandbox = binding.namespace, binding.sandbox
@@ -696,15 +780,15 @@ class CheckpointStore:
         chunk_size = self.settings.chunk_size_bytes
         scanned = _scan_sections(sections)
         tasks, image_bytes = _chunk_tasks(sections, scanned, chunk_size)
-        context = Context(ns, sandbox, binding.sandbox_uid, binding.checkpoint)
+        context = Context(ns, sandbox, binding.sandbox_uid, binding.checkpoint, parent)
         keys = self._sandbox_dek(context, deadline) if self._sealing is not None else None
-        cipher = ChunkCipher(keys[0]) if keys is not None else None
-        state = _UploadState(self.list_chunks(ns, sandbox), cipher)
+        state = self._upload_state(ns, sandbox, keys)
         tally = _Tally(len(tasks), image_bytes, on_progress)
         self._run_upload(tasks, state, ns, sandbox, deadline, tally.record)
 
         final, referenced, files = _with_chunks(scanned, tally.digests)
-        stored_bytes = sum(state.sizes[_object_name(cipher, d)] for d in referenced)
+        stored_bytes = sum(state.sizes[_object_name(state.cipher, d)] for d in referenced)
+        lineage = keys.lineage if keys is not None else ()
         manifest = Manifest(
             binding=binding, created_at=utc_now(), chunk_size=chunk_size, sections=final,
             restore=dict(restore),
@@ -714,18 +798,19 @@ class CheckpointStore:
         raw = manifest.to_json()
         if keys is not None:
             assert self._sealing is not None
-            raw = seal_manifest(self._sealing.wrapper, keys[0], keys[1], context, raw)
+            raw = seal_manifest(self._sealing.wrapper, keys.dek, keys.wrapped,
+                                dataclasses.replace(context, lineage=lineage), raw)
         self._put_manifest(manifest_key, raw, deadline)
         result = UploadResult(
             manifest_uri=f"s3://{self.settings.bucket}/{manifest_key}",
             manifest_digest=digest_bytes(raw), manifest=manifest, image_bytes=image_bytes,
             uploaded_bytes=tally.uploaded + len(raw), stored_bytes=stored_bytes,
             chunks_total=len(tasks), chunks_uploaded=tally.new,
-            duration=time.monotonic() - started,
+            duration=time.monotonic() - started, chunks_copied=tally.copied, lineage=lineage,
         )
-        log.info("checkpoint %s/%s/%s uploaded: %d bytes, %d/%d chunks new, %.2fs",
-                 ns, sandbox, binding.checkpoint, image_bytes, tally.new, len(tasks),
-                 result.duration)
+        log.info("checkpoint %s/%s/%s uploaded: %d bytes, %d/%d chunks new, %d copied, "
+                 "%.2fs", ns, sandbox, binding.checkpoint, image_bytes, tally.new, len(tasks),
+                 tally.copied, result.duration)
         return result
 
     def _put_manifest(self, key: str, raw: bytes, deadline: float | None) -> None:
@@ -742,6 +827,15 @@ class CheckpointStore:
                 stored = b""
             if stored != raw:
                 raise CheckpointFailed(str(exc)) from None
+
+    def _upload_state(self, ns: str, sandbox: str, keys: _DataKey | None) -> _UploadState:
+        """Which chunks the sandbox has; for a fork with none yet, which ones its source
+        has (same data key, so the same names)."""
+        existing = self.list_chunks(ns, sandbox)
+        cipher = ChunkCipher(keys.dek) if keys is not None else None
+        if keys is None or not keys.source or keys.source == sandbox or existing:
+            return _UploadState(existing, cipher)
+        return _UploadState(existing, cipher, keys.source, self.list_chunks(ns, keys.source))
 
     def _run_upload(self, tasks: list[_ChunkTask], state: _UploadState, ns: str, sandbox: str,
                     deadline: float | None, on_done: Callable[[_ChunkDone], None]) -> None:
@@ -761,6 +855,10 @@ class CheckpointStore:
             if name in state.claimed:
                 return _ChunkDone(task, digest, 0)
             state.claimed.add(name)
+        if name in state.source_chunks and self._copy_chunk(state, ns, sandbox, name):
+            with state.lock:
+                state.sizes[name] = state.source_chunks[name]
+            return _ChunkDone(task, digest, 0, copied=True)
         body = self._compressor().compress(data)
         if state.cipher is not None:
             body = state.cipher.seal(name, body)
@@ -770,6 +868,19 @@ class CheckpointStore:
         with state.lock:
             state.sizes[name] = len(body)
         return _ChunkDone(task, digest, len(body))
+
+    def _copy_chunk(self, state: _UploadState, ns: str, sandbox: str, name: str) -> bool:
+        """Copies chunk ``name`` from the fork's source inside the store; False when that
+        fails (gone meanwhile, or refused): the caller uploads it instead."""
+        source_key = self.chunk_key(ns, state.source, name)
+        try:
+            self._client.copy_object(
+                Bucket=self.settings.bucket, Key=self.chunk_key(ns, sandbox, name),
+                CopySource={"Bucket": self.settings.bucket, "Key": source_key})
+        except Exception as exc:
+            log.debug("cannot copy %s, uploading it: %s", source_key, type(exc).__name__)
+            return False
+        return True
 
     # -- download ---------------------------------------------------------------
 
@@ -785,15 +896,18 @@ class CheckpointStore:
             raise
 
     def download(self, namespace: str, sandbox: str, checkpoint: str, dest: Path, *,
-                 expect_uid: str, expect_digest: str | None = None) -> Manifest:
+                 expect_uid: str, expect_digest: str | None = None,
+                 expect_parent: str | None = None,
+                 expect_lineage: tuple[str, ...] | None = None) -> Manifest:
         """Fetches, verifies and writes a checkpoint into ``dest/<section>/``.
 
         Raises CheckpointRefused (foreign, tampered, malformed or unsafe
         checkpoint), CheckpointNotFound, or StoreUnavailable. On failure nothing
         is left under ``dest``; on success every byte has been verified.
         """
-        manifest, _, cipher = self._open_manifest(namespace, sandbox, checkpoint, expect_uid,
-                                                  expect_digest)
+        opened = self._open_manifest(Expected(namespace, sandbox, checkpoint, expect_uid,
+                                              expect_parent, expect_lineage), expect_digest)
+        manifest, cipher = opened.manifest, opened.cipher
         b = manifest.binding
         if (b.namespace, b.sandbox, b.sandbox_uid, b.checkpoint) != \
                 (namespace, sandbox, expect_uid, checkpoint):

@@ -26,6 +26,7 @@ from hermit_common import health as http_health
 from hermit_common import protocol
 from hermit_common.errors import CheckpointFailed, CheckpointRefused, HermitError, RestoreFailed
 from hermit_common.s3errors import CheckpointNotFound
+from hermit_common.seal import Expected
 from hermit_common.settings import NodeSettings, redacted
 from hermit_common.store import UploadProgress
 from hermit_node import freezer, locate, metrics, planner, staging
@@ -473,7 +474,7 @@ class NodeAgent:
         return self._checkpointer.checkpoint(CheckpointTarget(
             namespace=namespace, sandbox=sp.sandbox, sandbox_uid=sp.sandbox_uid,
             checkpoint=name, init_pid=pid, workspace_path=sp.workspace_path,
-            image_digest=sp.image_digest), stop=stop,
+            image_digest=sp.image_digest, parent=sp.restore_from or ""), stop=stop,
             deadline=planner.upload_deadline(self._deadline(), time.monotonic(),
                                              protocol.reason_of(ckpt), self._routine_upload),
             on_uploading=progress.uploading, on_progress=progress, on_durable=record,
@@ -604,11 +605,35 @@ class NodeAgent:
         if sp.container_id is None:
             raise RestoreFailed(f"pod {sp.namespace}/{sp.pod} has no container id")
         pid = locate.find_init_pid(sp.container_id, self._proc_root)
-        return self._restorer.restore(RestoreTarget(
+        target = RestoreTarget(
             namespace=sp.namespace, sandbox=origin.sandbox, sandbox_uid=sandbox_uid,
             checkpoint=name, init_pid=pid, image_digest=sp.image_digest,
-            expect_manifest_digest=origin.manifest_digest, workspace_path=sp.workspace_path),
-            store=store)
+            expect_manifest_digest=origin.manifest_digest, workspace_path=sp.workspace_path,
+            expect_parent=origin.parent, expect_lineage=origin.lineage)
+        result = self._restorer.restore(target, store=store)
+        if origin.sandbox != sp.sandbox and store is not None:
+            self._inherit_key(sp, target, store)
+        return result
+
+    def _inherit_key(self, sp: SandboxPod, source: RestoreTarget,
+                     store: CheckpointStore) -> None:
+        """A fork was restored: give it its source's data key (sealed stores), so its
+        chunks dedup with the source's. Never fails the restore: without it, the fork's
+        first checkpoint makes a key of its own and uploads everything."""
+        assert self._stores is not None
+        try:
+            sandbox = self._kube.get_sandbox(sp.namespace, sp.sandbox)
+            if sandbox is None:
+                return
+            heir, _ = self._stores.for_sandbox(sandbox)
+            store.inherit_data_key(
+                Expected(source.namespace, source.sandbox, source.checkpoint,
+                         source.sandbox_uid, source.expect_parent, source.expect_lineage),
+                source.expect_manifest_digest, heir, sp.namespace, sp.sandbox,
+                sp.sandbox_uid)
+        except Exception as exc:  # anything: the restore is done
+            log.warning("fork %s/%s does not inherit the data key of %s: %s", sp.namespace,
+                        sp.sandbox, source.checkpoint, exc)
 
     def _annotate(self, sp: SandboxPod, annotations: dict[str, str | None]) -> None:
         self._retry(f"annotating pod {sp.namespace}/{sp.pod}", False,

@@ -53,6 +53,7 @@ class CheckpointTarget:
     bundle: Path | None = None  # OCI bundle; found from the runtime shim when None
     workspace_path: str | None = "/workspace"  # mount point inside the container
     image_digest: str | None = None
+    parent: str = ""  # the Checkpoint the container was restored from ("": none)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class CheckpointResult:
     cpu_flags: tuple[str, ...]
     chunks_total: int = 0  # chunk references of the manifest
     chunks_uploaded: int = 0  # chunks the store did not have yet
+    lineage: tuple[str, ...] = ()  # the sandbox uid lineage a sealed manifest is signed for
 
 
 def restore_info(view: container.ContainerView, workspace_path: str | None,
@@ -255,7 +257,8 @@ class CheckpointEngine:
             on_uploading(_ms(cap.frozen_at), cap.dump_ms)
         started = time.monotonic()
         uploaded = plan.store.upload(plan.binding, cap.sections, plan.restore,
-                                     on_progress=on_progress, deadline=deadline)
+                                     on_progress=on_progress, deadline=deadline,
+                                     parent=target.parent)
         result = _result(plan, cap, uploaded, upload_ms=_ms(started),
                          frozen_ms=frozen_ms if not stop else _ms(cap.frozen_at))
         if on_durable is not None:
@@ -352,5 +355,5 @@ def _result(plan: _Plan, cap: _Capture, uploaded: UploadResult, *, upload_ms: in
         manifest_uri=uploaded.manifest_uri, manifest_digest=uploaded.manifest_digest,
         criu_version=plan.binding.criu_version, kernel=plan.binding.kernel,
         cpu_flags=plan.binding.cpu_flags, chunks_total=uploaded.chunks_total,
-        chunks_uploaded=uploaded.chunks_uploaded,
+        chunks_uploaded=uploaded.chunks_uploaded, lineage=uploaded.lineage,
     )

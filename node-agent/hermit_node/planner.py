@@ -318,6 +318,8 @@ class RestoreOrigin:
 
     sandbox: str  # the sandbox the checkpoint was taken of (differs for a fork)
     manifest_digest: str
+    parent: str = ""  # status.parent: what a sealed manifest must be signed with
+    lineage: tuple[str, ...] | None = None  # status.lineage, when recorded
 
 
 def restore_origin(ckpt: Mapping[str, Any] | None, name: str) -> RestoreOrigin | str:
@@ -332,7 +334,10 @@ def restore_origin(ckpt: Mapping[str, Any] | None, name: str) -> RestoreOrigin |
     sandbox = ((ckpt.get("spec") or {}).get("sandboxRef") or {}).get("name")
     if not digest or not sandbox:
         return f"Checkpoint {name} records no manifestDigest or sandboxRef"
-    return RestoreOrigin(sandbox=str(sandbox), manifest_digest=str(digest))
+    lineage = status.get("lineage")
+    return RestoreOrigin(sandbox=str(sandbox), manifest_digest=str(digest),
+                         parent=str(status.get("parent") or ""),
+                         lineage=tuple(str(u) for u in lineage) if lineage else None)
 
 
 def restore_annotations(phase: str, message: str | None = None, *,
@@ -428,6 +433,8 @@ def status_completed(result: CheckpointResult, now: datetime, *, stopped: bool,
         "size": display.size(result.stored_bytes),
         "progress": display.upload_summary(result.chunks_total, result.chunks_uploaded),
     }
+    if result.lineage:
+        status["lineage"] = list(result.lineage)
     if seconds is not None:
         status["duration"] = display.duration(seconds)
     return status

@@ -45,6 +45,10 @@ class RestoreTarget:
     bundle: Path | None = None
     image_digest: str | None = None  # of the new container; must match the checkpoint's
     expect_manifest_digest: str | None = None  # from Checkpoint.status, when known
+    # What a sealed manifest must be signed for (Checkpoint.status.parent, "": none, and
+    # status.lineage); None: not checked.
+    expect_parent: str | None = None
+    expect_lineage: tuple[str, ...] | None = None
     # The new pod's workspace mount point (None: it has none): the only mount a restore
     # empties and refills, whatever the manifest's restore.workspace says.
     workspace_path: str | None = protocol.DEFAULT_WORKSPACE_PATH
@@ -217,11 +221,12 @@ class RestoreEngine:
         Returns the manifest, what to apply, and the duration in milliseconds."""
         store = store or self._store
         started = time.monotonic()
-        # A sealed manifest is verified here (signature, namespace, sandbox uid, name):
-        # nothing is downloaded or written for one that does not verify.
+        # A sealed manifest is verified here (signature, namespace, sandbox uid, name,
+        # parent, lineage): nothing is downloaded or written for one that does not verify.
         manifest, digest = store.read_manifest(
             target.namespace, target.sandbox, target.checkpoint,
-            expect_uid=target.sandbox_uid)
+            expect_uid=target.sandbox_uid, expect_parent=target.expect_parent,
+            expect_lineage=target.expect_lineage)
         if target.expect_manifest_digest is not None and digest != target.expect_manifest_digest:
             raise CheckpointRefused(
                 f"checkpoint {target.namespace}/{target.checkpoint}: manifest digest {digest} "
@@ -233,7 +238,8 @@ class RestoreEngine:
         # The manifest downloaded is the one admitted: the same bytes, by digest.
         store.download(
             target.namespace, target.sandbox, target.checkpoint, local,
-            expect_uid=target.sandbox_uid, expect_digest=digest)
+            expect_uid=target.sandbox_uid, expect_digest=digest,
+            expect_parent=target.expect_parent, expect_lineage=target.expect_lineage)
         return manifest, admitted, _ms(started)
 
     @staticmethod

@@ -315,7 +315,8 @@ class Stores:
         except KubeForbidden as exc:
             raise StorageError(
                 f"the node-agent may not read Secret {namespace}/{name} ({exc.detail}); the "
-                "chart grants it with nodeAgent.perSandboxStorage") from None
+                "chart grants it with nodeAgent.perSandboxStorage, in the namespaces listed "
+                f"in nodeAgent.perSandboxStorageNamespaces (is {namespace} one?)") from None
         if secret is None:
             raise StorageError(f"Secret {namespace}/{name}, named by {SPEC_PATH}.secretRef, "
                                "does not exist")

@@ -367,6 +367,17 @@ def verified(ckpt: Mapping[str, Any]) -> bool:
     return annotations.get(protocol.ANNOTATION_NODE_VERIFIED) == "true"
 
 
+def unverified_fork_message(ckpt: Mapping[str, Any]) -> str:
+    """Why a fork does not restore ``ckpt``: the operator never verified its node."""
+    node = protocol.node_of(ckpt)
+    return (f"spec.restoreFrom names Checkpoint {_meta(ckpt).get('name')}, which the operator "
+            f"has not verified: its {protocol.LABEL_NODE} label "
+            f"({node or 'none'}) was never seen to match the node its sandbox "
+            f"{protocol.sandbox_of(ckpt) or '(none)'} ran on, so a node-agent may have forged "
+            f"it; no pod is created (it is restored once it carries "
+            f"{protocol.ANNOTATION_NODE_VERIFIED})")
+
+
 def _node_matches(ckpt: Mapping[str, Any], where: Where) -> bool:
     return (where.node is not None and protocol.node_of(ckpt) == where.node
             and incarnation_of(ckpt) == where.incarnation)

@@ -25,7 +25,8 @@ The checkpoint/restore protocol (docs/protocol.md), seen from the operator:
   retries the same checkpoint with a backoff when hermit.dev/restore-retryable is not
   "false", else (or after MAX_RESTORE_ATTEMPTS) falls back to the previous checkpoint,
   or to a fresh start when there is none;
-- spec.restoreFrom (a fork) waits for its Checkpoint to exist and complete.
+- spec.restoreFrom (a fork) waits for its Checkpoint to exist and complete, and restores
+  it only once the operator has verified where it came from (hermit.dev/node-verified).
 """
 
 from __future__ import annotations
@@ -494,6 +495,9 @@ def _fork(st: _State, out: KubeObject, source: str, delete: str | None) -> Plan:
     if phase == ck.FAILED:
         message = f"spec.restoreFrom: {ck.failure_message(ckpt)}; no pod is created"
         return _fork_blocked(st, out, REASON_CHECKPOINT_FAILED, message, warn=True)
+    if not ck.verified(ckpt):
+        return _fork_blocked(st, out, api.REASON_CHECKPOINT_UNTRUSTED, warn=True,
+                             message=ck.unverified_fork_message(ckpt))
     event = Event(NORMAL, api.REASON_RESTORE_STARTED,
                   f"creating pod {_next_pod(st, 0)} to restore checkpoint {source}")
     return _create(st, out, 0, delete,

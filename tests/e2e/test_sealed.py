@@ -1,5 +1,6 @@
 """Sealed checkpoints on the cluster: a preempted sandbox moves, and the bucket holds
-nothing of it in the clear.
+nothing of it in the clear; tampered, foreign and swapped checkpoints are refused before
+CRIU runs, a setuid file the image lacks is stripped, and a fork dedups with its source.
 
 The chart seals by default with the KEK Secret it generates (nodeAgent.sealing). The
 self-checking workload gets a marker string in its environment (so in its process
@@ -20,6 +21,7 @@ import zstandard
 from kubernetes import client
 from kubernetes.stream import stream
 
+from hermit_common import api, protocol
 from tests.e2e import sandboxes as sb
 from tests.e2e.conftest import (
     BUCKET,
@@ -116,3 +118,157 @@ def test_preempted_sandbox_is_sealed_in_the_bucket(
     assert not {"kek", "dek"} & set(status) and MARKER not in str(status)
     print(f"\nsealed: {len(objects)} objects of {namespace} ({len(chunks)} chunks), "
           f"no marker; preemption to running {sb.since(started):.1f}s")
+
+
+# -- refused before CRIU runs: a flipped byte, a foreign namespace, a swapped manifest; a
+# setuid file the image does not have is stripped ---------------------------------------
+
+SUID = "/e2e-suid"
+BUSYBOX = "/bin/busybox"
+
+
+def _s3c(s3: S3) -> Any:
+    return boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id=s3.access_key,
+                        aws_secret_access_key=s3.secret_key, region_name="us-east-1")
+
+
+def _manifest_key(ckpt: dict[str, Any]) -> str:
+    uri = str(ckpt["status"]["manifestURI"])
+    assert uri.startswith(f"s3://{BUCKET}/"), uri
+    return uri[len(f"s3://{BUCKET}/"):]
+
+
+def _checkpoint_now(ns: str, sandbox: str, name: str) -> dict[str, Any]:
+    """A Manual checkpoint of ``sandbox``, once Completed (the operator adopts and verifies
+    it: it is labelled with the node the sandbox runs on)."""
+    sb.custom().create_namespaced_custom_object(
+        api.GROUP, api.VERSION, ns, api.CHECKPOINT_PLURAL, {
+            "apiVersion": api.API_VERSION, "kind": api.CHECKPOINT_KIND,
+            "metadata": {"name": name},
+            "spec": {"sandboxRef": {"name": sandbox}, "reason": "Manual"}})
+
+    def done() -> dict[str, Any] | None:
+        c: Any = sb.custom().get_namespaced_custom_object(
+            api.GROUP, api.VERSION, ns, api.CHECKPOINT_PLURAL, name)
+        phase = (c.get("status") or {}).get("phase")
+        assert phase != "Failed", f"checkpoint {name} failed: {c['status'].get('message')}"
+        verified = (c["metadata"].get("annotations") or {}).get(
+            protocol.ANNOTATION_NODE_VERIFIED) == "true"
+        return dict(c) if phase == "Completed" and verified else None
+
+    return wait_until(f"checkpoint {name} Completed and verified", 90, done, 0.3)
+
+
+def _flip_a_byte(s3c: Any, key: str) -> None:
+    raw = bytearray(s3c.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    at = raw.index(b'"ciphertext":"') + 40
+    raw[at] = ord("A") if raw[at] != ord("A") else ord("B")  # still base64
+    s3c.put_object(Bucket=BUCKET, Key=key, Body=bytes(raw))
+
+
+def _copy_to_namespace(s3c: Any, ckpt: dict[str, Any], source_ns: str, ns: str) -> None:
+    """What someone with the bucket and `create` on Checkpoints in ``ns`` can do: copy a
+    checkpoint's objects and its Checkpoint (verified mark and status included) there."""
+    sandbox = ckpt["spec"]["sandboxRef"]["name"]
+    top = _manifest_key(ckpt).split(f"/{source_ns}/{sandbox}/")[0]
+    old, new = f"{top}/{source_ns}/{sandbox}/", f"{top}/{ns}/{sandbox}/"
+    for page in s3c.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=old):
+        for obj in page.get("Contents", []):
+            s3c.copy_object(Bucket=BUCKET, Key=new + obj["Key"][len(old):],
+                            CopySource={"Bucket": BUCKET, "Key": obj["Key"]})
+    meta = ckpt["metadata"]
+    name = meta["name"]
+    sb.custom().create_namespaced_custom_object(
+        api.GROUP, api.VERSION, ns, api.CHECKPOINT_PLURAL, {
+            "apiVersion": api.API_VERSION, "kind": api.CHECKPOINT_KIND,
+            "metadata": {"name": name, "labels": meta.get("labels") or {},
+                         "annotations": {protocol.ANNOTATION_NODE_VERIFIED: "true"}},
+            "spec": ckpt["spec"]})
+    sb.custom().patch_namespaced_custom_object_status(
+        api.GROUP, api.VERSION, ns, api.CHECKPOINT_PLURAL, name, {"status": ckpt["status"]})
+
+
+def _refused(kube: Kube, ns: str, sandbox: str, source: str, says: str) -> str:
+    """The sandbox restoring ``source`` was refused (its restore pod's node-agent said so,
+    before CRIU) and starts from scratch: the Warning's message, which quotes the refusal."""
+    def warned() -> str | None:
+        for e in sb.events(kube, ns, sandbox):
+            if e["reason"] == api.REASON_NO_USABLE_CHECKPOINT and source in e["message"]:
+                return str(e["message"])
+        return None
+
+    message = wait_until(f"{sandbox}: restore of {source} refused", 120, warned, 0.5)
+    assert f"checkpoint {ns}/{source} is refused: " in message and says in message, message
+    assert int(sb.status(ns, sandbox).get("restores") or 0) == 0
+    print(f"  {sandbox}: {message}")
+    return message
+
+
+def _fork(cfg: E2EConfig, ns: str, name: str, source: str) -> str:
+    sb.create_sandbox(ns, name, sb.stateful_spec(cfg.sandbox_image, restoreFrom=source))
+    return name
+
+
+def _setuid_stripped(kube: Kube, ns: str, fork: str, source: str) -> sb.Running:
+    """The fork of a checkpoint holding a setuid file the image lacks runs without the bit;
+    its node-agent removed it before CRIU restored the tree."""
+    forked = sb.wait_running(kube, ns, fork, restores=1, min_ticks=1)
+    mode = _exec(ns, forked.pod, f"{BUSYBOX} stat -c %a {SUID}").strip()
+    assert mode == "755", f"{SUID} has mode {mode} after the restore"
+    log = sb.node_agent_log(kube, RELEASE_NS, forked.node)
+    stripped = log.find(f"restore of {ns}/{source}: removed setuid")
+    restored = log.find(f"restored {ns}/{source} into pid")
+    assert 0 <= stripped < restored, "no strip logged before the restore"
+    assert f"rootfs/{SUID[1:]} (setuid)" in log[stripped:restored]
+    print(f"  {fork}: restored on {forked.node}, {SUID} stripped to {mode} before CRIU ran")
+    return forked
+
+
+def test_tampered_foreign_and_swapped_checkpoints_are_refused_and_setuid_stripped(
+    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig, s3_for_pods: S3,
+) -> None:
+    started = time.monotonic()
+    name, where = sb.start_on_spot(kube, e2e_config, RELEASE_NS, namespace)
+    _exec(namespace, where.pod, f"{BUSYBOX} cp {BUSYBOX} {SUID} && {BUSYBOX} chmod 4755 {SUID}")
+    assert _exec(namespace, where.pod, f"{BUSYBOX} stat -c %a {SUID}").strip() == "4755"
+    flipped, clean = (_checkpoint_now(namespace, name, f"{name}-{s}") for s in ("c1", "c2"))
+    s3c = _s3c(s3_for_pods)
+    other_ns = f"{namespace[:50]}-b"
+    body: Any = {"metadata": {"name": other_ns}}
+    kube.api.create_namespace(body)
+    try:
+        _flip_a_byte(s3c, _manifest_key(flipped))
+        sb.create_sandbox(other_ns, name, sb.stateful_spec(
+            e2e_config.sandbox_image, restoreFrom=clean["metadata"]["name"]))
+        _copy_to_namespace(s3c, clean, namespace, other_ns)
+        forks = [_fork(e2e_config, namespace, f"{name}-{s}", src["metadata"]["name"])
+                 for s, src in (("flip", flipped), ("suid", clean))]
+        _refused(kube, namespace, forks[0], flipped["metadata"]["name"],
+                 "signature (sealing key")
+        _refused(kube, other_ns, name, clean["metadata"]["name"],
+                 f"it is sealed for checkpoint {namespace}/{clean['metadata']['name']} of "
+                 f"sandbox {name}")
+        _setuid_stripped(kube, namespace, forks[1], clean["metadata"]["name"])
+
+        # The fork's first checkpoint: signed for its lineage, and (same store, inherited
+        # data key) its chunks copied from the source's rather than uploaded.
+        first = _checkpoint_now(namespace, forks[1], f"{forks[1]}-f1")
+        uids = [sb.sandbox(namespace, n)["metadata"]["uid"] for n in (name, forks[1])]
+        assert first["status"]["lineage"] == uids, first["status"]
+        # Without the inherited key it would send about what the source's first did.
+        sent, full = first["status"]["uploadedBytes"], flipped["status"]["uploadedBytes"]
+        assert sent < full // 4, f"the fork's first checkpoint sent {sent} bytes of {full}"
+        print(f"  {forks[1]}: first checkpoint sent {sent} bytes (the source's first: "
+              f"{full}); lineage {first['status']['lineage']}")
+
+        # Another sandbox's manifest put in place of the fork's: refused.
+        body = s3c.get_object(Bucket=BUCKET, Key=_manifest_key(clean))["Body"].read()
+        s3c.put_object(Bucket=BUCKET, Key=_manifest_key(first), Body=body)
+        swap = _fork(e2e_config, namespace, f"{name}-swap", first["metadata"]["name"])
+        _refused(kube, namespace, swap, first["metadata"]["name"],
+                 f"it is sealed for checkpoint {namespace}/{clean['metadata']['name']} of "
+                 f"sandbox {name}")
+    finally:
+        kube.api.delete_namespace(other_ns, grace_period_seconds=0)
+    print(f"refused before CRIU: flipped byte, another namespace, swapped manifest; setuid "
+          f"stripped; {sb.since(started):.0f}s")

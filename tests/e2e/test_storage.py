@@ -5,17 +5,20 @@ A checkpoint with a wrong Secret fails with why and the sandbox runs on; with th
 fixed, a spot notice checkpoints both, each only into its own bucket (both buckets and the
 chart's are listed), and both restore and continue. Then one sandbox is suspended, its
 storage changed, and resumed: it is restored from where the checkpoint was written.
-The chart's nodeAgent.perSandboxStorage is turned on for the test (off by default).
+The chart's nodeAgent.perSandboxStorage is turned on for the test's namespace only (off by
+default): the node-agent may read Secrets there and nowhere else.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -65,26 +68,49 @@ def _sandboxes_in(keys: list[str]) -> set[str]:
     return {k.split("/chunks/")[0].split("/checkpoints/")[0].split("/keys/")[0] for k in keys}
 
 
-def _per_sandbox_storage(cfg: E2EConfig, on: bool) -> None:
-    """Turn the chart's nodeAgent.perSandboxStorage on or off (the node-agents roll)."""
+def _per_sandbox_storage(cfg: E2EConfig, namespaces: list[str]) -> None:
+    """Turn the chart's nodeAgent.perSandboxStorage on for ``namespaces``, or off (none);
+    the node-agents roll."""
     proc = subprocess.run(
         [helm_binary(), "upgrade", RELEASE, str(REPO / "charts/hermit"), "-n", RELEASE_NS,
-         "--reuse-values", "--set", f"nodeAgent.perSandboxStorage={str(on).lower()}",
+         "--reuse-values", "--set", f"nodeAgent.perSandboxStorage={str(bool(namespaces)).lower()}",
+         "--set-json", f"nodeAgent.perSandboxStorageNamespaces={json.dumps(namespaces)}",
          "--wait", "--timeout", "180s"],
         env={**os.environ, "KUBECONFIG": cfg.kubeconfig}, capture_output=True, text=True,
         check=False)
     assert proc.returncode == 0, f"helm upgrade failed: {proc.stdout}{proc.stderr}"
 
 
+def _node_agent_may_get_secrets(cfg: E2EConfig, namespace: str) -> bool:
+    pods = client.CoreV1Api().list_namespaced_pod(
+        RELEASE_NS, label_selector="app.kubernetes.io/component=node-agent").items
+    assert pods and pods[0].spec is not None, f"no node-agent pod in {RELEASE_NS}"
+    account = pods[0].spec.service_account_name
+    proc = subprocess.run(
+        [str(Path(os.environ.get("HERMIT_CACHE", Path.home() / ".cache/hermit"))
+             / "bin" / "kubectl"), "--kubeconfig", cfg.kubeconfig, "auth", "can-i", "get",
+         "secrets", "-n", namespace, f"--as=system:serviceaccount:{RELEASE_NS}:{account}"],
+        capture_output=True, text=True, check=False)
+    return proc.stdout.strip() == "yes"
+
+
 @pytest.fixture
-def per_sandbox_storage(hermit_release: str, e2e_config: E2EConfig) -> Iterator[str]:
-    """The release with per-sandbox storage on (it is off by default), then off again, so
-    the rest of the session sees the chart's defaults (test_security compares its RBAC)."""
-    _per_sandbox_storage(e2e_config, True)
+def per_sandbox_storage(hermit_release: str, namespace: str, e2e_config: E2EConfig
+                        ) -> Iterator[str]:
+    """The release with per-sandbox storage on for the test's namespace (it is off by
+    default), then off again, so the rest of the session sees the chart's defaults
+    (test_security compares its RBAC). The API server lets the node-agent read Secrets
+    there, and in no other namespace."""
+    _per_sandbox_storage(e2e_config, [namespace])
     try:
+        assert _node_agent_may_get_secrets(e2e_config, namespace)
+        for elsewhere in ("kube-system", "default", RELEASE_NS):
+            assert not _node_agent_may_get_secrets(e2e_config, elsewhere), elsewhere
+        print(f"\nnode-agent may get Secrets in {namespace} only (not kube-system, default, "
+              f"{RELEASE_NS})")
         yield hermit_release
     finally:
-        _per_sandbox_storage(e2e_config, False)
+        _per_sandbox_storage(e2e_config, [])
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import zstandard
 
 from hermit_common.errors import CheckpointRefused
 from hermit_common.manifest import Binding
-from hermit_common.seal import Keyring, KeyringWrapper, Sealing
+from hermit_common.seal import Expected, Keyring, KeyringWrapper, Sealing
 from hermit_common.store import CheckpointStore, make_s3_client
 from tests.support.minio import MinioServer
 
@@ -55,9 +55,10 @@ def _store(minio: MinioServer, bucket: str, sealing: Sealing | None) -> Checkpoi
     return CheckpointStore(minio.settings(bucket, chunk_size_bytes=CHUNK), sealing=sealing)
 
 
-def _binding(checkpoint: str, namespace: str = NS, uid: str = UID) -> Binding:
-    return Binding(namespace=namespace, sandbox=BOX, sandbox_uid=uid, checkpoint=checkpoint,
-                   criu_version="4.2.1", kernel="6.18.0")
+def _binding(checkpoint: str, namespace: str = NS, uid: str = UID,
+             sandbox: str = BOX) -> Binding:
+    return Binding(namespace=namespace, sandbox=sandbox, sandbox_uid=uid,
+                   checkpoint=checkpoint, criu_version="4.2.1", kernel="6.18.0")
 
 
 def _sections(root: Path, seed: int = 1) -> dict[str, Path]:
@@ -241,7 +242,64 @@ def test_plain_checkpoints_need_the_migration_setting(
     migrating.download(NS, BOX, "c-plain", tmp_path / "d2", expect_uid=UID)
     sealed = migrating.upload(_binding("c-sealed"), _sections(tmp_path / "src2"),
                               {"engine": 1})
-    assert b'"sealed":1' in _get(minio_server, bucket, migrating.manifest_key(NS, BOX,
+    assert b'"sealed":2' in _get(minio_server, bucket, migrating.manifest_key(NS, BOX,
                                                                               "c-sealed"))
     assert sealed.chunks_uploaded > 0  # sealed chunks are new objects, not the plain ones
     assert migrating.collect_garbage(NS, BOX) == 0  # both kinds are referenced
+
+
+def _same_files(sections: dict[str, Path], dest: Path) -> None:
+    for name, root in sections.items():
+        for path in root.rglob("*"):
+            if path.is_file():
+                assert (dest / name / path.relative_to(root)).read_bytes() == path.read_bytes()
+
+
+def test_a_fork_inherits_its_sources_data_key_and_uploads_almost_nothing(
+        minio_server: MinioServer, bucket: str, tmp_path: Path) -> None:
+    secret = _Secret()
+    secret.add("k1")
+    store = _store(minio_server, bucket, secret.sealing())
+    sections = _sections(tmp_path / "src")
+    source = store.upload(_binding("c1"), sections, {"engine": 1})
+    assert source.lineage == (UID,)
+
+    # The fork is restored from c1 (verified as a restore verifies it) and inherits its key.
+    c1 = Expected(NS, BOX, "c1", UID, "", (UID,))
+    assert store.inherit_data_key(c1, source.manifest_digest, store, NS, "fork", "fork-uid")
+    assert not store.inherit_data_key(c1, source.manifest_digest, store, NS, "fork", "fork-uid")
+    (sections["workspace"] / "notes.txt").write_bytes(b"the fork wrote this\n")
+    fork = store.upload(_binding("f1", uid="fork-uid", sandbox="fork"), sections,
+                        {"engine": 1}, parent="c1")
+    print(f"\nfork's first checkpoint: {fork.chunks_uploaded} of {fork.chunks_total} chunks "
+          f"uploaded, {fork.chunks_copied} copied in the store, {fork.uploaded_bytes} bytes "
+          f"sent (the source sent {source.uploaded_bytes})")
+    assert fork.chunks_uploaded == 1  # the changed file only
+    assert fork.chunks_copied == source.chunks_uploaded - 1  # all the others
+    assert fork.uploaded_bytes < source.uploaded_bytes // 10
+    assert fork.lineage == (UID, "fork-uid")
+    objects = _raw_objects(minio_server, bucket)
+    names = {k.rsplit("/", 1)[1] for k in objects if "/chunks/" in k}
+    assert len(names) == source.chunks_uploaded + 1  # the same names: one data key
+
+    # The fork's checkpoint restores on its own, for its lineage and parent only...
+    store.delete_checkpoint(NS, BOX, "c1")
+    assert store.collect_garbage(NS, BOX) == source.chunks_uploaded
+    dest = tmp_path / "out"
+    store.download(NS, "fork", "f1", dest, expect_uid="fork-uid", expect_parent="c1",
+                   expect_lineage=(UID, "fork-uid"), expect_digest=fork.manifest_digest)
+    _same_files(sections, dest)
+    with pytest.raises(CheckpointRefused, match="parent checkpoint 'c1'"):
+        store.read_manifest(NS, "fork", "f1", expect_uid="fork-uid", expect_parent="c9")
+    with pytest.raises(CheckpointRefused, match="lineage 5e2d-uid/fork-uid"):
+        store.read_manifest(NS, "fork", "f1", expect_uid="fork-uid",
+                            expect_lineage=("fork-uid",))
+
+    # ...and its key record opens for no other sandbox: copied into another lineage's
+    # slot it is unusable, and that sandbox gets a key of its own (other chunk names).
+    _copy(minio_server, bucket, store.sandbox_key_key(NS, "fork", "fork-uid"),
+          store.sandbox_key_key(NS, "other", "other-uid"))
+    other = store.upload(_binding("o1", uid="other-uid", sandbox="other"), sections,
+                         {"engine": 1})
+    assert other.lineage == ("other-uid",) and other.chunks_copied == 0
+    assert other.chunks_uploaded == fork.chunks_total - 1  # the two zero chunks: one

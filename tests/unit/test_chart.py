@@ -185,15 +185,19 @@ def test_helm_template_renders() -> None:
     assert missing.returncode != 0 and "s3/bucket" in missing.stderr, missing.stderr
 
 
-def _node_agent_parts(*sets: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    """The node-agent ClusterRole's rules and its container's env, rendered with ``sets``."""
+def _render(*sets: str) -> list[dict[str, Any]]:
     helm = _helm()
     if helm is None:
         pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
     args = [a for s in ("s3.bucket=checkpoints", *sets) for a in ("--set", s)]
     out = subprocess.run([helm, "template", "hermit", str(CHART), *args], check=True,
                          capture_output=True, text=True, timeout=60).stdout
-    docs = [d for d in yaml.safe_load_all(out) if d]
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def _node_agent_parts(*sets: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The node-agent ClusterRole's rules and its container's env, rendered with ``sets``."""
+    docs = _render(*sets)
     [role] = [d for d in docs if d["kind"] == "ClusterRole"
               and d["metadata"]["name"].endswith("node-agent")]
     [ds] = [d for d in docs if d["kind"] == "DaemonSet"]
@@ -202,11 +206,39 @@ def _node_agent_parts(*sets: str) -> tuple[list[dict[str, Any]], dict[str, str]]
     return role["rules"], env
 
 
-def test_per_sandbox_storage_is_off_by_default_and_grants_only_get_on_secrets() -> None:
+def test_per_sandbox_storage_is_off_by_default_and_grants_get_on_secrets_per_namespace(
+        ) -> None:
     rules, env = _node_agent_parts()
     assert not any("secrets" in r["resources"] for r in rules)
     assert env["HERMIT_PER_SANDBOX_STORAGE"] == "false"
-    rules_on, env_on = _node_agent_parts("nodeAgent.perSandboxStorage=true")
-    assert [r for r in rules_on if r not in rules] == [
-        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
+    assert not [d for d in _render() if "storage-secrets" in d["metadata"]["name"]]
+    on = ("nodeAgent.perSandboxStorage=true",
+          "nodeAgent.perSandboxStorageNamespaces={team-a,team-b}")
+    rules_on, env_on = _node_agent_parts(*on)
+    assert rules_on == rules  # never cluster-wide: the ClusterRole has no Secret rule
     assert env_on["HERMIT_PER_SANDBOX_STORAGE"] == "true"
+    granted = [(d["kind"], d["metadata"]["namespace"]) for d in _render(*on)
+               if d["metadata"]["name"] == "hermit-node-agent-storage-secrets"]
+    assert sorted(granted) == [("Role", "team-a"), ("Role", "team-b"),
+                               ("RoleBinding", "team-a"), ("RoleBinding", "team-b")]
+    for doc in _render(*on):
+        if doc["kind"] == "Role" and doc["metadata"]["name"].endswith("storage-secrets"):
+            assert doc["rules"] == [{"apiGroups": [""], "resources": ["secrets"],
+                                     "verbs": ["get"]}]
+        if doc["kind"] == "RoleBinding" and doc["metadata"]["name"].endswith("storage-secrets"):
+            assert doc["subjects"] == [{"kind": "ServiceAccount", "name": "hermit-node-agent",
+                                        "namespace": "default"}]
+
+
+def test_per_sandbox_storage_needs_its_namespaces() -> None:
+    helm = _helm()
+    if helm is None:
+        pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
+    proc = subprocess.run([helm, "template", "hermit", str(CHART), "--set",
+                           "s3.bucket=checkpoints", "--set", "nodeAgent.perSandboxStorage=true"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "nodeAgent.perSandboxStorage=true needs nodeAgent.perSandboxStorageNamespaces" \
+        in proc.stderr
+    assert errors({"s3": {"bucket": "b"}, "nodeAgent": {
+        "perSandboxStorageNamespaces": ["Team_A"]}})

@@ -251,6 +251,19 @@ def test_restore_origin() -> None:
     assert planner.restore_origin(ckpt("p"), "p") == "Checkpoint p is Pending, not Completed"
     fork = ckpt("f", sandbox="parent", status={"phase": "Completed", "manifestDigest": DIGEST})
     assert planner.restore_origin(fork, "f") == planner.RestoreOrigin("parent", DIGEST)
+    moved = ckpt("m", status={"phase": "Completed", "manifestDigest": DIGEST,
+                              "parent": "box-0-x", "lineage": ["u0", "u1"]})
+    assert planner.restore_origin(moved, "m") == planner.RestoreOrigin(
+        "box", DIGEST, parent="box-0-x", lineage=("u0", "u1"))
+
+
+def test_completed_status_records_the_signed_lineage() -> None:
+    import dataclasses
+
+    status = planner.status_completed(dataclasses.replace(RESULT, lineage=("u0", "u1")),
+                                      NOW, stopped=False)
+    assert status["lineage"] == ["u0", "u1"]
+    assert "lineage" not in planner.status_completed(RESULT, NOW, stopped=False)
 
 
 def test_restore_annotations() -> None:
@@ -822,3 +835,38 @@ def test_dumping_status_records_the_checkpoint_the_pod_was_restored_from() -> No
     assert schema_errors(_with_status(restored)) == []
     assert schema_errors(_with_status(restored, planner.status_uploading(120, 100),
                                       planner.status_completed(RESULT, NOW, stopped=False))) == []
+
+
+class InheritingStore:
+    """A store that records the data-key inheritance a fork's restore asks for."""
+
+    def __init__(self) -> None:
+        self.inherited: list[tuple[Any, ...]] = []
+
+    def inherit_data_key(self, source: Any, digest: str | None, heir: Any, namespace: str,
+                         sandbox: str, sandbox_uid: str) -> bool:
+        self.inherited.append((source, digest, heir, namespace, sandbox, sandbox_uid))
+        return True
+
+
+def test_a_restore_expects_the_recorded_parent_and_lineage_and_a_fork_inherits_its_key(
+        tmp_path: Path) -> None:
+    from hermit_common.seal import Expected
+
+    fork = pod("fork-1", sandbox="fork", annotations={protocol.ANNOTATION_RESTORE_FROM: "box-3"})
+    kube = FakeKube([fork], [ckpt("box-3", status={
+        "phase": "Completed", "manifestDigest": DIGEST, "parent": "box-2",
+        "lineage": ["uid-of-box"]})])
+    engine = FakeEngine()
+    store = InheritingStore()
+    agent = NodeAgent(NODE, kube, engine, engine, stores=FakeStores(store),  # type: ignore[arg-type]
+                      proc_root=fake_proc(tmp_path), clock=lambda: NOW)
+    agent.reconcile_once()
+    agent.shutdown()
+    [(target, _)] = engine.calls
+    assert (target.sandbox, target.sandbox_uid, target.expect_parent, target.expect_lineage) \
+        == ("box", "uid-of-box", "box-2", ("uid-of-box",))
+    assert store.inherited == [(
+        Expected("agents", "box", "box-3", "uid-of-box", "box-2", ("uid-of-box",)), DIGEST,
+        store, "agents", "fork", "sbx-uid")]
+    assert kube.annotations[-1][1][protocol.ANNOTATION_RESTORE_PHASE] == "Restored"

@@ -10,7 +10,14 @@ import yaml
 from hermit_common import protocol
 from hermit_common.settings import OperatorSettings
 from hermit_operator.conditions import get_condition
-from hermit_operator.reconcile import Plan, container_message, plan, pod_is_lost, pod_is_ready
+from hermit_operator.reconcile import (
+    Plan,
+    container_message,
+    plan,
+    pod_is_lost,
+    pod_is_ready,
+    wants_ticks,
+)
 
 SAMPLES = Path(__file__).resolve().parents[2] / "crds" / "samples"
 SETTINGS = OperatorSettings()
@@ -166,17 +173,22 @@ def test_disruption_target_marks_a_pod_lost() -> None:
     assert pod_is_lost(disrupted) and not pod_is_lost(pod("Failed"))
 
 
-def _other_checkpoint(phase: str | None = "Completed", message: str | None = None
-                      ) -> dict[str, Any]:
-    """A Checkpoint of another sandbox, the source of a fork."""
+def _other_checkpoint(phase: str | None = "Completed", message: str | None = None, *,
+                      verified: bool = True) -> dict[str, Any]:
+    """A Checkpoint of another sandbox, the source of a fork (verified by the operator, as
+    its own sandbox's reconcile marks it, unless ``verified`` is False)."""
     status: dict[str, Any] = {}
     if phase is not None:
         status = {"phase": phase, "completedAt": "2026-01-01T11:00:00Z"}
     if message:
         status["message"] = message
-    return {"metadata": {"name": "other-manual-1", "namespace": "ns",
-                         "creationTimestamp": "2026-01-01T10:59:00Z"},
-            "spec": {"sandboxRef": {"name": "other"}, "reason": "Manual"}, "status": status}
+    meta: dict[str, Any] = {"name": "other-manual-1", "namespace": "ns",
+                            "creationTimestamp": "2026-01-01T10:59:00Z",
+                            "labels": {protocol.LABEL_NODE: "spot-2"}}
+    if verified:
+        meta["annotations"] = {protocol.ANNOTATION_NODE_VERIFIED: "true"}
+    return {"metadata": meta, "spec": {"sandboxRef": {"name": "other"}, "reason": "Manual"},
+            "status": status}
 
 
 def test_fork_restores_spec_restore_from_on_the_first_incarnation() -> None:
@@ -223,6 +235,32 @@ def test_fork_waits_for_a_checkpoint_in_flight_and_refuses_a_failed_one() -> Non
     assert "criu: dump failed" in cond(failed, "Ready")["message"]
     assert [(e.type, e.reason) for e in failed.events] == [("Warning", "CheckpointFailed")]
     assert failed.status_patch["phase"] == "Pending"
+
+
+def test_fork_refuses_a_checkpoint_the_operator_did_not_verify() -> None:
+    """A node-agent can complete a Checkpoint labelled with its own node for a sandbox it
+    never ran: a fork restores only what the operator verified (hermit.dev/node-verified)."""
+    sb = sandbox(restoreFrom="other-manual-1")
+    forged = _other_checkpoint(verified=False)
+    p = plan(sb, None, NOW, settings=SETTINGS, checkpoints=[forged])
+    assert p.create_pod is None and p.status_patch["phase"] == "Pending"
+    ready = cond(p, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "CheckpointUntrusted")
+    assert ready["message"] == (
+        "spec.restoreFrom names Checkpoint other-manual-1, which the operator has not "
+        "verified: its hermit.dev/node label (spot-2) was never seen to match the node its "
+        "sandbox other ran on, so a node-agent may have forged it; no pod is created (it is "
+        "restored once it carries hermit.dev/node-verified)")
+    assert (get_condition(p.status_patch["conditions"], "Restoring") or {}).get("status") \
+        != "True"
+    assert [(e.type, e.reason) for e in p.events] == [("Warning", "CheckpointUntrusted")]
+    again = plan(after(p, sb), None, NOW, settings=SETTINGS, checkpoints=[forged])
+    assert again.events == () and again.create_pod is None  # one Warning, not one per tick
+    assert wants_ticks(sb["spec"], after(again, sb)["status"])  # looked at again
+    # Its own sandbox's reconcile verifies it: the fork starts.
+    verified = plan(after(again, sb), None, NOW, settings=SETTINGS,
+                    checkpoints=[_other_checkpoint()])
+    assert verified.create_pod is not None and verified.status_patch["incarnation"] == 1
 
 
 def test_suspend_deletes_the_pod_and_resume_creates_a_new_one() -> None:

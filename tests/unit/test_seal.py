@@ -3,29 +3,33 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from hermit_common import seal
 from hermit_common.errors import CheckpointRefused, SettingsError
 from hermit_common.seal import (
     ChunkCipher,
     Context,
+    Expected,
     Keyring,
     KeyringWrapper,
     Wrapped,
     is_sealed,
     new_dek,
-    open_manifest,
     seal_manifest,
     sealing_from,
 )
 from hermit_common.settings import SealSettings
 
-CTX = Context("team-a", "box", "uid-1", "ckpt-1")
+CTX = Context("team-a", "box", "uid-1", "ckpt-1", "ckpt-0", ("uid-0", "uid-1"))
 MANIFEST = b'{"marker":"SECRET-MARKER-123"}'
 
 
@@ -53,8 +57,14 @@ def _sealed(wrapper: KeyringWrapper, ctx: Context = CTX,
     return seal_manifest(wrapper, dek, wrapped, ctx, body), dek
 
 
-def _location(ctx: Context) -> Context:
-    return Context(ctx.namespace, ctx.sandbox, "", ctx.checkpoint)
+def _location(ctx: Context) -> Expected:
+    return Expected(ctx.namespace, ctx.sandbox, ctx.checkpoint)
+
+
+def open_manifest(wrapper: KeyringWrapper, raw: bytes, where: Expected,
+                  uid: str | None) -> tuple[bytes, bytes]:
+    opened = seal.open_manifest(wrapper, raw, dataclasses.replace(where, uid=uid))
+    return opened.plain, opened.dek
 
 
 def test_manifest_round_trip_hides_plaintext() -> None:
@@ -95,12 +105,12 @@ def test_flipped_byte_anywhere_is_refused() -> None:
 
 
 @pytest.mark.parametrize("where, uid", [
-    (Context("team-b", "box", "", "ckpt-1"), "uid-1"),  # another namespace
-    (Context("team-a", "other", "", "ckpt-1"), "uid-1"),  # another sandbox
-    (Context("team-a", "box", "", "ckpt-2"), "uid-1"),  # swapped for another checkpoint
-    (Context("team-a", "box", "", "ckpt-1"), "uid-2"),  # a sandbox recreated with the name
+    (Expected("team-b", "box", "ckpt-1"), "uid-1"),  # another namespace
+    (Expected("team-a", "other", "ckpt-1"), "uid-1"),  # another sandbox
+    (Expected("team-a", "box", "ckpt-2"), "uid-1"),  # swapped for another checkpoint
+    (Expected("team-a", "box", "ckpt-1"), "uid-2"),  # a sandbox recreated with the name
 ])
-def test_wrong_context_is_refused(where: Context, uid: str) -> None:
+def test_wrong_context_is_refused(where: Expected, uid: str) -> None:
     wrapper = _Ring("k1", "k1").wrapper()
     raw, _ = _sealed(wrapper)
     with pytest.raises(CheckpointRefused, match="sealed for checkpoint team-a/ckpt-1"):
@@ -141,6 +151,9 @@ def test_rewrap_keeps_the_data_key() -> None:
     assert Wrapped.from_bytes(second.to_bytes()) == second
     with pytest.raises(CheckpointRefused, match="does not open"):
         wrapper.unwrap(second, Context("team-b", "box", "uid-1").sandbox_bytes())
+    other_lineage = dataclasses.replace(CTX, lineage=("uid-9", "uid-1"))
+    with pytest.raises(CheckpointRefused, match="does not open"):
+        wrapper.unwrap(second, other_lineage.sandbox_bytes())  # another lineage
 
 
 def test_chunks_are_deterministic_per_data_key() -> None:
@@ -207,3 +220,99 @@ def test_sealing_from_a_mounted_secret(tmp_path: Path) -> None:
     assert SealSettings.from_env({"HERMIT_SEAL_KEYS_DIR": "/k",
                                   "HERMIT_SEAL_ACCEPT_PLAIN": "true"}) == \
         SealSettings("/k", True)
+
+
+@pytest.mark.parametrize("expect, says", [
+    (Expected("team-a", "box", "ckpt-1", "uid-1", parent="ckpt-x"),
+     "sealed with parent checkpoint 'ckpt-0', but the Checkpoint records 'ckpt-x'"),
+    (Expected("team-a", "box", "ckpt-1", "uid-1", parent=""),
+     "sealed with parent checkpoint 'ckpt-0', but the Checkpoint records '(none)'"),
+    (Expected("team-a", "box", "ckpt-1", "uid-1", lineage=("uid-1",)),
+     "sealed for sandbox lineage uid-0/uid-1, but the Checkpoint records uid-1"),
+    (Expected("team-a", "box", "ckpt-1", "uid-1", lineage=("uid-7", "uid-1")),
+     "sealed for sandbox lineage uid-0/uid-1, but the Checkpoint records uid-7/uid-1"),
+])
+def test_a_swapped_parent_or_lineage_is_refused(expect: Expected, says: str) -> None:
+    wrapper = _Ring("k1", "k1").wrapper()
+    raw, _ = _sealed(wrapper)
+    with pytest.raises(CheckpointRefused, match=re.escape(says)):
+        seal.open_manifest(wrapper, raw, expect)
+    right = dataclasses.replace(expect, parent="ckpt-0", lineage=("uid-0", "uid-1"))
+    assert seal.open_manifest(wrapper, raw, right).context == CTX
+
+
+@pytest.mark.parametrize("field, value", [("parent", "ckpt-x"),
+                                          ("lineage", ["uid-7", "uid-1"])])
+def test_parent_and_lineage_are_signed(field: str, value: object) -> None:
+    wrapper = _Ring("k1", "k1").wrapper()
+    raw, _ = _sealed(wrapper)
+    envelope = json.loads(raw)
+    envelope["context"][field] = value
+    with pytest.raises(CheckpointRefused, match="signature"):
+        open_manifest(wrapper, json.dumps(envelope).encode(), _location(CTX), "uid-1")
+
+
+@pytest.mark.parametrize("lineage", [(), ("uid-1", "uid-0"), ("uid-1", "uid-1"),
+                                     ("bad uid", "uid-1"),
+                                     (*(f"u{i}" for i in range(64)), "uid-1")])
+def test_a_malformed_lineage_is_not_sealed(lineage: tuple[str, ...]) -> None:
+    wrapper = _Ring("k1", "k1").wrapper()
+    with pytest.raises(CheckpointRefused, match="lineage"):
+        _sealed(wrapper, dataclasses.replace(CTX, lineage=lineage))
+
+
+def _sealed_v1(wrapper: KeyringWrapper, ctx: Context) -> bytes:
+    """A manifest as the first sealed format wrote it: no parent, no lineage."""
+    dek, nonce = new_dek(), os.urandom(12)
+    context = {"namespace": ctx.namespace, "sandbox": ctx.sandbox,
+               "sandbox_uid": ctx.sandbox_uid, "checkpoint": ctx.checkpoint}
+    wrapped = wrapper.wrap(dek, Context(ctx.namespace, ctx.sandbox,
+                                        ctx.sandbox_uid).sandbox_bytes())
+    canonical = json.dumps(context, sort_keys=True, separators=(",", ":")).encode()
+    envelope = {"sealed": 1, "context": context, "kek": wrapped.key_id,
+                "dek": base64.b64encode(wrapped.blob).decode(),
+                "nonce": base64.b64encode(nonce).decode(),
+                "ciphertext": base64.b64encode(
+                    AESGCM(dek).encrypt(nonce, MANIFEST, canonical)).decode()}
+    body = json.dumps(envelope, sort_keys=True, separators=(",", ":")).encode()
+    envelope["signature"] = base64.b64encode(
+        wrapper.sign(wrapped.key_id, b"hermit/manifest/v1\0" + body)).decode()
+    return json.dumps(envelope, sort_keys=True, separators=(",", ":")).encode()
+
+
+def test_the_first_format_verifies_under_its_own_rules() -> None:
+    """Manifests sealed before parent and lineage were signed still restore (their
+    namespace, sandbox, uid and checkpoint are checked; parent and lineage cannot be)."""
+    wrapper = _Ring("k1", "k1").wrapper()
+    raw = _sealed_v1(wrapper, CTX)
+    opened = seal.open_manifest(wrapper, raw, Expected("team-a", "box", "ckpt-1", "uid-1",
+                                                       parent="ckpt-0",
+                                                       lineage=("uid-0", "uid-1")))
+    assert opened.plain == MANIFEST and opened.context.lineage == ()
+    with pytest.raises(CheckpointRefused, match="sealed for checkpoint"):
+        seal.open_manifest(wrapper, raw, Expected("team-a", "box", "ckpt-1", "uid-2"))
+    envelope = json.loads(raw)
+    envelope["context"]["lineage"] = ["uid-1"]  # upgrading it in place breaks the signature
+    with pytest.raises(CheckpointRefused, match="signature"):
+        seal.open_manifest(wrapper, json.dumps(envelope).encode(),
+                           Expected("team-a", "box", "ckpt-1"))
+    envelope = json.loads(raw)
+    envelope["sealed"] = 2  # a first-format body presented as the second: not signed so
+    with pytest.raises(CheckpointRefused, match="signature"):
+        seal.open_manifest(wrapper, json.dumps(envelope).encode(),
+                           Expected("team-a", "box", "ckpt-1"))
+
+
+def test_key_records_carry_their_lineage() -> None:
+    wrapper = _Ring("k1", "k1").wrapper()
+    dek = new_dek()
+    record = dataclasses.replace(wrapper.wrap(dek, CTX.sandbox_bytes()),
+                                 lineage=CTX.lineage, source="box-src")
+    again = Wrapped.from_bytes(record.to_bytes())
+    assert again == record and b"uid-0" in record.to_bytes()
+    assert wrapper.unwrap(again, dataclasses.replace(CTX, lineage=again.lineage)
+                          .sandbox_bytes()) == dek
+    old = Wrapped.from_bytes(json.dumps({"kek": "k1", "dek": "AAAA"}).encode())
+    assert old.lineage == () and old.source == ""
+    with pytest.raises(CheckpointRefused, match="malformed"):
+        Wrapped.from_bytes(json.dumps({"kek": "k1", "dek": "AAAA", "lineage": "x"}).encode())

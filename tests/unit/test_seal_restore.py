@@ -17,8 +17,10 @@ class _RefusingStore:
         self.calls: list[tuple[Any, ...]] = []
 
     def read_manifest(self, namespace: str, sandbox: str, checkpoint: str, *,
-                      expect_uid: str | None = None) -> Any:
-        self.calls.append(("read_manifest", namespace, sandbox, checkpoint, expect_uid))
+                      expect_uid: str | None = None, expect_parent: str | None = None,
+                      expect_lineage: tuple[str, ...] | None = None) -> Any:
+        self.calls.append(("read_manifest", namespace, sandbox, checkpoint, expect_uid,
+                           expect_parent, expect_lineage))
         raise CheckpointRefused(f"checkpoint {namespace}/{checkpoint} is refused: its "
                                 "manifest's signature (sealing key '1') does not verify")
 
@@ -36,10 +38,12 @@ def test_a_manifest_that_does_not_verify_stops_the_restore_first(tmp_path: Path)
     store = _RefusingStore()
     engine = RestoreEngine(_NoCriu(), store, tmp_path)  # type: ignore[arg-type]
     target = RestoreTarget(namespace="team-a", sandbox="box", sandbox_uid="uid-1",
-                           checkpoint="c1", init_pid=1)
+                           checkpoint="c1", init_pid=1, expect_parent="c0",
+                           expect_lineage=("uid-0", "uid-1"))
     local = tmp_path / "staging"
     local.mkdir()
     with pytest.raises(CheckpointRefused, match=r"team-a/c1 is refused: .*sealing key '1'"):
         engine._download(target, None, local)  # type: ignore[arg-type]
-    assert store.calls == [("read_manifest", "team-a", "box", "c1", "uid-1")]
+    assert store.calls == [("read_manifest", "team-a", "box", "c1", "uid-1", "c0",
+                            ("uid-0", "uid-1"))]
     assert list(local.iterdir()) == []
