@@ -209,6 +209,10 @@ class NodeSettings:
     # default store above is used and no Secret is ever read.
     per_sandbox_storage: bool = False
     seal: SealSettings = SealSettings()
+    # The turn endpoint (docs/turns.md): its port (0: not served), and the audience a
+    # caller's token must carry ("": the API server's own audiences).
+    turn_port: int = 9103
+    turn_audience: str = ""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> NodeSettings:
@@ -228,6 +232,8 @@ class NodeSettings:
                 "HERMIT_MAX_FROZEN_SECONDS", 60.0, minimum=1.0, maximum=3600.0),
             per_sandbox_storage=env.flag("HERMIT_PER_SANDBOX_STORAGE", False),
             seal=SealSettings.from_env(environ),
+            turn_port=env.integer("HERMIT_TURN_PORT", 9103, minimum=0, maximum=65535),
+            turn_audience=env.optional_str("HERMIT_TURN_AUDIENCE") or "",
         )
 
 
