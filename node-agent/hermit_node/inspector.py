@@ -133,6 +133,23 @@ def process_changes(before: Snapshot, after: Snapshot) -> list[str]:
     return out
 
 
+def settled(turn_end: Snapshot, after_thaw: Snapshot) -> Snapshot:
+    """The baseline a turn checkpoint leaves: its turn's end state, with the memory and
+    activity counters read just after the checkpoint thawed the tree (freezing and
+    dumping move them: every process is stopped, seized and resumed). Files, sockets and
+    which processes exist stay those of the turn's end, so a change after it shows at the
+    next turn even when the checkpoint caught it too."""
+    processes = dict(turn_end.processes)
+    for pid, proc in turn_end.processes.items():
+        post = after_thaw.processes.get(pid)
+        if post is not None and post.identity == proc.identity:
+            processes[pid] = Proc(pid=pid, start_ticks=proc.start_ticks, exe=proc.exe,
+                                  cmdline=proc.cmdline, memory=post.memory,
+                                  activity=post.activity, exempt=proc.exempt)
+    return Snapshot(files=turn_end.files, processes=processes, sockets=turn_end.sockets,
+                    unreadable=(*turn_end.unreadable, *after_thaw.unreadable))
+
+
 def decide(before: Snapshot | None, after: Snapshot, *,
            baseline_note: str | None = None) -> Decision:
     """skip, files-only or full for a turn whose end state is ``after``, given the

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import os
 import stat
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-from hermit_node import container, locate
+from hermit_node import container, freezer, locate
 from hermit_node.inspector import FileSig, Proc, Snapshot
 
 INIT_NAME: Final = "hermit-init"
@@ -117,7 +119,7 @@ def _init_pids(init_pid: int, proc_root: Path) -> set[int]:
 
 
 def take(container_id: str, workspace_path: str | None,
-         proc_root: Path = Path("/proc")) -> Snapshot:
+         proc_root: Path = Path("/proc"), *, with_files: bool = True) -> Snapshot:
     """A snapshot of the container ``<runtime>://<id>``; a HermitError when it does not
     run here."""
     cid = locate.parse_container_id(container_id)
@@ -140,7 +142,7 @@ def take(container_id: str, workspace_path: str | None,
                SECTION_WORKSPACE: Path(src) if workspace_path and (
                    src := view.bind_source(workspace_path)) else None}
     for section, source in sources.items():
-        if source is None:
+        if source is None or not with_files:
             continue
         try:
             files[section] = tree_signature(source)
@@ -149,3 +151,30 @@ def take(container_id: str, workspace_path: str | None,
     return Snapshot(files=files, processes=processes, sockets=listening(net),
                     unreadable=tuple(unreadable))
 
+
+
+SETTLE_POLL_SECONDS: Final = 0.01
+
+
+def after_next_thaw(container_id: str, timeout: float,
+                    clock: Callable[[], float] = time.monotonic) -> Snapshot | None:
+    """The processes' counters just after the container's cgroup is next frozen and
+    thawed (a checkpoint), read within about SETTLE_POLL_SECONDS of the thaw; None when
+    no freeze and thaw was seen within ``timeout`` seconds."""
+    cid = locate.parse_container_id(container_id)
+    init_pid = locate.pick_init(locate.container_processes(cid))
+    cgroup = container.inspect(init_pid).freezer_cgroup() if init_pid is not None else None
+    if cgroup is None:
+        return None
+    deadline, seen_frozen = clock() + timeout, False
+    while clock() < deadline:
+        try:
+            frozen = freezer.is_frozen(cgroup)
+        except OSError:
+            return None  # the container ended
+        if frozen:
+            seen_frozen = True
+        elif seen_frozen:
+            return take(container_id, None, with_files=False)
+        time.sleep(SETTLE_POLL_SECONDS)
+    return None

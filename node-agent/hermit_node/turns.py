@@ -15,6 +15,11 @@ with ``{"turn": N}`` (and optionally ``"waitSeconds"``) and a bearer token:
    ``status.turn``. A skipped turn is recorded in the response, the metric and the
    ``status.turn.coveredThrough`` of the checkpoint that still holds the sandbox's state.
 
+The baseline a turn checkpoint leaves is its turn's end state with the processes'
+counters read just after the checkpoint thawed the tree (``inspector.settled``): the
+freeze and the dump move them. It becomes the baseline once the checkpoint is Completed;
+until then a turn is compared with the last Completed one (and is usually full).
+
 A turn number is decided once per pod: a repeated one returns the first answer, an older
 one is refused (409). The baseline lives in memory: after a node-agent restart, or on a
 new pod, the first turn is ``full``. Request parsing is pure (``parse_*``).
@@ -22,6 +27,7 @@ new pod, the first turn is ``full``. Request parsing is pure (``parse_*``).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -130,6 +136,9 @@ class TurnKube(Protocol):
 
 
 SnapshotTaker = Callable[[SandboxPod], Snapshot]
+# Blocks until the pod's container is next frozen and thawed (its turn checkpoint) and
+# returns the counters read just after the thaw; None when that was not seen.
+AfterThaw = Callable[[SandboxPod], Snapshot | None]
 
 
 @dataclass
@@ -137,16 +146,24 @@ class _PodTurns:
     """What one pod's turns left behind (in memory, per pod uid)."""
 
     baseline: tuple[str, Snapshot] | None = None  # the last Completed turn checkpoint
-    pending: tuple[str, Snapshot] | None = None  # a turn checkpoint not Completed yet
+    # A turn checkpoint not Completed yet, and its baseline once it thawed the tree.
+    pending: tuple[str, Snapshot | None] | None = None
     decided: dict[int, dict[str, Any]] = field(default_factory=dict)
     last: int = -1
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+
+def _in_thread(fn: Callable[[], None]) -> None:
+    threading.Thread(target=fn, daemon=True, name="hermit-turn-settle").start()
 
 
 class TurnService:
-    def __init__(self, node: str, kube: TurnKube, snapshots: SnapshotTaker, *,
-                 audience: str = "", sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(self, node: str, kube: TurnKube, snapshots: SnapshotTaker,
+                 after_thaw: AfterThaw, *, audience: str = "",
+                 sleep: Callable[[float], None] = time.sleep,
+                 spawn: Callable[[Callable[[], None]], None] = _in_thread) -> None:
         self.node, self._kube, self._snapshots = node, kube, snapshots
+        self._after_thaw, self._spawn = after_thaw, spawn
         self._audiences = [audience] if audience else []
         self._sleep = sleep
         self._pods: dict[str, _PodTurns] = {}
@@ -237,8 +254,12 @@ class TurnService:
         if state.pending is not None:
             ckpt = self._kube.get_checkpoint(sp.namespace, state.pending[0])
             phase = protocol.phase_of(ckpt) if ckpt is not None else protocol.FAILED
+            name, settled = state.pending
             if phase == protocol.COMPLETED:
-                state.baseline, state.pending = state.pending, None
+                state.pending = None
+                state.baseline = (name, settled) if settled is not None else None
+                if settled is None:
+                    return None, f"the counters after turn checkpoint {name} were not read"
             elif phase == protocol.FAILED:
                 state.pending = None
         if state.baseline is None:
@@ -262,10 +283,28 @@ class TurnService:
                      baseline[0])
             return {**answer, "checkpoint": baseline[0], "taken": None}
         name = self._request(sp, turn, decision)
-        state.pending = (name, after)
+        state.pending = (name, None)
+        self._spawn(functools.partial(self._settle, sp, state, name, after))
         log.info("turn %d of %s/%s: %s, checkpoint %s (%s)", turn, sp.namespace, sp.sandbox,
                  decision.decision, name, "; ".join(decision.reasons))
         return {**answer, "checkpoint": name, "taken": protocol.TURN_FULL}
+
+    def _settle(self, sp: SandboxPod, state: _PodTurns, name: str, after: Snapshot) -> None:
+        """The baseline turn checkpoint ``name`` leaves: ``after`` with the counters read
+        just after it thawed the tree (``inspector.settled``)."""
+        try:
+            post = self._after_thaw(sp)
+        except (HermitError, OSError) as exc:
+            log.warning("turn checkpoint %s/%s: counters after the thaw not read: %s",
+                        sp.namespace, name, exc)
+            return
+        if post is None:
+            log.warning("turn checkpoint %s/%s: no freeze and thaw seen; the next turn will "
+                        "be full", sp.namespace, name)
+            return
+        with state.lock:
+            if state.pending is not None and state.pending[0] == name:
+                state.pending = (name, inspector.settled(after, post))
 
     def _request(self, sp: SandboxPod, turn: int, decision: Decision) -> str:
         """Create the Turn Checkpoint (labelled with this node and the pod's incarnation,

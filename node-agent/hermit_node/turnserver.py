@@ -66,10 +66,19 @@ def take_snapshot(sp: SandboxPod) -> Snapshot:
     return snapshot.take(sp.container_id, sp.workspace_path)
 
 
+SETTLE_TIMEOUT_SECONDS = 180.0  # the request waits for the loop, then for other jobs
+
+
+def after_thaw(sp: SandboxPod) -> Snapshot | None:
+    if sp.container_id is None:
+        return None
+    return snapshot.after_next_thaw(sp.container_id, SETTLE_TIMEOUT_SECONDS)
+
+
 def start(settings: NodeSettings) -> ThreadingHTTPServer | None:
     """The turn endpoint of ``settings`` (None when HERMIT_TURN_PORT is 0)."""
     if not settings.turn_port:
         return None
     service = TurnService(settings.node_name, Kube.connect(settings.node_name), take_snapshot,
-                          audience=settings.turn_audience)
+                          after_thaw, audience=settings.turn_audience)
     return serve(settings.turn_port, service)

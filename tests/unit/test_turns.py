@@ -217,11 +217,18 @@ class FakeKube:
 PATH = "/v1/namespaces/agents/agentsandboxes/box/turns"
 
 
-def service(kube: FakeKube, states: list[Snapshot], **kw: Any) -> turns.TurnService:
+THAWED = snap(procs=(replace(INIT, activity=(0, 0, 1, 12)), replace(AGENT, activity=(3, 1, 1, 9))))
+
+
+def service(kube: FakeKube, states: list[Snapshot], thawed: Snapshot | None = THAWED,
+            **kw: Any) -> turns.TurnService:
+    """``states``: the turns' end states in order; ``thawed``: what is read after each
+    checkpoint's thaw (the dump moved the agent's context switches)."""
     def take(sp: SandboxPod) -> Snapshot:
         return states.pop(0)
 
-    return turns.TurnService(NODE, kube, take, sleep=lambda s: None, **kw)
+    return turns.TurnService(NODE, kube, take, lambda sp: thawed, sleep=lambda s: None,
+                             spawn=lambda fn: fn(), **kw)
 
 
 def post(svc: turns.TurnService, turn: int, token: str = "good", path: str = PATH,
@@ -231,8 +238,9 @@ def post(svc: turns.TurnService, turn: int, token: str = "good", path: str = PAT
 
 def test_turns_checkpoint_only_what_changed() -> None:
     kube = FakeKube()
-    changed = snap(files={"rootfs": {}, "workspace": {"new": SIG}})
-    svc = service(kube, [snap(), snap(), changed, changed])
+    changed = snap(files={"rootfs": {}, "workspace": {"new": SIG}},
+                   procs=tuple(THAWED.processes.values()))
+    svc = service(kube, [snap(), THAWED, changed, changed])
     first = post(svc, 1)
     assert (first.status, first.body["decision"], first.body["checkpoint"]) == (
         201, "full", "box-1-turn1")
@@ -279,7 +287,7 @@ def test_a_failed_turn_checkpoint_is_not_a_baseline() -> None:
 
 def test_a_deleted_baseline_means_full() -> None:
     kube = FakeKube()
-    svc = service(kube, [snap(), snap(), snap()])
+    svc = service(kube, [snap(), THAWED, THAWED])
     post(svc, 1)
     kube.complete("box-1-turn1")
     assert post(svc, 2).body["decision"] == "skip"
@@ -337,3 +345,32 @@ def test_the_audience_goes_to_the_token_review() -> None:
     kube = FakeKube()
     post(service(kube, [snap()], audience="hermit-turns"), 1)
     assert kube.audiences == [["hermit-turns"]]
+
+
+def test_the_baseline_takes_the_counters_after_the_thaw() -> None:
+    kube = FakeKube()
+    svc = service(kube, [snap(), snap()])
+    post(svc, 1)
+    kube.complete("box-1-turn1")
+    # The turn's end state again: the agent's switches differ from the ones after the thaw.
+    reply = post(svc, 2)
+    assert reply.body["decision"] == "full" and "processes ran: pids 7" in reply.body["reasons"]
+
+
+def test_a_checkpoint_whose_thaw_was_not_seen_is_no_baseline() -> None:
+    kube = FakeKube()
+    svc = service(kube, [snap(), snap()], thawed=None)
+    post(svc, 1)
+    kube.complete("box-1-turn1")
+    reply = post(svc, 2)
+    assert reply.body["decision"] == "full"
+    assert "after turn checkpoint box-1-turn1 were not read" in reply.body["reasons"][0]
+
+
+def test_settled_keeps_the_turns_files_and_processes_and_the_thawed_counters() -> None:
+    extra = Proc(9, 70, "/bin/sh", ("sh",), (1,) * 7, (0, 0, 1, 1))
+    after = snap(files={"rootfs": {}}, procs=(replace(AGENT, activity=(4, 1, 1, 20)), extra))
+    base = inspector.settled(snap(), after)
+    assert base.files == snap().files and set(base.processes) == {1, 7}
+    assert base.processes[7].activity == (4, 1, 1, 20)
+    assert base.processes[1] == INIT  # gone after the thaw: kept as the turn saw it
