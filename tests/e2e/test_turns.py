@@ -56,6 +56,20 @@ def _idle_spec(image: str) -> dict[str, Any]:
             "checkpoint": {"onTurn": True}}
 
 
+def _running(ns: str, name: str, *, restores: int = 0, avoid: str = "") -> tuple[str, str]:
+    """(node, pod) once the sandbox is Running with ``restores`` restores off ``avoid``
+    (the idle agent prints no ticks for sandboxes.wait_running to count)."""
+    def probe() -> tuple[str, str] | None:
+        s = sb.status(ns, name)
+        assert s.get("phase") != "Failed", f"sandbox {name} Failed: {s.get('conditions')}"
+        if (s.get("phase") == "Running" and int(s.get("restores") or 0) >= restores
+                and s.get("nodeName") and s.get("nodeName") != avoid):
+            return str(s["nodeName"]), str(s["podName"])
+        return None
+
+    return wait_until(f"sandbox {name} Running (restores >= {restores})", 240, probe)
+
+
 def _turn_checkpoints(ns: str, name: str) -> list[str]:
     return sorted(c["metadata"]["name"] for c in sb.checkpoints(ns)
                   if c["spec"]["sandboxRef"]["name"] == name)
@@ -100,12 +114,12 @@ def test_turns_checkpoint_only_changes_and_a_loss_keeps_the_last_turn(
     sb.ensure_spot_nodes(kube, e2e_config, 2)
     name = f"turns-{uuid.uuid4().hex[:6]}"
     sb.create_sandbox(namespace, name, _idle_spec(e2e_config.sandbox_image))
-    where = sb.wait_running(kube, namespace, name, min_ticks=0)
-    sb.wait_agent_ready(kube, hermit_release, where.node)
+    node, pod = _running(namespace, name)
+    sb.wait_agent_ready(kube, hermit_release, node)
     turns = TurnClient(token=_harness_token(namespace), kube=KubeApi(client.ApiClient()))
     _refusals(turns, namespace, name, _token(namespace, STRANGER))
 
-    results = _drive(turns, namespace, name, where.pod)
+    results = _drive(turns, namespace, name, pod)
     decisions = [r.decision for r in results]
     assert decisions == ["full", "skip", "skip", "files-only", "skip", "full"], decisions
     for r in results:
@@ -116,18 +130,18 @@ def test_turns_checkpoint_only_changes_and_a_loss_keeps_the_last_turn(
     last = str(results[-1].checkpoint)
 
     lost_at = time.monotonic()
-    kill = subprocess.run([str(REPO / "hack/cluster"), "preempt-node", where.node,
+    kill = subprocess.run([str(REPO / "hack/cluster"), "preempt-node", node,
                            "--no-notice"], capture_output=True, text=True, timeout=120,
                           check=False)
     assert kill.returncode == 0, kill.stdout + kill.stderr
-    after = sb.wait_running(kube, namespace, name, restores=1, avoid=where.node, min_ticks=0)
+    new_node, new_pod = _running(namespace, name, restores=1, avoid=node)
     restored = sb.status(namespace, name).get("restoredFrom") or {}
     assert restored.get("name") == last, f"expected a restore of {last}: {restored}"
-    files = _exec(namespace, after.pod, "cat /workspace/t1 /workspace/t4 /workspace/t6 "
+    files = _exec(namespace, new_pod, "cat /workspace/t1 /workspace/t4 /workspace/t6 "
                                         "/etc/agent-note")
     assert files.split() == ["one", "four", "six", "note"], files
     wait_until("the process turn 6 started, restored", 30,
-               lambda: "sleep 4242" in _exec(namespace, after.pod, "ps -o args"))
-    print(f"turns: {decisions}; checkpoints {sorted(made)}; node {where.node} lost without "
-          f"notice, restored from {last} on {after.node} {sb.since(lost_at)} s later with "
+               lambda: "sleep 4242" in _exec(namespace, new_pod, "ps -o args"))
+    print(f"turns: {decisions}; checkpoints {sorted(made)}; node {node} lost without "
+          f"notice, restored from {last} on {new_node} {sb.since(lost_at)} s later with "
           "every file and process of turn 6")
