@@ -223,7 +223,7 @@ def test_the_turn_endpoint_is_on_by_default_and_port_0_removes_it_and_its_rights
     rules, env = _node_agent_parts()
     assert all(r in rules for r in REVIEWS)
     assert env["HERMIT_TURN_PORT"] == "9103" and "HERMIT_TURN_AUDIENCE" not in env
-    rules_aud, env_aud = _node_agent_parts("nodeAgent.turns.audience=hermit-turns")
+    _, env_aud = _node_agent_parts("nodeAgent.turns.audience=hermit-turns")
     assert env_aud["HERMIT_TURN_AUDIENCE"] == "hermit-turns"
     rules_off, env_off = _node_agent_parts("nodeAgent.turns.port=0")
     assert not any(r in rules_off for r in REVIEWS)
