@@ -182,7 +182,7 @@ class TurnService:
         except KubeError as exc:
             log.warning("turn request %s: %s", path, exc)
             return Reply(503, {"error": f"the Kubernetes API did not answer: {exc}"})
-        except HermitError as exc:
+        except (HermitError, OSError) as exc:  # the container could not be read
             log.warning("turn request %s: %s", path, exc)
             return Reply(500, {"error": protocol.one_line(str(exc))})
 

@@ -374,3 +374,33 @@ def test_settled_keeps_the_turns_files_and_processes_and_the_thawed_counters() -
     assert base.files == snap().files and set(base.processes) == {1, 7}
     assert base.processes[7].activity == (4, 1, 1, 20)
     assert base.processes[1] == INIT  # gone after the thaw: kept as the turn saw it
+
+
+def test_the_http_server_answers_with_the_services_reply() -> None:
+    import requests
+
+    from hermit_node import turnserver
+
+    kube = FakeKube()
+    server = turnserver.serve(0, service(kube, [snap()]), host="127.0.0.1")
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}{PATH}"
+        ok = requests.post(url, json={"turn": 1}, headers={"Authorization": "Bearer good"},
+                           timeout=10)
+        assert ok.status_code == 201 and ok.json()["checkpoint"] == "box-1-turn1"
+        assert requests.post(url, json={"turn": 2}, timeout=10).status_code == 401
+        assert requests.get(url, timeout=10).status_code == 405
+        big = requests.post(url, data=b"x" * 5000, timeout=10,
+                            headers={"Authorization": "Bearer good"})
+        assert big.status_code == 413
+    finally:
+        server.shutdown()
+
+
+def test_an_unreadable_container_is_a_500_not_a_crash() -> None:
+    def broken(sp: SandboxPod) -> Snapshot:
+        raise FileNotFoundError(2, "No such file or directory")
+
+    svc = turns.TurnService(NODE, FakeKube(), broken, lambda sp: None)
+    reply = post(svc, 1)
+    assert reply.status == 500 and "No such file" in reply.body["error"]
