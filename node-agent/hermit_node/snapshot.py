@@ -159,8 +159,8 @@ SETTLE_POLL_SECONDS: Final = 0.01
 def after_next_thaw(container_id: str, timeout: float,
                     clock: Callable[[], float] = time.monotonic) -> Snapshot | None:
     """The processes' counters just after the container's cgroup is next frozen and
-    thawed (a checkpoint), read within about SETTLE_POLL_SECONDS of the thaw; None when
-    no freeze and thaw was seen within ``timeout`` seconds."""
+    thawed (a checkpoint), once they hold still (``_steady``); None when no freeze and
+    thaw was seen within ``timeout`` seconds."""
     cid = locate.parse_container_id(container_id)
     init_pid = locate.pick_init(locate.container_processes(cid))
     cgroup = container.inspect(init_pid).freezer_cgroup() if init_pid is not None else None
@@ -175,6 +175,28 @@ def after_next_thaw(container_id: str, timeout: float,
         if frozen:
             seen_frozen = True
         elif seen_frozen:
-            return take(container_id, None, with_files=False)
+            return _steady(container_id)
         time.sleep(SETTLE_POLL_SECONDS)
     return None
+
+
+STEADY_POLL_SECONDS: Final = 0.05
+STEADY_READS: Final = 20
+
+
+def _counters(snap: Snapshot) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+    return {pid: (p.memory, p.activity) for pid, p in snap.processes.items()}
+
+
+def _steady(container_id: str) -> Snapshot:
+    """The processes once their counters hold still for STEADY_POLL_SECONDS: a thawed task
+    wakes, finishes the wait it was in and sleeps again a moment after the thaw. After
+    STEADY_READS reads, the last one (the next turn will then likely be full)."""
+    last = take(container_id, None, with_files=False)
+    for _ in range(STEADY_READS):
+        time.sleep(STEADY_POLL_SECONDS)
+        now = take(container_id, None, with_files=False)
+        if _counters(now) == _counters(last):
+            return now
+        last = now
+    return last
