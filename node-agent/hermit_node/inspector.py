@@ -25,6 +25,7 @@ switches are ignored (``Proc.exempt``), its memory counters are not.
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
@@ -136,9 +137,16 @@ def process_changes(before: Snapshot, after: Snapshot) -> list[str]:
 def settled(turn_end: Snapshot, after_thaw: Snapshot) -> Snapshot:
     """The baseline a turn checkpoint leaves: its turn's end state, with the memory and
     activity counters read just after the checkpoint thawed the tree (freezing and
-    dumping move them: every process is stopped, seized and resumed). Files, sockets and
-    which processes exist stay those of the turn's end, so a change after it shows at the
-    next turn even when the checkpoint caught it too."""
+    dumping move them: every process is stopped, seized and resumed) and the directories
+    as they were then (CRIU makes and removes a temporary directory under the sandbox's
+    /tmp, copying /tmp up and moving its times). Files, sockets and which processes exist
+    stay those of the turn's end, so a change after it shows at the next turn even when
+    the checkpoint caught it too. A directory holds no data: its children are compared
+    one by one."""
+    files = {section: {**entries, **{path: sig for path, sig in
+                                     after_thaw.files.get(section, {}).items()
+                                     if stat.S_ISDIR(sig.kind_mode)}}
+             for section, entries in turn_end.files.items()}
     processes = dict(turn_end.processes)
     for pid, proc in turn_end.processes.items():
         post = after_thaw.processes.get(pid)
@@ -146,7 +154,7 @@ def settled(turn_end: Snapshot, after_thaw: Snapshot) -> Snapshot:
             processes[pid] = Proc(pid=pid, start_ticks=proc.start_ticks, exe=proc.exe,
                                   cmdline=proc.cmdline, memory=post.memory,
                                   activity=post.activity, exempt=proc.exempt)
-    return Snapshot(files=turn_end.files, processes=processes, sockets=turn_end.sockets,
+    return Snapshot(files=files, processes=processes, sockets=turn_end.sockets,
                     unreadable=(*turn_end.unreadable, *after_thaw.unreadable))
 
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 import os
 import stat
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-from hermit_node import container, freezer, locate
+from hermit_node import container, locate
 from hermit_node.inspector import FileSig, Proc, Snapshot
 
 INIT_NAME: Final = "hermit-init"
@@ -153,33 +152,6 @@ def take(container_id: str, workspace_path: str | None,
 
 
 
-SETTLE_POLL_SECONDS: Final = 0.01
-
-
-def after_next_thaw(container_id: str, timeout: float,
-                    clock: Callable[[], float] = time.monotonic) -> Snapshot | None:
-    """The processes' counters just after the container's cgroup is next frozen and
-    thawed (a checkpoint), once they hold still (``_steady``); None when no freeze and
-    thaw was seen within ``timeout`` seconds."""
-    cid = locate.parse_container_id(container_id)
-    init_pid = locate.pick_init(locate.container_processes(cid))
-    cgroup = container.inspect(init_pid).freezer_cgroup() if init_pid is not None else None
-    if cgroup is None:
-        return None
-    deadline, seen_frozen = clock() + timeout, False
-    while clock() < deadline:
-        try:
-            frozen = freezer.is_frozen(cgroup)
-        except OSError:
-            return None  # the container ended
-        if frozen:
-            seen_frozen = True
-        elif seen_frozen:
-            return _steady(container_id)
-        time.sleep(SETTLE_POLL_SECONDS)
-    return None
-
-
 STEADY_POLL_SECONDS: Final = 0.05
 STEADY_READS: Final = 20
 
@@ -188,15 +160,18 @@ def _counters(snap: Snapshot) -> dict[int, tuple[tuple[int, ...], tuple[int, ...
     return {pid: (p.memory, p.activity) for pid, p in snap.processes.items()}
 
 
-def _steady(container_id: str) -> Snapshot:
-    """The processes once their counters hold still for STEADY_POLL_SECONDS: a thawed task
-    wakes, finishes the wait it was in and sleeps again a moment after the thaw. After
-    STEADY_READS reads, the last one (the next turn will then likely be full)."""
+def after_thaw(container_id: str, workspace_path: str | None) -> Snapshot:
+    """The container just after a checkpoint thawed it: the processes once their counters
+    hold still for STEADY_POLL_SECONDS (a thawed task wakes, finishes the wait it was in
+    and sleeps again a moment later; after STEADY_READS reads, the last one), then the
+    files."""
     last = take(container_id, None, with_files=False)
     for _ in range(STEADY_READS):
         time.sleep(STEADY_POLL_SECONDS)
         now = take(container_id, None, with_files=False)
         if _counters(now) == _counters(last):
-            return now
+            break
         last = now
-    return last
+    files = take(container_id, workspace_path)
+    return Snapshot(files=files.files, processes=last.processes, sockets=files.sockets,
+                    unreadable=(*last.unreadable, *files.unreadable))

@@ -136,9 +136,11 @@ class TurnKube(Protocol):
 
 
 SnapshotTaker = Callable[[SandboxPod], Snapshot]
-# Blocks until the pod's container is next frozen and thawed (its turn checkpoint) and
-# returns the counters read just after the thaw; None when that was not seen.
+# Reads the pod's container just after its turn checkpoint thawed it (counters once they
+# hold still, then the files); None when it cannot.
 AfterThaw = Callable[[SandboxPod], Snapshot | None]
+SETTLE_TIMEOUT_SECONDS: Final = 180.0  # the request waits for the loop, then other jobs
+SETTLE_POLL_SECONDS: Final = 0.1
 
 
 @dataclass
@@ -291,7 +293,13 @@ class TurnService:
 
     def _settle(self, sp: SandboxPod, state: _PodTurns, name: str, after: Snapshot) -> None:
         """The baseline turn checkpoint ``name`` leaves: ``after`` with the counters read
-        just after it thawed the tree (``inspector.settled``)."""
+        just after it thawed the tree (``inspector.settled``). The node-agent writes
+        Uploading once the tree is thawed (CRIU itself thaws and refreezes the cgroup
+        during the dump, so the freezer alone cannot tell)."""
+        if not self._thawed(sp.namespace, name):
+            log.warning("turn checkpoint %s/%s: not seen thawed; the next turn will be full",
+                        sp.namespace, name)
+            return
         try:
             post = self._after_thaw(sp)
         except (HermitError, OSError) as exc:
@@ -299,12 +307,27 @@ class TurnService:
                         sp.namespace, name, exc)
             return
         if post is None:
-            log.warning("turn checkpoint %s/%s: no freeze and thaw seen; the next turn will "
-                        "be full", sp.namespace, name)
             return
         with state.lock:
             if state.pending is not None and state.pending[0] == name:
                 state.pending = (name, inspector.settled(after, post))
+
+    def _thawed(self, namespace: str, name: str) -> bool:
+        """Wait until the checkpoint is Uploading or Completed (its tree thawed); False
+        when it Failed or vanished, or after SETTLE_TIMEOUT_SECONDS."""
+        deadline = time.monotonic() + SETTLE_TIMEOUT_SECONDS
+        while time.monotonic() < deadline:
+            try:
+                ckpt = self._kube.get_checkpoint(namespace, name)
+            except KubeError:
+                ckpt = {}  # try again
+            phase = protocol.phase_of(ckpt) if ckpt is not None else protocol.FAILED
+            if phase in (protocol.UPLOADING, protocol.COMPLETED):
+                return True
+            if phase == protocol.FAILED:
+                return False
+            self._sleep(SETTLE_POLL_SECONDS)
+        return False
 
     def _request(self, sp: SandboxPod, turn: int, decision: Decision) -> str:
         """Create the Turn Checkpoint (labelled with this node and the pod's incarnation,

@@ -66,13 +66,10 @@ def take_snapshot(sp: SandboxPod) -> Snapshot:
     return snapshot.take(sp.container_id, sp.workspace_path)
 
 
-SETTLE_TIMEOUT_SECONDS = 180.0  # the request waits for the loop, then for other jobs
-
-
-def after_thaw(sp: SandboxPod) -> Snapshot | None:
+def read_after_thaw(sp: SandboxPod) -> Snapshot | None:
     if sp.container_id is None:
         return None
-    return snapshot.after_next_thaw(sp.container_id, SETTLE_TIMEOUT_SECONDS)
+    return snapshot.after_thaw(sp.container_id, sp.workspace_path)
 
 
 def start(settings: NodeSettings) -> ThreadingHTTPServer | None:
@@ -80,5 +77,5 @@ def start(settings: NodeSettings) -> ThreadingHTTPServer | None:
     if not settings.turn_port:
         return None
     service = TurnService(settings.node_name, Kube.connect(settings.node_name), take_snapshot,
-                          after_thaw, audience=settings.turn_audience)
+                          read_after_thaw, audience=settings.turn_audience)
     return serve(settings.turn_port, service)

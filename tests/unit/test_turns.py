@@ -179,6 +179,7 @@ class FakeKube:
         self.checkpoints: dict[str, dict[str, Any]] = {}
         self.reviews: list[dict[str, Any]] = []
         self.audiences: list[list[str]] = []
+        self.served_to = protocol.UPLOADING
 
     def review_token(self, token: str, audiences: list[str]) -> dict[str, Any]:
         self.audiences.append(audiences)
@@ -200,6 +201,8 @@ class FakeKube:
 
     def create_checkpoint(self, manifest: dict[str, Any],
                           namespace: str | None = None) -> dict[str, Any]:
+        # Served at once up to Uploading (the tree thawed): the settle step reads it then.
+        manifest = {**manifest, "status": {"phase": self.served_to}}
         return self.checkpoints.setdefault(manifest["metadata"]["name"], manifest)
 
     def patch_checkpoint_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
@@ -357,7 +360,7 @@ def test_the_baseline_takes_the_counters_after_the_thaw() -> None:
     assert reply.body["decision"] == "full" and "processes ran: pids 7" in reply.body["reasons"]
 
 
-def test_a_checkpoint_whose_thaw_was_not_seen_is_no_baseline() -> None:
+def test_a_checkpoint_whose_thaw_was_not_read_is_no_baseline() -> None:
     kube = FakeKube()
     svc = service(kube, [snap(), snap()], thawed=None)
     post(svc, 1)
@@ -404,3 +407,23 @@ def test_an_unreadable_container_is_a_500_not_a_crash() -> None:
     svc = turns.TurnService(NODE, FakeKube(), broken, lambda sp: None)
     reply = post(svc, 1)
     assert reply.status == 500 and "No such file" in reply.body["error"]
+
+
+def test_a_checkpoint_that_failed_before_the_thaw_leaves_no_baseline() -> None:
+    kube = FakeKube()
+    kube.served_to = protocol.FAILED
+    svc = service(kube, [snap(), THAWED])
+    post(svc, 1)
+    assert post(svc, 2).body["decision"] == "full"
+
+
+def test_settled_takes_the_directories_after_the_thaw_not_the_files() -> None:
+    tmp = FileSig(0o40755, 0, 5, 5, 300, 0, 0)
+    turn_end = snap(files={"rootfs": {"etc/x": SIG}})
+    thawed = snap(files={"rootfs": {"etc/x": replace(SIG, size=99), "tmp": tmp}})
+    base = inspector.settled(turn_end, thawed)
+    # CRIU's temporary directory copied /tmp up: no change at the next turn; a file
+    # written after the turn's end still is one.
+    assert base.files["rootfs"] == {"etc/x": SIG, "tmp": tmp}
+    assert inspector.decide(base, replace(turn_end, files=base.files)).decision == "skip"
+    assert inspector.decide(base, thawed).decision == "files-only"
