@@ -15,6 +15,7 @@ NODE_NOTICES: Final = "hermit_node_interruption_notices_total"  # labels: provid
 NODE_CHECKPOINT_SECONDS: Final = "hermit_node_checkpoint_duration_seconds"  # labels: phase, result
 NODE_CHECKPOINT_BYTES: Final = "hermit_node_checkpoint_bytes_total"  # labels: kind
 NODE_RESTORE_SECONDS: Final = "hermit_node_restore_duration_seconds"  # labels: result
+NODE_TURNS: Final = "hermit_node_turns_total"  # labels: decision (protocol.TURN_DECISIONS)
 
 # -- operator -------------------------------------------------------------------------------
 OPERATOR_RECONCILES: Final = "hermit_operator_reconciles_total"  # labels: result
@@ -36,5 +37,5 @@ DOWNTIME_BUCKETS: Final = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90
                            180.0, 300.0, 600.0)
 
 ALL: Final = (NODE_NOTICES, NODE_CHECKPOINT_SECONDS, NODE_CHECKPOINT_BYTES,
-              NODE_RESTORE_SECONDS, OPERATOR_RECONCILES, OPERATOR_RECONCILE_SECONDS,
+              NODE_RESTORE_SECONDS, NODE_TURNS, OPERATOR_RECONCILES, OPERATOR_RECONCILE_SECONDS,
               OPERATOR_PODS_CREATED, OPERATOR_CHECKPOINTS_DELETED, OPERATOR_DOWNTIME)

@@ -41,6 +41,19 @@ STOPPING_REASONS: Final = (PREEMPTION, EVICTION, SUSPEND)
 # Stopping reasons after which the sandbox continues on a new pod at once.
 MIGRATING_REASONS: Final = (PREEMPTION, EVICTION)
 
+# -- turns (docs/turns.md): what the node-agent decided when a harness said a turn ended ---
+TURN_SKIP: Final = "skip"  # nothing a recovery needs changed: no checkpoint, no bytes
+TURN_FILES_ONLY: Final = "files-only"  # only files changed (taken as a full checkpoint today)
+TURN_FULL: Final = "full"  # processes, sockets or memory changed, or no baseline: full
+TURN_DECISIONS: Final = (TURN_SKIP, TURN_FILES_ONLY, TURN_FULL)
+# The node-agent's endpoint: POST it with {"turn": N} and a bearer token.
+TURNS_PATH: Final = "/v1/namespaces/{namespace}/agentsandboxes/{name}/turns"
+# The permission a harness needs on the AgentSandbox (a SubjectAccessReview): the verb
+# ``create`` on the (unserved) subresource ``agentsandboxes/turns``.
+TURNS_SUBRESOURCE: Final = "turns"
+TURNS_VERB: Final = "create"
+DEFAULT_TURN_PORT: Final = 9103
+
 # -- restore outcome on the restore pod (annotation hermit.dev/restore-phase) -----------
 RESTORING: Final = "Restoring"
 RESTORED: Final = "Restored"

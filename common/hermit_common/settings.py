@@ -216,6 +216,10 @@ class NodeSettings:
     # A routine (Interval, Manual, Turn) checkpoint's upload gives up after this long; a
     # notice's deadline bounds the stopping ones.
     routine_upload_seconds: float = 900.0
+    # The turn endpoint (docs/turns.md): its port (0: not served), and the audience a
+    # caller's token must carry ("": the API server's own audiences).
+    turn_port: int = 9103
+    turn_audience: str = ""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> NodeSettings:
@@ -240,6 +244,8 @@ class NodeSettings:
                 "HERMIT_GC_MIN_AGE_SECONDS", 3600.0, minimum=0.0, maximum=30 * 86400.0),
             routine_upload_seconds=env.number(
                 "HERMIT_ROUTINE_UPLOAD_SECONDS", 900.0, minimum=10.0, maximum=86400.0),
+            turn_port=env.integer("HERMIT_TURN_PORT", 9103, minimum=0, maximum=65535),
+            turn_audience=env.optional_str("HERMIT_TURN_AUDIENCE") or "",
         )
 
 

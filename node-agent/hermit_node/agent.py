@@ -29,7 +29,7 @@ from hermit_common.s3errors import CheckpointNotFound
 from hermit_common.seal import Expected
 from hermit_common.settings import NodeSettings, redacted
 from hermit_common.store import UploadProgress
-from hermit_node import freezer, locate, metrics, planner, staging
+from hermit_node import freezer, locate, metrics, planner, staging, turnserver
 from hermit_node import health as agent_health
 from hermit_node.checkpoint import CheckpointResult, CheckpointTarget
 from hermit_node.collect import Collector
@@ -701,6 +701,7 @@ def run_agent(environ: Mapping[str, str], *, stop: threading.Event | None = None
         signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(stop))
     # Metrics, /healthz and /readyz (hermit_node.health) on one port.
     http_health.serve(settings.metrics_port, health.liveness, health.readiness)
+    turnserver.start(settings)  # POST .../turns (docs/turns.md), when HERMIT_TURN_PORT > 0
     watcher = threading.Thread(target=_watch, args=(agent, settings, stop, health),
                                name="watcher", daemon=True)
     health.watching(watcher)

@@ -110,6 +110,35 @@ class Kube(KubeApi):
                                 self._core.read_namespaced_secret, name, namespace)
         return None if out is None else self._dict(out)
 
+    # -- turn requests: who is calling, and may they (docs/turns.md) ------------------
+
+    def review_token(self, token: str, audiences: list[str]) -> KubeObject:
+        """The status of a TokenReview of a caller's bearer token (``authenticated``,
+        ``user``, ``audiences``, ``error``); ``audiences`` empty: the API server's own."""
+        spec: KubeObject = {"token": token}
+        if audiences:
+            spec["audiences"] = audiences
+        out = self._call("reviewing a caller's token",
+                         client.AuthenticationV1Api(self._client).create_token_review,
+                         {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                          "spec": spec})
+        return dict(self._dict(out).get("status") or {})
+
+    def review_access(self, user: KubeObject, attributes: KubeObject) -> KubeObject:
+        """The status of a SubjectAccessReview (``allowed``, ``denied``, ``reason``) of
+        ``user`` (a TokenReview's ``status.user``) for ``attributes`` (resourceAttributes)."""
+        spec: KubeObject = {"user": user.get("username"), "groups": user.get("groups") or [],
+                            "resourceAttributes": attributes}
+        if user.get("uid"):
+            spec["uid"] = user["uid"]
+        if user.get("extra"):
+            spec["extra"] = user["extra"]
+        out = self._call("reviewing a caller's access",
+                         client.AuthorizationV1Api(self._client).create_subject_access_review,
+                         {"apiVersion": "authorization.k8s.io/v1",
+                          "kind": "SubjectAccessReview", "spec": spec})
+        return dict(self._dict(out).get("status") or {})
+
     # -- events ---------------------------------------------------------------------
 
     def checkpoint_event(self, ckpt: KubeObject, event_type: str, reason: str,

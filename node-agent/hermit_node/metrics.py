@@ -23,6 +23,8 @@ RESTORE_SECONDS = Histogram(
     metrics.NODE_RESTORE_SECONDS, "Time to restore a checkpoint into a pod", ["result"],
     buckets=_BUCKETS)
 
+TURNS = Counter(metrics.NODE_TURNS, "Turns ended, by what the inspector decided", ["decision"])
+
 
 def record_checkpoint(*, frozen_ms: int, dump_ms: int, capture_ms: int, upload_ms: int,
                       total_seconds: float, image_bytes: int, uploaded_bytes: int,
@@ -46,3 +48,7 @@ def record_restore(seconds: float, *, ok: bool) -> None:
 
 def record_notice(provider: str, kind: str) -> None:
     NOTICES.labels(provider, kind).inc()
+
+
+def record_turn(decision: str) -> None:
+    TURNS.labels(decision).inc()

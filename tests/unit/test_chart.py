@@ -175,7 +175,8 @@ def test_helm_template_renders() -> None:
     ).stdout
     kinds = sorted(d["kind"] for d in yaml.safe_load_all(out) if d)
     assert kinds == sorted([
-        "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding",
+        # operator, node-agent, turn-client (bound to nothing: docs/turns.md)
+        "ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding",
         "DaemonSet", "Deployment", "Role", "RoleBinding", "Secret", "Service", "Service",
         "ServiceAccount", "ServiceAccount", "ServiceMonitor", "ServiceMonitor",
         "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
@@ -242,3 +243,41 @@ def test_per_sandbox_storage_needs_its_namespaces() -> None:
         in proc.stderr
     assert errors({"s3": {"bucket": "b"}, "nodeAgent": {
         "perSandboxStorageNamespaces": ["Team_A"]}})
+
+
+REVIEWS = [{"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"],
+            "verbs": ["create"]},
+           {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"],
+            "verbs": ["create"]}]
+
+
+def test_the_turn_endpoint_is_on_by_default_and_port_0_removes_it_and_its_rights() -> None:
+    rules, env = _node_agent_parts()
+    assert all(r in rules for r in REVIEWS)
+    assert env["HERMIT_TURN_PORT"] == "9103" and "HERMIT_TURN_AUDIENCE" not in env
+    _, env_aud = _node_agent_parts("nodeAgent.turns.audience=hermit-turns")
+    assert env_aud["HERMIT_TURN_AUDIENCE"] == "hermit-turns"
+    rules_off, env_off = _node_agent_parts("nodeAgent.turns.port=0")
+    assert not any(r in rules_off for r in REVIEWS)
+    assert env_off["HERMIT_TURN_PORT"] == "0"
+
+
+def test_the_turn_port_is_on_the_node_and_the_client_role_is_narrow() -> None:
+    helm = _helm()
+    if helm is None:
+        pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
+    out = subprocess.run([helm, "template", "hermit", str(CHART), "--set",
+                          "s3.bucket=checkpoints"], check=True, capture_output=True, text=True,
+                         timeout=60).stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    [ds] = [d for d in docs if d["kind"] == "DaemonSet"]
+    ports = ds["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert {"name": "turns", "containerPort": 9103, "hostPort": 9103,
+            "protocol": "TCP"} in ports
+    [client] = [d for d in docs if d["kind"] == "ClusterRole"
+                and d["metadata"]["name"] == "hermit-turn-client"]
+    assert client["rules"] == [
+        {"apiGroups": ["hermit.dev"], "resources": ["agentsandboxes/turns"],
+         "verbs": ["create"]},
+        {"apiGroups": ["hermit.dev"], "resources": ["agentsandboxes"], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]

@@ -43,7 +43,10 @@ def container(docs: list[Obj], kind: str) -> Obj:
 def test_both_pods_probe_healthz_and_readyz_on_the_metrics_port(kind: str,
                                                                 metrics: str) -> None:
     c = container(render(f"metrics.enabled={metrics}", "metrics.port=9200"), kind)
-    assert c["ports"] == [{"name": "metrics", "containerPort": 9200, "protocol": "TCP"}]
+    # The node-agent also serves the turn endpoint on the node's IP (docs/turns.md).
+    turns = [{"name": "turns", "containerPort": 9103, "hostPort": 9103, "protocol": "TCP"}]
+    assert c["ports"] == [{"name": "metrics", "containerPort": 9200, "protocol": "TCP"},
+                          *(turns if kind == "DaemonSet" else [])]
     live, ready = c["livenessProbe"], c["readinessProbe"]
     assert live["httpGet"] == {"path": LIVENESS_PATH, "port": "metrics"}
     assert ready["httpGet"] == {"path": READINESS_PATH, "port": "metrics"}
@@ -96,7 +99,9 @@ def test_network_policies_select_each_component_and_open_only_what_it_needs() ->
     for component, spec in specs.items():
         assert spec["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == component
         assert spec["policyTypes"] == ["Ingress", "Egress"]
-        assert spec["ingress"] == [{"ports": [{"port": "metrics", "protocol": "TCP"}]}]
+        turns = [{"ports": [{"port": "turns", "protocol": "TCP"}]}]  # docs/turns.md
+        assert spec["ingress"] == [{"ports": [{"port": "metrics", "protocol": "TCP"}]},
+                                   *(turns if component == "node-agent" else [])]
     assert egress_ports(specs["operator"]) == [api, dns]
     assert egress_ports(specs["node-agent"]) == [api, dns, {(443, "TCP")}, {(80, "TCP")}]
     assert specs["node-agent"]["egress"][3]["to"] == [

@@ -350,7 +350,7 @@ def test_sample_is_valid(name: str) -> None:
 def test_defaults_fill_the_minimal_sandbox() -> None:
     spec = defaulted(SAMPLES["agentsandbox-minimal.yaml"])["spec"]
     assert spec["workspace"] == {"size": "1Gi", "mountPath": "/workspace"}
-    assert spec["checkpoint"] == {"onPreemption": True, "retain": 3}
+    assert spec["checkpoint"] == {"onPreemption": True, "onTurn": False, "retain": 3}
     assert spec["placement"] == {"spot": True}
     assert spec["suspend"] is False
 

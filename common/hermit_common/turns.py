@@ -1,0 +1,136 @@
+"""The agent harness's side of turn boundaries (docs/turns.md).
+
+``TurnClient(...).turn_ended(namespace, sandbox, turn)`` tells the node-agent of the
+node the sandbox runs on that turn ``turn`` ended, and returns what it decided::
+
+    from hermit_common.turns import TurnClient
+
+    client = TurnClient()                       # in a pod: its service-account token
+    result = client.turn_ended("agents", "box-1", 7, wait_seconds=60)
+    result.decision, result.checkpoint, result.phase   # "full", "box-1-1-turn7", "Completed"
+
+The node-agent is found through the API: the sandbox's ``status.podName``, that pod's
+``status.hostIP``, and the chart's turn port (``nodeAgent.turns.port``, mapped on the
+node's IP). The caller needs ``get`` on agentsandboxes and pods and ``create`` on
+``agentsandboxes/turns`` in the namespace (the chart's ClusterRole
+``<release>-turn-client``). The token is read from ``token_path`` at every call (projected
+tokens rotate), unless ``token`` is given.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import requests
+
+from hermit_common import protocol
+from hermit_common.errors import HermitError
+from hermit_common.kubeapi import KubeApi
+
+SERVICE_ACCOUNT_TOKEN: Final = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+MISDIRECTED: Final = 421  # the sandbox runs on another node now
+
+
+class TurnError(HermitError):
+    """The node-agent refused the turn, or could not be reached; ``status`` is the HTTP
+    status (None when no answer came)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    turn: int
+    decision: str  # protocol.TURN_DECISIONS
+    reasons: tuple[str, ...]
+    checkpoint: str | None  # the Turn checkpoint made, or (skip) the one that still holds it
+    taken: str | None  # "full" when a checkpoint was requested, None for skip
+    phase: str | None  # with wait_seconds: the checkpoint's phase when the answer came
+    node: str
+    repeated: bool  # this turn had already been decided: the first answer, again
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> TurnResult:
+        return cls(turn=int(body.get("turn", -1)), decision=str(body.get("decision")),
+                   reasons=tuple(str(r) for r in body.get("reasons") or ()),
+                   checkpoint=body.get("checkpoint"), taken=body.get("taken"),
+                   phase=body.get("phase"), node=str(body.get("node") or ""),
+                   repeated=bool(body.get("repeated")))
+
+
+class _Kube(KubeApi):
+    def pod_host_ip(self, namespace: str, pod: str) -> str | None:
+        out = self._get_or_none(f"reading pod {namespace}/{pod}",
+                                self._core.read_namespaced_pod, pod, namespace)
+        return None if out is None else (self._dict(out).get("status") or {}).get("hostIP")
+
+
+class TurnClient:
+    def __init__(self, *, token: str | None = None, token_path: str = SERVICE_ACCOUNT_TOKEN,
+                 port: int = protocol.DEFAULT_TURN_PORT, kube: KubeApi | None = None,
+                 timeout: float = 30.0) -> None:
+        self._token, self._token_path = token, token_path
+        self._port, self._timeout = port, timeout
+        self._kube = _Kube(kube._client) if kube is not None else None
+
+    def _api(self) -> _Kube:
+        if self._kube is None:
+            self._kube = _Kube.connect()
+        return self._kube
+
+    def endpoint(self, namespace: str, sandbox: str) -> str:
+        """The turn URL at the node-agent of the node the sandbox's pod runs on now."""
+        obj = self._api().get_sandbox(namespace, sandbox)
+        if obj is None:
+            raise TurnError(f"AgentSandbox {namespace}/{sandbox} does not exist", 404)
+        pod = (obj.get("status") or {}).get("podName")
+        host = self._api().pod_host_ip(namespace, str(pod)) if pod else None
+        if not host:
+            raise TurnError(f"AgentSandbox {namespace}/{sandbox} has no running pod now", 409)
+        path = protocol.TURNS_PATH.format(namespace=namespace, name=sandbox)
+        return f"http://{host}:{self._port}{path}"
+
+    def turn_ended(self, namespace: str, sandbox: str, turn: int, *,
+                   wait_seconds: float = 0) -> TurnResult:
+        """Report that turn ``turn`` ended; with ``wait_seconds`` wait (at most that long)
+        for the checkpoint it made to be Completed or Failed. TurnError when refused."""
+        body = {"turn": turn, "waitSeconds": wait_seconds}
+        for attempt in (1, 2):
+            url = self.endpoint(namespace, sandbox)
+            try:
+                resp = requests.post(
+                    url, data=json.dumps(body), timeout=self._timeout + wait_seconds,
+                    headers={"Authorization": f"Bearer {self._bearer()}",
+                             "Content-Type": "application/json"})
+            except requests.RequestException as exc:
+                raise TurnError(f"cannot reach the node-agent at {url}: {exc}") from None
+            if resp.status_code == MISDIRECTED and attempt == 1:
+                continue  # it moved between our two reads: look again
+            return self._result(url, resp)
+        raise AssertionError("unreachable")
+
+    def _bearer(self) -> str:
+        if self._token is not None:
+            return self._token
+        try:
+            return Path(self._token_path).read_text().strip()
+        except OSError as exc:
+            raise TurnError(f"cannot read the service-account token {self._token_path}: "
+                            f"{exc.strerror}") from None
+
+    @staticmethod
+    def _result(url: str, resp: requests.Response) -> TurnResult:
+        try:
+            body = resp.json()
+        except ValueError:
+            body = {"error": resp.text[:200]}
+        if resp.status_code >= 300 or not isinstance(body, dict):
+            message = body.get("error") if isinstance(body, dict) else None
+            raise TurnError(f"{url}: {resp.status_code} {message or resp.reason}",
+                            resp.status_code)
+        return TurnResult.from_dict(body)
