@@ -43,6 +43,10 @@ REASON_RESUMED: Final = "Resumed"
 REASON_NOT_SUSPENDED: Final = "NotSuspended"
 REASON_RESTORE_STARTED: Final = "RestoreStarted"
 REASON_RESTORE_COMPLETED: Final = "RestoreCompleted"
+# A move's replacement pod, created while its checkpoint is taken (overlap), and deleted
+# when that checkpoint does not complete.
+REASON_REPLACEMENT_CREATED: Final = "ReplacementCreated"
+REASON_REPLACEMENT_DELETED: Final = "ReplacementDeleted"
 REASON_RUNNING: Final = "Running"  # Succeeded/Failed=False while the sandbox is alive
 # Ready=False while the pod waits for a node: for a spot node (WaitingForSpotCapacity), or
 # for any node its requirements allow (Unschedulable); both carry the scheduler's message.

@@ -313,6 +313,9 @@ class OperatorSettings:
     namespace: str | None = None  # the operator pod's namespace (downward API)
     identity: str = "hermit-operator"  # this replica's name in the Lease (its pod name)
     pod_policy: PodPolicySettings = PodPolicySettings()
+    # A move's replacement pod is created at the notice, while the old pod is being
+    # checkpointed (its init waits for the checkpoint); False: once it is Completed.
+    overlap_moves: bool = True
 
     @property
     def clusterwide(self) -> bool:
@@ -338,6 +341,7 @@ class OperatorSettings:
             init_path=init_path,
             store=store,
             pod_policy=PodPolicySettings.from_env(environ),
+            overlap_moves=env.flag("HERMIT_OVERLAP_MOVES", True),
             **_leader_settings(env),
         )
 

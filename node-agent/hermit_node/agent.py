@@ -265,7 +265,7 @@ class NodeAgent:
             for ckpt, sp in planner.checkpoints_to_serve(checkpoints, pods):
                 uid = str((ckpt.get("metadata") or {}).get("uid") or "")
                 self._start(uid, sp.key, functools.partial(self.run_checkpoint, ckpt, sp))
-        for sp in planner.pods_to_restore(pods):
+        for sp in planner.pods_to_restore(pods, checkpoints):
             self._start(sp.uid, sp.key, functools.partial(self.run_restore, sp))
 
     def _start(self, uid: str, key: tuple[str, str], fn: Callable[[], None]) -> None:

@@ -301,10 +301,21 @@ def upload_deadline(notice_deadline: float | None, now: float, reason: str,
 
 # -- restores -------------------------------------------------------------------------
 
-def pods_to_restore(pods: Iterable[SandboxPod]) -> list[SandboxPod]:
-    """Running pods asking for a restore that nobody has started."""
+def pods_to_restore(pods: Iterable[SandboxPod],
+                    checkpoints: Iterable[Mapping[str, Any]] | None) -> list[SandboxPod]:
+    """Running pods asking for a restore that nobody has started, whose Checkpoint is no
+    longer in flight. A move's replacement pod is created while its checkpoint is still
+    taken (the operator's overlap): it waits, untouched, until that checkpoint is
+    Completed; only then does its restore start, and only from that checkpoint. A missing
+    or Failed one is left to the restore, which reports why (``restore_origin``).
+    ``checkpoints`` None (not listed this loop): nothing starts until the next loop."""
+    if checkpoints is None:
+        return []
+    in_flight = {(str(protocol.meta(c).get("namespace") or "default"), protocol.name_of(c))
+                 for c in checkpoints if protocol.phase_of(c) in protocol.IN_FLIGHT}
     return [sp for sp in pods
-            if sp.restore_from and sp.restore_phase is None and sp.running]
+            if sp.restore_from and sp.restore_phase is None and sp.running
+            and (sp.namespace, sp.restore_from) not in in_flight]
 
 
 def stale_restores(pods: Iterable[SandboxPod], in_flight: set[tuple[str, str]]) -> list[SandboxPod]:

@@ -17,7 +17,7 @@ from typing import Any
 from hermit_common import api, protocol
 from hermit_common.errors import HermitError
 from hermit_common.settings import OperatorSettings
-from hermit_operator import metrics
+from hermit_operator import metrics, overlap
 from hermit_operator.checkpoints import orphan_status, sandbox_of
 from hermit_operator.kube import Kube, KubeTransient
 from hermit_operator.podspec import InvalidSpec
@@ -87,8 +87,11 @@ def reconcile_sandbox(kube: Kube, settings: OperatorSettings, namespace: str, na
             pod_name = (sandbox.get("status") or {}).get("podName")
             pod = kube.get_pod(namespace, pod_name) if pod_name else None
             ckpts = kube.list_checkpoints(namespace)
+            spare = overlap.replacement_name(sandbox, ckpts)
+            replacement = kube.get_pod(namespace, spare) if spare else None
             moment = (now or (lambda: datetime.now(UTC)))()
-            p = plan(sandbox, pod, moment, settings=settings, checkpoints=ckpts)
+            p = plan(sandbox, pod, moment, settings=settings, checkpoints=ckpts,
+                     replacement=replacement)
             _apply(kube, sandbox, p, post, moment)
             if p.invalid_spec is not None:
                 result = "invalid"
@@ -173,6 +176,8 @@ def _apply(kube: Kube, sandbox: KubeObject, p: Plan, post: Poster, now: datetime
     _apply_pdb(kube, sandbox, p)  # first: the new pod is never without its budget
     if p.delete_pod is not None:
         kube.delete_pod(namespace, p.delete_pod)
+    if p.delete_replacement is not None:
+        kube.delete_pod(namespace, p.delete_replacement)
     if p.create_pod is not None:
         try:
             kube.create_pod(p.create_pod)

@@ -17,6 +17,7 @@ from hermit_common import api, protocol
 from hermit_common.errors import HermitError
 from hermit_common.settings import OperatorSettings, PodPolicySettings
 from hermit_operator import podpolicy
+from hermit_operator.checkpoints import STOPPING_WAIT
 
 INIT_DIR = "/.hermit"
 INIT_BINARY = f"{INIT_DIR}/hermit-init"
@@ -26,6 +27,9 @@ WORKSPACE_VOLUME = "hermit-workspace"
 DEFAULT_WORKSPACE_SIZE = "1Gi"
 DEFAULT_WORKSPACE_PATH = protocol.DEFAULT_WORKSPACE_PATH
 RESTORE_TIMEOUT_SECONDS = 300
+# A move's replacement created while the checkpoint is still taken (overlap.py) waits for
+# that too: at most the operator's STOPPING_WAIT (checkpoints.py) on top.
+OVERLAP_RESTORE_TIMEOUT_SECONDS = RESTORE_TIMEOUT_SECONDS + int(STOPPING_WAIT.total_seconds())
 TERMINATION_GRACE_SECONDS = 10
 
 # The labels by which the usual provisioners mark spot (preemptible) nodes. With
@@ -62,12 +66,14 @@ def pod_name(sandbox_name: str, incarnation: int) -> str:
     return f"{sandbox_name}-{incarnation}"
 
 
-def init_command(command: list[str], restore_from: str | None) -> list[str]:
-    """The first container's new command: hermit-init, its flags, then the original command."""
+def init_command(command: list[str], restore_from: str | None, *,
+                 overlap: bool = False) -> list[str]:
+    """The first container's new command: hermit-init, its flags, then the original command.
+    ``overlap``: the pod is created before its checkpoint is durable, its init waits longer."""
     if restore_from is None:
         return [INIT_BINARY, "--", *command]
-    return [INIT_BINARY, "--restore", "--restore-timeout", str(RESTORE_TIMEOUT_SECONDS),
-            "--", *command]
+    timeout = OVERLAP_RESTORE_TIMEOUT_SECONDS if overlap else RESTORE_TIMEOUT_SECONDS
+    return [INIT_BINARY, "--restore", "--restore-timeout", str(timeout), "--", *command]
 
 
 STRICT_POD_POLICY = PodPolicySettings()
@@ -134,12 +140,14 @@ def _describe(toleration: KubeObject) -> str:
 
 
 def build_sandbox_pod(sandbox: KubeObject, settings: OperatorSettings, incarnation: int,
-                      restore_from: str | None, *, on_demand: bool = False) -> KubeObject:
+                      restore_from: str | None, *, on_demand: bool = False,
+                      overlap: bool = False) -> KubeObject:
     """The V1Pod manifest for this incarnation of the sandbox (restoring ``restore_from``).
 
     ``on_demand``: a sandbox that requires spot nodes asks for a node that is not spot
     instead (spec.placement.fallbackToOnDemandAfterSeconds has passed); see
-    ``pod_capacity`` for the label that records which."""
+    ``pod_capacity`` for the label that records which. ``overlap``: the pod is created
+    while ``restore_from`` is still being taken (overlap.py): its init waits longer."""
     validate(sandbox, settings.pod_policy)
     meta = sandbox["metadata"]
     spec = sandbox.get("spec") or {}
@@ -156,7 +164,7 @@ def build_sandbox_pod(sandbox: KubeObject, settings: OperatorSettings, incarnati
     size, mount_path = _workspace(spec)
     annotations = _pod_annotations(sandbox, tmeta, mount_path, restore_from)
 
-    _wrap_main_container(pod_spec["containers"][0], mount_path, restore_from)
+    _wrap_main_container(pod_spec["containers"][0], mount_path, restore_from, overlap)
     pod_spec["initContainers"] = [_init_container(settings),
                                   *(pod_spec.get("initContainers") or [])]
     pod_spec["volumes"] = [*(pod_spec.get("volumes") or []), *_hermit_volumes(size)]
@@ -188,9 +196,10 @@ def _pod_annotations(sandbox: KubeObject, template_meta: KubeObject, mount_path:
     return annotations
 
 
-def _wrap_main_container(main: KubeObject, mount_path: str, restore_from: str | None) -> None:
+def _wrap_main_container(main: KubeObject, mount_path: str, restore_from: str | None,
+                         overlap: bool = False) -> None:
     """Runs the first container under hermit-init and mounts the init dir and the workspace."""
-    main["command"] = init_command(list(main["command"]), restore_from)
+    main["command"] = init_command(list(main["command"]), restore_from, overlap=overlap)
     main["volumeMounts"] = [
         *(main.get("volumeMounts") or []),
         {"name": INIT_VOLUME, "mountPath": INIT_DIR, "readOnly": True},

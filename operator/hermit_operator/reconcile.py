@@ -39,7 +39,7 @@ from typing import Any, Final
 from hermit_common import api, display, protocol
 from hermit_common.settings import OperatorSettings
 from hermit_operator import checkpoints as ck
-from hermit_operator import placement, podspec
+from hermit_operator import overlap, placement, podspec
 from hermit_operator import situations as sit
 from hermit_operator.conditions import (
     FALSE,
@@ -79,6 +79,8 @@ class Event:
 class Plan:
     create_pod: KubeObject | None = None
     delete_pod: str | None = None
+    # A move's replacement pod (overlap.py) that is no longer wanted: deleted as well.
+    delete_replacement: str | None = None
     status_patch: KubeObject = field(default_factory=dict)
     events: tuple[Event, ...] = ()
     invalid_spec: str | None = None  # set: the spec cannot be run (a permanent error)
@@ -116,6 +118,9 @@ class _State:
     delete_pdb: str | None = None
     requeue_after: float | None = None
     downtime: tuple[str, float] | None = None
+    replacement: KubeObject | None = None  # pod N+1, created while its checkpoint is taken
+    keep_replacement: bool = False  # this plan waits for it or adopts it (else: deleted)
+    early_pod: KubeObject | None = None  # the replacement this plan creates (overlap)
 
     @property
     def status(self) -> KubeObject:
@@ -196,17 +201,20 @@ def _join(head: str, reason: str | None, message: str | None) -> str:
 
 
 def plan(sandbox: KubeObject, pod: KubeObject | None, now: datetime, *,
-         settings: OperatorSettings, checkpoints: Sequence[KubeObject] = ()) -> Plan:
+         settings: OperatorSettings, checkpoints: Sequence[KubeObject] = (),
+         replacement: KubeObject | None = None) -> Plan:
     """Decide what to do for ``sandbox`` whose current pod is ``pod`` (None: none exists).
 
     ``checkpoints`` are the Checkpoint objects of the sandbox's namespace (a fork's source
     may be another sandbox's; only the sandbox's own are tracked and retained).
+    ``replacement``: the pod of the next incarnation when it exists (overlap.py).
     """
     meta = sandbox.get("metadata") or {}
     spec = sandbox.get("spec") or {}
     status = sandbox.get("status") or {}
     st = _State(list(status.get("conditions") or []), meta.get("generation"), now,
-                sandbox=sandbox, settings=settings, namespace_ckpts=checkpoints)
+                sandbox=sandbox, settings=settings, namespace_ckpts=checkpoints,
+                replacement=overlap.replacement_of(sandbox, replacement))
     incarnation = int(status.get("incarnation") or 0)
     out: KubeObject = {"observedGeneration": st.generation, "incarnation": incarnation,
                      "restores": int(status.get("restores") or 0)}
@@ -269,6 +277,9 @@ def _run(st: _State, out: KubeObject, pod: KubeObject | None, incarnation: int) 
         return _without_pod(st, out, incarnation, resuming, terminal)
     pod_name = pod["metadata"]["name"]
     if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        flight = ck.stopping_in_flight(st.ckpts, pod, st.now)
+        if flight is not None:
+            _overlap(st, incarnation, flight)
         return _finish(st, out, pod, sit.PodTerminating(pod_name))
     if terminal:
         return _observe(st, out, pod)
@@ -321,6 +332,8 @@ def _stopping(st: _State, out: KubeObject, incarnation: int, pod: KubeObject) ->
     if stop is not None:
         return _migrate(st, out, incarnation, pod, stop)
     flight = ck.stopping_in_flight(st.ckpts, pod, st.now)
+    if flight is not None:
+        _overlap(st, incarnation, flight)
     if flight is not None and (pod.get("status") or {}).get("phase") in ("Failed", "Succeeded"):
         # The node-agent ended the tree under its checkpoint: not the sandbox's outcome.
         return _wait_for(st, out, flight, f"pod {pod['metadata']['name']} has stopped")
@@ -335,6 +348,7 @@ def _without_pod(st: _State, out: KubeObject, incarnation: int, resuming: bool,
     gone = st.status.get("podName")
     flight = ck.stopping_in_flight(st.ckpts, None, st.now)
     if flight is not None and gone:
+        _overlap(st, incarnation, flight)
         return _wait_for(st, out, flight, f"pod {gone} is gone")
     if st.status.get("nextRestoreAt") and not resuming:
         return _retry_restore(st, out, incarnation)
@@ -397,6 +411,48 @@ def _suspend(st: _State, out: KubeObject, pod: KubeObject | None, incarnation: i
     out.update(podName=None, nodeName=None)
     _drop(out, st.status, "capacity")
     return _finish(st, out, None, sit.Suspended(), delete=name)
+
+
+def _overlap(st: _State, incarnation: int, flight: KubeObject) -> None:
+    """A migrating checkpoint of the current incarnation is in flight: keep the replacement
+    pod that waits for it, or (overlap_moves) create one now (overlap.py). A replacement
+    that waits for something else, or has ended, is deleted by _finish; a new one is
+    created once it is gone."""
+    source = ck.name_of(flight)
+    if (ck.reason_of(flight) not in protocol.MIGRATING_REASONS
+            or ck.incarnation_of(flight) != incarnation):
+        return
+    if st.replacement is not None:
+        st.keep_replacement = overlap.waiting_for(st.replacement, source)
+        return
+    if not st.settings.overlap_moves:
+        return
+    st.early_pod = podspec.build_sandbox_pod(st.sandbox, st.settings, incarnation + 1, source,
+                                             overlap=True)
+    st.events.append(Event(NORMAL, api.REASON_REPLACEMENT_CREATED, (
+        f"creating pod {st.early_pod['metadata']['name']} while checkpoint {source} "
+        f"({ck.reason_of(flight)}) is taken: it restores it once it is durable")))
+
+
+def _replacement_unwanted(st: _State) -> str | None:
+    """The replacement pod to delete: it exists, is not being deleted, and this plan
+    neither waits for it nor adopts it. A Normal Event says why."""
+    pod = st.replacement
+    if pod is None or st.keep_replacement or overlap.terminating(pod):
+        return None
+    name, source = pod["metadata"]["name"], overlap.source_of(pod)
+    ckpt = ck.find(st.namespace_ckpts, source)
+    if ckpt is None:
+        why = f"checkpoint {source} no longer exists"
+    elif ck.phase_of(ckpt) == ck.FAILED:
+        why = f"checkpoint {source} failed"
+    else:
+        why = f"it no longer waits for checkpoint {source} ({ck.phase_of(ckpt)})"
+    current = st.status.get("podName")
+    goes_on = f"; the sandbox goes on in pod {current}" if current else ""
+    st.events.append(Event(NORMAL, api.REASON_REPLACEMENT_DELETED,
+                           f"deleting pod {name}: {why}{goes_on}"))
+    return str(name)
 
 
 def _wait_for(st: _State, out: KubeObject, flight: KubeObject, why: str) -> Plan:
@@ -525,6 +581,13 @@ def _create(st: _State, out: KubeObject, incarnation: int, delete: str | None,
     manifest = podspec.build_sandbox_pod(st.sandbox, st.settings, new_incarnation, source,
                                          on_demand=on_demand is not None)
     name = manifest["metadata"]["name"]
+    adopt = st.replacement
+    if adopt is not None and (restore is None or not overlap.adoptable(adopt, manifest)):
+        # Not the pod this plan wants: it goes first (_finish), the next plan creates this.
+        return _finish(st, out, None, sit.PodTerminating(name))
+    if adopt is not None and restore is not None:  # created while its checkpoint was taken
+        st.keep_replacement = True
+        manifest, restore = adopt, _adopted(restore, name)
     if restore is not None:
         situation = sit.PodCreating(name, source, restore.reason, restore.message, migration,
                                     on_demand=on_demand)
@@ -535,9 +598,19 @@ def _create(st: _State, out: KubeObject, incarnation: int, delete: str | None,
                                     on_demand=on_demand)
         st.events.append(fresh or Event(NORMAL, api.REASON_POD_CREATING, f"creating pod {name}"))
         _drop(out, st.status, "restoredFrom")
-    out.update(incarnation=new_incarnation, podName=name, nodeName=None)
+    out.update(incarnation=new_incarnation, podName=name,
+               nodeName=(manifest.get("spec") or {}).get("nodeName"))
     _set_capacity(out, st.status, podspec.capacity_of(manifest))
-    return _finish(st, out, None, situation, create=manifest, delete=delete)
+    return _finish(st, out, None, situation, create=None if adopt else manifest,
+                   delete=delete)
+
+
+def _adopted(restore: _Restore, pod: str) -> _Restore:
+    """The restore of a replacement created while its checkpoint was taken: its Event says
+    that the pod exists already."""
+    event = Event(restore.event.type, restore.event.reason,
+                  f"pod {pod}, created while checkpoint {restore.name} was taken, restores it")
+    return _Restore(restore.name, restore.record, event, restore.reason, restore.message)
 
 
 def _set_capacity(out: KubeObject, status: KubeObject, capacity: str | None) -> None:
@@ -818,7 +891,10 @@ def _finish(st: _State, out: KubeObject, pod: KubeObject | None, situation: sit.
     protect = {*st.protect, (out.get("lastCheckpoint") or {}).get("name"),
                _restore_source(create)}
     drop = tuple(ck.to_delete(st.ckpts, st.retain, protect))
+    if create is None:
+        create = st.early_pod
     return Plan(create_pod=create, delete_pod=delete, status_patch=out,
+                delete_replacement=_replacement_unwanted(st),
                 events=tuple(st.events), invalid_spec=invalid_spec,
                 create_checkpoint=st.create_checkpoint, adopt_checkpoints=st.adopt,
                 fail_checkpoints=st.fail,

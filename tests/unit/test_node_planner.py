@@ -237,9 +237,31 @@ def test_pods_to_restore() -> None:
         pod("d-2", sandbox="d", annotations=want, running=False, phase="Pending"),
         pod("e-1", sandbox="e"),
     )
-    assert [sp.pod for sp in planner.pods_to_restore(pods)] == ["a-2"]
+    done = [ckpt("box-1-preempt", sandbox=sb, reason="Preemption",
+                 status={"phase": "Completed"}) for sb in "abcde"]
+    assert [sp.pod for sp in planner.pods_to_restore(pods, done)] == ["a-2"]
     assert [sp.pod for sp in planner.stale_restores(pods, set())] == ["b-2"]
     assert planner.stale_restores(pods, {("agents", "b")}) == []
+
+
+@pytest.mark.parametrize(("phase", "starts"), [
+    (None, False), ("Dumping", False), ("Uploading", False),  # still taken: the init waits
+    ("Completed", True),
+    ("Failed", True),  # started, it fails and says why; the operator deletes the pod
+])
+def test_a_replacement_waits_until_its_checkpoint_is_no_longer_in_flight(
+        phase: str | None, starts: bool) -> None:
+    """A move's replacement is created while its checkpoint is taken (the operator's
+    overlap): its restore starts only once that checkpoint is Completed."""
+    pods = sps(pod("a-2", sandbox="a",
+                   annotations={protocol.ANNOTATION_RESTORE_FROM: "a-1-preempt"}))
+    c = ckpt("a-1-preempt", sandbox="a", reason="Preemption",
+             status=None if phase is None else {"phase": phase})
+    assert bool(planner.pods_to_restore(pods, [c])) is starts
+    other_namespace = ckpt("a-1-preempt", sandbox="a", namespace="elsewhere",
+                           status={"phase": "Dumping"})
+    assert planner.pods_to_restore(pods, [other_namespace]) == pods
+    assert planner.pods_to_restore(pods, None) == []  # not listed: the next loop decides
 
 
 def test_restore_origin() -> None:

@@ -15,6 +15,7 @@ def test_defaults_need_no_environment() -> None:
     assert (s.metrics_port, s.log_level) == (9102, "INFO")
     assert s.init_image == "hermit.local/hermit:dev"
     assert s.init_path == "/usr/local/bin/hermit-init" and s.store is None
+    assert s.overlap_moves, "a move's replacement pod overlaps its checkpoint by default"
 
 
 def test_values_from_the_environment() -> None:
@@ -30,6 +31,7 @@ def test_values_from_the_environment() -> None:
     assert (s.init_image, s.init_path) == ("reg/hermit:2", "/usr/local/bin/hermit-init")
     assert s.store is not None and s.store.bucket == "ckpts"
     assert "very-secret" not in repr(redacted(s))
+    assert not OperatorSettings.from_env({"HERMIT_OVERLAP_MOVES": "false"}).overlap_moves
 
 
 @pytest.mark.parametrize(
@@ -37,6 +39,7 @@ def test_values_from_the_environment() -> None:
     [
         ({"HERMIT_METRICS_PORT": "0"}, "HERMIT_METRICS_PORT=0 is below the minimum 1"),
         ({"HERMIT_LOG_LEVEL": "LOUD"}, "HERMIT_LOG_LEVEL='LOUD' is not one of"),
+        ({"HERMIT_OVERLAP_MOVES": "sometimes"}, "HERMIT_OVERLAP_MOVES='sometimes' is not a"),
         ({"HERMIT_INIT_PATH": "bin/init"}, "HERMIT_INIT_PATH='bin/init' is not an absolute"),
         ({"HERMIT_S3_BUCKET": "b", "HERMIT_S3_ACCESS_KEY_ID": "a"}, "must be set together"),
     ],

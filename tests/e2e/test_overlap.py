@@ -1,0 +1,188 @@
+"""Overlap: a move's replacement pod is created at the notice, not once the checkpoint is
+durable (the operator's overlapMoves, docs/protocol.md flow 2).
+
+One self-checking sandbox (tests/e2e/sandboxes.py) is preempted twice with a spot notice:
+first with overlap on (the chart's default), then with it off (a helm upgrade of the
+release). Both times nothing may be lost or duplicated, the status must account for the
+move (incarnation + 1, restores + 1, restoredFrom the stopping checkpoint with nothing
+stale, lastDowntime), and the replacement pod must be created before the checkpoint is
+durable with overlap and after it without. The test prints notice -> durable and
+notice -> running again for both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from hermit_common import api, protocol
+from tests.e2e import sandboxes as sb
+from tests.e2e.conftest import (
+    RELEASE,
+    RELEASE_NS,
+    REPO,
+    E2EConfig,
+    Kube,
+    helm_binary,
+    run_cluster_command,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+Obj = dict[str, Any]
+
+NOTICE_SECONDS = 20
+LEASE = "hermit-operator"  # the chart's operator.leaderElection.leaseName
+OPERATOR_PODS = "app.kubernetes.io/component=operator"
+
+
+@dataclass(frozen=True)
+class Move:
+    """One preemption, in seconds since the notice command started."""
+
+    source: str
+    target: str
+    checkpoint: str
+    replacement: float  # the new pod exists
+    durable: float  # the checkpoint is Completed
+    running: float  # the sandbox is Running on the new pod, which has printed a tick
+    frozen_ms: int | None
+
+
+def _set_overlap(kube: Kube, cfg: E2EConfig, on: bool) -> None:
+    """operator.overlapMoves through a helm upgrade; returns once the one operator pod
+    left runs with that value and holds the leadership Lease."""
+    value = str(on).lower()
+    proc = subprocess.run(
+        [helm_binary(), "upgrade", RELEASE, str(REPO / "charts/hermit"), "-n", RELEASE_NS,
+         "--reuse-values", "--set", f"operator.overlapMoves={value}", "--wait",
+         "--timeout", "180s"],
+        env={**os.environ, "KUBECONFIG": cfg.kubeconfig}, capture_output=True, text=True,
+        check=False)
+    assert proc.returncode == 0, f"helm upgrade failed: {proc.stdout}{proc.stderr}"
+    leases = client.CoordinationV1Api()
+
+    def leading() -> bool | None:
+        listed: Any = kube.api.list_namespaced_pod(
+            RELEASE_NS, label_selector=OPERATOR_PODS, _preload_content=False)
+        pods: list[Obj] = json.loads(listed.data)["items"]
+        if (len(pods) != 1 or pods[0]["metadata"].get("deletionTimestamp")
+                or pods[0]["status"].get("phase") != "Running"):
+            return None
+        env = {e["name"]: e.get("value") for e in pods[0]["spec"]["containers"][0]["env"]}
+        read: Any = leases.read_namespaced_lease(LEASE, RELEASE_NS, _preload_content=False)
+        lease: Obj = json.loads(read.data)
+        return (env.get("HERMIT_OVERLAP_MOVES") == value
+                and lease["spec"].get("holderIdentity") == pods[0]["metadata"]["name"]) or None
+
+    wait_until(f"one operator with overlapMoves={value}, holding the Lease", 120, leading, 0.5)
+
+
+def _preempt(kube: Kube, cfg: E2EConfig, ns: str, name: str, where: sb.Running) -> Move:
+    """A spot notice on the sandbox's node; follows the move at 0.2 s until the sandbox
+    runs again on the new pod (which must continue the counter exactly)."""
+    sb.wait_agent_ready(kube, RELEASE_NS, where.node)
+    before = sb.status(ns, name)
+    new_pod = f"{name}-{int(before['incarnation']) + 1}"
+    seen: dict[str, float] = {}
+    started = time.monotonic()
+    preempt = run_cluster_command(cfg.preempt_cmd, node=where.node, notice=str(NOTICE_SECONDS))
+    last = [where.last_tick]
+    earlier = {c["metadata"]["name"] for c in sb.checkpoints(ns)}
+    done = sb.completed_checkpoint(ns, protocol.PREEMPTION, sandbox_name=name, not_in=earlier)
+
+    def moved() -> sb.Running | None:
+        if "replacement" not in seen and kube.pod(ns, new_pod) is not None:
+            seen["replacement"] = sb.since(started)
+        if "durable" not in seen and done() is not None:
+            seen["durable"] = sb.since(started)
+        # The old pod's last tick is the one its checkpoint holds (it is frozen, then ended).
+        last.append(max([*sb.ticks(kube, ns, where.pod), last[-1]]))
+        s = sb.status(ns, name)
+        if (s.get("phase") != "Running" or s.get("podName") != new_pod
+                or int(s.get("restores") or 0) <= where.restores
+                or not sb.ticks(kube, ns, new_pod)):
+            return None
+        return sb.Running(s["nodeName"], new_pod, int(s["restores"]), 0)
+
+    try:
+        after = wait_until(f"sandbox {name} running again in pod {new_pod}", 180, moved, 0.2)
+        running = sb.since(started)
+    finally:
+        out, _ = preempt.communicate(timeout=NOTICE_SECONDS + 180)
+    assert preempt.returncode == 0, f"preempt command failed: {out}"
+    ckpt = done()
+    assert ckpt is not None and after.node != where.node
+    ticks = sb.assert_continues(kube, ns, new_pod, last[-1])
+    _assert_accounted(ns, name, before, ckpt, new_pod)
+    print(f"  {where.node} -> {after.node}: ticks continue at {ticks[0]} (last {last[-1]})")
+    return Move(where.node, after.node, ckpt["metadata"]["name"], seen["replacement"],
+                seen["durable"], running, (ckpt.get("status") or {}).get("frozenMs"))
+
+
+def _assert_accounted(ns: str, name: str, before: Obj, ckpt: Obj, new_pod: str) -> None:
+    """One move: incarnation + 1, restores + 1, restored from the stopping checkpoint with
+    nothing lost, and a downtime recorded."""
+    s = sb.status(ns, name)
+    assert int(s["incarnation"]) == int(before["incarnation"]) + 1, s
+    assert int(s["restores"]) == int(before.get("restores") or 0) + 1, s
+    assert s["podName"] == new_pod, s
+    record = s.get("restoredFrom") or {}
+    assert record.get("name") == ckpt["metadata"]["name"], record
+    assert record.get("staleSeconds") == 0 and not record.get("fallback"), record
+    assert s.get("lastDowntime"), s
+
+
+def _created_vs_durable(kube: Kube, ns: str, pod: str, ckpt: str) -> tuple[str, str]:
+    """(the new pod's creationTimestamp, the checkpoint's completedAt): both RFC 3339 in
+    whole seconds, UTC, so they compare as strings."""
+    found = kube.pod(ns, pod)
+    assert found is not None, f"pod {pod} is gone"
+    [c] = [c for c in sb.checkpoints(ns) if c["metadata"]["name"] == ckpt]
+    return str(found["metadata"]["creationTimestamp"]), str(c["status"]["completedAt"])
+
+
+def test_overlap_creates_the_replacement_at_the_notice(
+    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
+) -> None:
+    spot_nodes = len(sb.ready_spot_nodes(kube))
+    name, where = sb.start_on_spot(kube, e2e_config, RELEASE_NS, namespace)
+    moves: dict[str, Move] = {}
+    try:
+        for mode in ("on", "off"):
+            if mode == "off":
+                _set_overlap(kube, e2e_config, False)
+            sb.ensure_spot_nodes(kube, e2e_config, 2)  # a spot pool keeps a spare
+            print(f"overlap {mode}:")
+            move = _preempt(kube, e2e_config, namespace, name, where)
+            status = sb.status(namespace, name)
+            where = sb.Running(move.target, status["podName"], int(status["restores"]), 0)
+            created, durable = _created_vs_durable(kube, namespace, where.pod, move.checkpoint)
+            replacements = [e for e in sb.events(kube, namespace, name)
+                            if e["reason"] == api.REASON_REPLACEMENT_CREATED
+                            and f"pod {where.pod} " in e["message"]]
+            if mode == "on":
+                assert created <= durable and move.replacement <= move.durable, (created, durable)
+                assert replacements, "no ReplacementCreated Event"
+            else:
+                assert created >= durable and move.replacement >= move.durable, (created, durable)
+                assert not replacements, replacements
+            moves[mode] = move
+    finally:
+        _set_overlap(kube, e2e_config, True)
+        sb.ensure_spot_nodes(kube, e2e_config, spot_nodes)  # the pool as it was found
+    on, off = moves["on"], moves["off"]
+    for mode, m in moves.items():
+        print(f"  overlap {mode}: {m.source} -> {m.target}: notice->replacement pod "
+              f"{m.replacement} s, notice->durable {m.durable} s (frozen {m.frozen_ms} ms), "
+              f"notice->running {m.running} s")
+    print(f"overlap: notice->durable {on.durable} s (off: {off.durable} s), "
+          f"notice->running {on.running} s (off: {off.running} s)")
