@@ -203,7 +203,9 @@ class NodeSettings:
     work_dir: str = "/var/lib/hermit"
     metrics_port: int = 9101
     log_level: str = "INFO"
-    reconcile_interval_seconds: float = 2.0  # how often pods and Checkpoints are listed
+    # How often, at the least, the watched copy of the node's pods and Checkpoints is
+    # looked at (a change wakes the loop at once).
+    reconcile_interval_seconds: float = 2.0
     max_frozen_seconds: float = 60.0  # a routine checkpoint thaws the sandbox by then
     # Honour spec.checkpoint.storage (a sandbox's own bucket and Secret); off: only the
     # default store above is used and no Secret is ever read.
