@@ -297,6 +297,9 @@ class OperatorSettings:
     namespace: str | None = None  # the operator pod's namespace (downward API)
     identity: str = "hermit-operator"  # this replica's name in the Lease (its pod name)
     pod_policy: PodPolicySettings = PodPolicySettings()
+    # Every sandbox is looked at again this often, a safety net behind the watches: one
+    # whose inputs did not change since it was last reconciled costs nothing.
+    resync_seconds: float = 600.0
 
     @property
     def clusterwide(self) -> bool:
@@ -322,6 +325,8 @@ class OperatorSettings:
             init_path=init_path,
             store=store,
             pod_policy=PodPolicySettings.from_env(environ),
+            resync_seconds=env.number("HERMIT_RESYNC_SECONDS", 600.0, minimum=10.0,
+                                      maximum=86400.0),
             **_leader_settings(env),
         )
 

@@ -1,9 +1,10 @@
 """Applies a reconcile plan for one AgentSandbox: read, plan (pure), write, report.
 
-One sandbox is reconciled by one thread at a time (the sandbox handlers and the pod
-event handler may fire together); the sandbox is re-read inside the lock so every
-plan starts from the newest status. A plan that wants another look later (a restore
-retry) ends in ``Requeue``, which the kopf handlers turn into a TemporaryError.
+One sandbox is reconciled by one thread at a time (the sandbox handlers, the pod and
+Checkpoint event handlers and the timers may fire together); the sandbox is re-read
+inside the lock so every plan starts from the newest status. A plan that wants another
+look later (a timed decision: an interval checkpoint, a restore retry, ...) ends in
+``Requeue``, which the kopf handlers turn into a wakeup (wakeups.py).
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from hermit_operator.checkpoints import orphan_status, sandbox_of
 from hermit_operator.kube import Kube, KubeTransient
 from hermit_operator.podspec import InvalidSpec
 from hermit_operator.reconcile import Event, Plan, plan, rejected_status
+from hermit_operator.resync import Inputs, fingerprint_of
 
 KubeObject = dict[str, Any]
 Poster = Callable[[KubeObject, Event], None]
 
 # A sandbox's PodDisruptionBudget is created (or deleted) at most this often; in between
-# the last outcome is trusted. A budget deleted by hand comes back within this time.
+# the last outcome is trusted. A budget deleted by hand comes back at the sandbox's next
+# reconcile after this time (at the latest a full resync: resync.FULL_EVERY).
 PDB_RECHECK_SECONDS = 60.0
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
@@ -70,11 +73,14 @@ def owner_sandbox(pod: KubeObject) -> str | None:
 
 
 def reconcile_sandbox(kube: Kube, settings: OperatorSettings, namespace: str, name: str,
-                      post: Poster, now: Callable[[], datetime] | None = None) -> Plan | None:
+                      post: Poster, now: Callable[[], datetime] | None = None,
+                      inputs: Inputs | None = None) -> Plan | None:
     """Reconcile one sandbox; None when it no longer exists.
 
     Raises InvalidSpec after recording it in the status, KubeTransient for retries, and
     Requeue (after applying the plan) when the plan asks to be looked at again later.
+    ``inputs``: where the fingerprint of what a successful reconcile read is recorded
+    (resync.py: the resync skips the sandbox while it holds).
     """
     started = time.monotonic()
     result = "transient"
@@ -90,13 +96,16 @@ def reconcile_sandbox(kube: Kube, settings: OperatorSettings, namespace: str, na
             moment = (now or (lambda: datetime.now(UTC)))()
             p = plan(sandbox, pod, moment, settings=settings, checkpoints=ckpts)
             _apply(kube, sandbox, p, post, moment)
+            if inputs is not None:
+                inputs.record(namespace, name, fingerprint_of(sandbox, pod, ckpts),
+                              time.monotonic())
             if p.invalid_spec is not None:
                 result = "invalid"
                 raise InvalidSpec(p.invalid_spec)
             result = "ok"
             if p.requeue_after is not None:
-                raise Requeue(f"AgentSandbox {namespace}/{name}: the next restore attempt is "
-                              f"due in {p.requeue_after:.0f}s", p.requeue_after)
+                raise Requeue(f"AgentSandbox {namespace}/{name}: a timed decision is due in "
+                              f"{p.requeue_after:.0f}s", p.requeue_after)
             return p
     except InvalidSpec:
         result = "invalid"
@@ -110,8 +119,8 @@ def reconcile_sandbox(kube: Kube, settings: OperatorSettings, namespace: str, na
 
 
 def reconcile_checkpoint(kube: Kube, settings: OperatorSettings, ckpt: KubeObject, post: Poster,
-                         *, deleted: bool = False, now: Callable[[], datetime] | None = None
-                         ) -> Plan | None:
+                         *, deleted: bool = False, now: Callable[[], datetime] | None = None,
+                         inputs: Inputs | None = None) -> Plan | None:
     """Reconcile the sandbox a Checkpoint is of. When that AgentSandbox does not exist, a
     Pending Checkpoint is failed (status written by the operator, with a Warning Event):
     no node-agent would ever take it."""
@@ -120,7 +129,7 @@ def reconcile_checkpoint(kube: Kube, settings: OperatorSettings, ckpt: KubeObjec
     namespace = meta.get("namespace")
     if sandbox is None or namespace is None:
         return None
-    p = reconcile_sandbox(kube, settings, namespace, sandbox, post, now)
+    p = reconcile_sandbox(kube, settings, namespace, sandbox, post, now, inputs)
     if p is not None or deleted:
         return p
     status = orphan_status(ckpt, (now or (lambda: datetime.now(UTC)))())

@@ -1,27 +1,39 @@
 """kopf handlers: thin wrappers that hand each event to driver.reconcile_sandbox.
 
-Checkpoints are watched with an event handler: kopf's change handlers (and on.field)
-diff the object without its status, so they never see the node-agent's progress.
-A plan that wants another look later (driver.Requeue: a restore retry) becomes a
-kopf.TemporaryError with that delay; event handlers are not retried, so the tick timer
-(on while such a retry is scheduled) brings the sandbox back instead.
+Reconciliation is event-driven: a sandbox is reconciled when it is created, its spec
+changes or the operator starts (kopf's create/update/resume handlers), and on every
+event of its pods and Checkpoints. Checkpoints are watched with an event handler:
+kopf's change handlers (and on.field) diff the object without its status, so they never
+see the node-agent's progress.
+
+Time is handled by ``wakeups.Wakeups``, not by polling: a plan that depends on the time
+ends in ``driver.Requeue`` with the seconds until its decision changes, and an event's
+reconcile that failed is tried again after a delay (event handlers are not retried by
+kopf). The resync timer (every HERMIT_RESYNC_SECONDS) is a safety net that costs
+nothing for a sandbox whose inputs did not change since its last reconcile
+(``resync``: fingerprints from the watches, no API call).
 
 Importing this module registers the handlers with kopf's default registry.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from typing import Any, cast
 
 import kopf
 
 from hermit_common import api, protocol
 from hermit_common.settings import OperatorSettings
-from hermit_operator import driver, kopfconfig
+from hermit_operator import driver, kopfconfig, metrics, resync
 from hermit_operator.kube import Kube, KubeError, KubeTransient
 from hermit_operator.podspec import InvalidSpec
-from hermit_operator.reconcile import Event, wants_ticks
+from hermit_operator.reconcile import Event
+from hermit_operator.wakeups import Wakeups
+
+log = logging.getLogger("hermit.operator")
 
 
 def _post(sandbox: dict[str, Any], event: Event) -> None:
@@ -30,18 +42,43 @@ def _post(sandbox: dict[str, Any], event: Event) -> None:
 
 
 def _reconcile(memo: Any, namespace: str, name: str) -> None:
+    """For kopf's create/update/resume handlers: failures become kopf's retries."""
     # Returns nothing: kopf would store a return value under .status, which the CRD prunes.
     try:
-        driver.reconcile_sandbox(memo.kube, memo.settings, namespace, name, _post)
+        driver.reconcile_sandbox(memo.kube, memo.settings, namespace, name, _post,
+                                 inputs=memo.inputs)
     except InvalidSpec as exc:
         raise kopf.PermanentError(str(exc)) from None
+    except driver.Requeue as exc:
+        memo.wakeups.after(namespace, name, exc.delay)
     except KubeTransient as exc:
         raise kopf.TemporaryError(str(exc), delay=kopfconfig.RETRY_DELAY_SECONDS) from None
-    except driver.Requeue as exc:
-        raise kopf.TemporaryError(str(exc), delay=exc.delay) from None
     except KubeError as exc:  # refused (forbidden, invalid, conflict): retrying is slower
         raise kopf.TemporaryError(str(exc), delay=kopfconfig.REFUSED_RETRY_DELAY_SECONDS
                                   ) from None
+
+
+def _reconcile_quietly(memo: Any, namespace: str, name: str, what: str,
+                       ckpt: dict[str, Any] | None = None, deleted: bool = False) -> None:
+    """For events, timers and wakeups (nobody retries them): a failure schedules a wakeup.
+    With ``ckpt``: a Checkpoint's event (a Pending one of a missing sandbox is failed)."""
+    try:
+        if ckpt is not None:
+            driver.reconcile_checkpoint(memo.kube, memo.settings, ckpt, _post,
+                                        deleted=deleted, inputs=memo.inputs)
+        else:
+            driver.reconcile_sandbox(memo.kube, memo.settings, namespace, name, _post,
+                                     inputs=memo.inputs)
+    except driver.Requeue as exc:
+        memo.wakeups.after(namespace, name, exc.delay)
+    except InvalidSpec as exc:  # recorded in the status; the next spec change retries
+        log.warning("AgentSandbox %s/%s after a %s: %s", namespace, name, what, exc)
+    except KubeError as exc:
+        delay = (kopfconfig.RETRY_DELAY_SECONDS if isinstance(exc, KubeTransient)
+                 else kopfconfig.REFUSED_RETRY_DELAY_SECONDS)
+        log.warning("reconciling AgentSandbox %s/%s after a %s: %s; again in %ds",
+                    namespace, name, what, exc, delay)
+        memo.wakeups.after(namespace, name, delay)
 
 
 @kopf.on.startup()
@@ -50,12 +87,18 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         memo.settings = OperatorSettings.from_env(os.environ)
     if "kube" not in memo:
         memo.kube = Kube.connect()
+    memo.inputs = resync.Inputs()
+    memo.wakeups = Wakeups(lambda ns, name: _reconcile_quietly(memo, ns, name, "timer"))
+    memo.wakeups.start()
     kopfconfig.configure(settings, memo.settings)
 
 
 @kopf.on.cleanup()
 def cleanup(memo: kopf.Memo, **_: Any) -> None:
     """A clean stop gives up the leadership Lease: a standby takes over at once."""
+    wakeups = memo.get("wakeups")
+    if wakeups is not None:
+        wakeups.stop()
     elector = memo.get("elector")
     if elector is not None:
         elector.release()
@@ -69,56 +112,46 @@ def sandbox_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any)
 
 
 @kopf.timer(api.GROUP, api.VERSION, api.SANDBOX_PLURAL,
-            interval=kopfconfig.RESYNC_SECONDS, initial_delay=kopfconfig.RESYNC_SECONDS)
-def sandbox_resync(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
-    """A safety net for missed pod events (they are not retried)."""
-    _reconcile(memo, namespace or "default", name)
-
-
-def _ticking(spec: kopf.Spec, status: kopf.Status, **_: Any) -> bool:
-    return wants_ticks(spec, status)
-
-
-@kopf.timer(api.GROUP, api.VERSION, api.SANDBOX_PLURAL, interval=kopfconfig.TICK_SECONDS,
-            when=_ticking)
-def sandbox_tick(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
-    """Interval checkpoints, restore retries and waiting forks: the plan says what is due."""
-    _reconcile(memo, namespace or "default", name)
+            interval=kopfconfig.resync_seconds(), initial_delay=kopfconfig.resync_seconds())
+def sandbox_resync(body: kopf.Body, namespace: str | None, name: str, memo: kopf.Memo,
+                   **_: Any) -> None:
+    """A safety net for missed or failed events: skipped while the sandbox's inputs are
+    those of its last reconcile (no API call then)."""
+    ns = namespace or "default"
+    current = memo.inputs.current(dict(body))
+    if not resync.resync_needed(memo.inputs.last(ns, name), current, time.monotonic(),
+                                memo.settings.resync_seconds):
+        metrics.RESYNCS.labels(result="skipped").inc()
+        return
+    metrics.RESYNCS.labels(result="reconciled").inc()
+    _reconcile_quietly(memo, ns, name, "resync")
 
 
 @kopf.on.delete(api.GROUP, api.VERSION, api.SANDBOX_PLURAL, optional=True)
-def sandbox_deleted(namespace: str | None, name: str, **_: Any) -> None:
-    driver.forget(namespace or "default", name)  # its pods go with it (owner references)
+def sandbox_deleted(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+    ns = namespace or "default"
+    driver.forget(ns, name)  # its pods go with it (owner references)
+    memo.inputs.forget(ns, name)
+    memo.wakeups.cancel(ns, name)
 
 
 @kopf.on.event("", "v1", "pods", labels={protocol.LABEL_SANDBOX: kopf.PRESENT})
-def pod_event(body: kopf.Body, namespace: str | None, memo: kopf.Memo,
-              logger: kopf.Logger, **_: Any) -> None:
-    _reconcile_after_event(driver.owner_sandbox(dict(body)), namespace, memo, logger, "pod")
+def pod_event(body: kopf.Body, type: str | None, namespace: str | None, memo: kopf.Memo,
+              **_: Any) -> None:
+    memo.inputs.saw_pod(body, deleted=type == "DELETED")
+    sandbox = driver.owner_sandbox(dict(body))
+    if sandbox is not None and namespace is not None:
+        _reconcile_quietly(memo, namespace, sandbox, "pod event")
 
 
 @kopf.on.event(api.GROUP, api.VERSION, api.CHECKPOINT_PLURAL)
-def checkpoint_event(body: kopf.Body, type: str | None, memo: kopf.Memo,
-                     logger: kopf.Logger, **_: Any) -> None:
+def checkpoint_event(body: kopf.Body, type: str | None, namespace: str | None,
+                     memo: kopf.Memo, **_: Any) -> None:
     """A Checkpoint appeared, progressed, finished or went away: reconcile its sandbox
     (a Pending one of a sandbox that does not exist is failed)."""
-    try:
-        driver.reconcile_checkpoint(memo.kube, memo.settings, dict(body), _post,
-                                    deleted=type == "DELETED")
-    except driver.Requeue:
-        pass  # the tick timer runs while a restore retry is scheduled
-    except (InvalidSpec, KubeError) as exc:
-        logger.warning("reconciling after a Checkpoint event: %s", exc)
-
-
-def _reconcile_after_event(sandbox: str | None, namespace: str | None, memo: kopf.Memo,
-                           logger: kopf.Logger, what: str) -> None:
-    if sandbox is None or namespace is None:
-        return
-    try:
-        driver.reconcile_sandbox(memo.kube, memo.settings, namespace, sandbox, _post)
-    except driver.Requeue:
-        pass  # the tick timer runs while a restore retry is scheduled
-    except (InvalidSpec, KubeError) as exc:
-        # Event handlers are not retried; the sandbox's resync timer is the safety net.
-        logger.warning("reconciling AgentSandbox %s after a %s event: %s", sandbox, what, exc)
+    ckpt = dict(body)
+    memo.inputs.saw_checkpoint(ckpt, deleted=type == "DELETED")
+    sandbox = driver.checkpoint_sandbox(ckpt)
+    if sandbox is not None and namespace is not None:
+        _reconcile_quietly(memo, namespace, sandbox, "Checkpoint event", ckpt=ckpt,
+                           deleted=type == "DELETED")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import kopf
@@ -16,10 +17,12 @@ WATCH_CONNECT_TIMEOUT = 10
 RETRY_DELAY_SECONDS = 10
 # An API refusal (forbidden, invalid, conflict) is retried too, but less often.
 REFUSED_RETRY_DELAY_SECONDS = 60
-RESYNC_SECONDS = 60.0  # every sandbox is reconciled at least this often
-# Sandboxes with interval checkpoints, a scheduled restore retry or a fork waiting for its
-# checkpoint are reconciled this often; the plan decides whether anything is due.
-TICK_SECONDS = 5.0
+
+
+def resync_seconds() -> float:
+    """HERMIT_RESYNC_SECONDS: kopf fixes a timer's interval when its handler is registered
+    (when handlers.py is imported), before the memo holds the settings."""
+    return OperatorSettings.from_env(os.environ).resync_seconds
 
 
 def configure(kopf_settings: Any, settings: OperatorSettings) -> None:
