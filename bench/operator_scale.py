@@ -28,6 +28,7 @@ import concurrent.futures
 import copy
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -104,12 +105,14 @@ def start_kwok(procs: Processes, kubeconfig: Path, nodes: int) -> None:
                        or []) for nd in core.list_node().items) >= nodes
 
     wait_for(f"{nodes} kwok nodes Ready", ready, 120)
+    for n in range(nodes):  # no node lifecycle controller runs to lift it
+        core.patch_node(f"kwok-spot-{n}", {"spec": {"taints": []}})
 
 
 def start_operator(procs: Processes, kubeconfig: Path, path: Path,
-                   resync: float | None) -> subprocess.Popen[bytes]:
+                   resync: float | None, metrics_port: int) -> subprocess.Popen[bytes]:
     env = {**os.environ, "KUBECONFIG": str(kubeconfig), "HERMIT_LOG_LEVEL": "WARNING",
-           "HERMIT_METRICS_PORT": str(free_port()),
+           "HERMIT_METRICS_PORT": str(metrics_port), "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": ":".join(str(path / p) for p in ("common", "operator", "testbed"))}
     if resync is not None:
         env["HERMIT_RESYNC_SECONDS"] = str(resync)
@@ -158,6 +161,32 @@ def wait_converged(procs: Processes, n: int, began: float, timeout: float) -> fl
         if time.monotonic() > deadline:
             raise SystemExit(f"operator_scale: only {count}/{n} Running after {timeout:.0f} s")
         time.sleep(2.0)
+
+
+def reconciles(metrics_port: int) -> float:
+    """The operator's hermit_operator_reconciles_total, all results."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("hermit_operator_reconciles_total{"))
+
+
+def wait_quiet(procs: Processes, metrics_port: int, quiet: float, timeout: float) -> float:
+    """Seconds until the operator made no reconcile for ``quiet`` seconds (its backlog of
+    events is done): the idle window starts then."""
+    began = time.monotonic()
+    last, since = reconciles(metrics_port), time.monotonic()
+    while time.monotonic() - since < quiet:
+        procs.check()
+        if time.monotonic() - began > timeout:
+            raise SystemExit(f"operator_scale: the operator is still busy after {timeout:.0f} s")
+        time.sleep(1.0)
+        now = reconciles(metrics_port)
+        if now != last:
+            last, since = now, time.monotonic()
+    return time.monotonic() - began
 
 
 def cpu_seconds(pid: int) -> float:
@@ -219,14 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sandboxes", type=int, default=2000)
     parser.add_argument("--nodes", type=int, default=20)
     parser.add_argument("--idle", type=float, default=60.0, help="idle window, seconds")
-    parser.add_argument("--settle", type=float, default=15.0,
-                        help="seconds after convergence before the idle window")
+    parser.add_argument("--settle", type=float, default=10.0,
+                        help="seconds without a reconcile before the idle window starts")
     parser.add_argument("--timeout", type=float, default=1800.0, help="convergence limit")
     parser.add_argument("--resync", type=float, help="HERMIT_RESYNC_SECONDS for the operator")
     parser.add_argument("--operator-path", type=Path, default=ROOT,
                         help="the checkout whose operator runs (default: this one)")
     parser.add_argument("--keep", action="store_true", help="leave the control plane up")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop what it started
     workdir = Path(tempfile.mkdtemp(prefix="hermit-bench-"))
     plane = start_plane(workdir, scheduler=True)
     procs = plane.processes
@@ -235,14 +265,16 @@ def main(argv: list[str] | None = None) -> int:
         log(f"control plane at 127.0.0.1:{plane.port} (logs in {workdir})")
         install_crds()
         start_kwok(procs, plane.kubeconfig, args.nodes)
+        metrics_port = free_port()
         operator = start_operator(procs, plane.kubeconfig, args.operator_path.resolve(),
-                                  args.resync)
+                                  args.resync, metrics_port)
         time.sleep(3.0)
         procs.check()
         began = create_sandboxes(args.sandboxes)
         converge = wait_converged(procs, args.sandboxes, began, args.timeout)
-        log(f"converged; settling {args.settle:.0f} s, then {args.idle:.0f} s idle")
-        time.sleep(args.settle)
+        busy = wait_quiet(procs, metrics_port, args.settle, args.timeout)
+        log(f"converged; the operator's last reconcile {busy - args.settle:.0f} s later; "
+            f"{args.idle:.0f} s idle now")
         report(args, converge, measure_idle(plane, operator.pid, args.idle))
     finally:
         if args.keep:

@@ -36,6 +36,8 @@ PDB_RECHECK_SECONDS = 60.0
 _locks: dict[tuple[str, str], threading.Lock] = {}
 _locks_guard = threading.Lock()
 _pdb_seen: dict[tuple[str, str], tuple[bool, float]] = {}  # -> (exists, time.monotonic())
+_busy: set[tuple[str, str]] = set()  # a coalesced reconcile runs for these
+_again: set[tuple[str, str]] = set()  # ... and must run once more when it ends
 
 
 class Requeue(HermitError):
@@ -56,6 +58,29 @@ def forget(namespace: str, name: str) -> None:
     with _locks_guard:
         _locks.pop((namespace, name), None)
         _pdb_seen.pop((namespace, name), None)
+
+
+def coalesced(key: tuple[str, str], run: Callable[[], None]) -> bool:
+    """``run()`` for a sandbox, unless one runs for it already: that one then runs once more
+    when it ends (it may have read the objects before the change that called for this
+    one). A burst of events costs one or two reconciles and never blocks a thread on the
+    sandbox's lock. ``run`` must not raise. False when it was left to the running one."""
+    with _locks_guard:
+        if key in _busy:
+            _again.add(key)
+            return False
+        _busy.add(key)
+    try:
+        while True:
+            run()
+            with _locks_guard:
+                if key not in _again:
+                    return True
+                _again.discard(key)
+    finally:
+        with _locks_guard:
+            _busy.discard(key)
+            _again.discard(key)
 
 
 def checkpoint_sandbox(ckpt: KubeObject) -> str | None:

@@ -9,9 +9,10 @@ see the node-agent's progress.
 Time is handled by ``wakeups.Wakeups``, not by polling: a plan that depends on the time
 ends in ``driver.Requeue`` with the seconds until its decision changes, and an event's
 reconcile that failed is tried again after a delay (event handlers are not retried by
-kopf). The resync timer (every HERMIT_RESYNC_SECONDS) is a safety net that costs
+kopf). The resync (every HERMIT_RESYNC_SECONDS, a thread) is a safety net that costs
 nothing for a sandbox whose inputs did not change since its last reconcile
-(``resync``: fingerprints from the watches, no API call).
+(``resync``: fingerprints from the watches, no API call). No kopf timer or daemon is
+used: kopf would keep every sandbox's whole body in memory for it.
 
 Importing this module registers the handlers with kopf's default registry.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any, cast
 
@@ -58,6 +60,12 @@ def _reconcile(memo: Any, namespace: str, name: str) -> None:
                                   ) from None
 
 
+def _reconcile_coalesced(memo: Any, namespace: str, name: str, what: str) -> None:
+    """As ``_reconcile_quietly``; while one runs for the sandbox, it runs once more instead
+    (pod events and timers: bursts of them cost one or two reconciles)."""
+    driver.coalesced((namespace, name), lambda: _reconcile_quietly(memo, namespace, name, what))
+
+
 def _reconcile_quietly(memo: Any, namespace: str, name: str, what: str,
                        ckpt: dict[str, Any] | None = None, deleted: bool = False) -> None:
     """For events, timers and wakeups (nobody retries them): a failure schedules a wakeup.
@@ -88,8 +96,11 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     if "kube" not in memo:
         memo.kube = Kube.connect()
     memo.inputs = resync.Inputs()
-    memo.wakeups = Wakeups(lambda ns, name: _reconcile_quietly(memo, ns, name, "timer"))
+    memo.wakeups = Wakeups(lambda ns, name: _reconcile_coalesced(memo, ns, name, "timer"))
     memo.wakeups.start()
+    memo.stopping = threading.Event()
+    threading.Thread(target=_resync_forever, args=(memo, memo.stopping), name="hermit-resync",
+                     daemon=True).start()
     kopfconfig.configure(settings, memo.settings)
 
 
@@ -98,6 +109,7 @@ def cleanup(memo: kopf.Memo, **_: Any) -> None:
     """A clean stop gives up the leadership Lease: a standby takes over at once."""
     wakeups = memo.get("wakeups")
     if wakeups is not None:
+        memo.stopping.set()
         wakeups.stop()
     elector = memo.get("elector")
     if elector is not None:
@@ -111,20 +123,24 @@ def sandbox_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any)
     _reconcile(memo, namespace or "default", name)
 
 
-@kopf.timer(api.GROUP, api.VERSION, api.SANDBOX_PLURAL,
-            interval=kopfconfig.resync_seconds(), initial_delay=kopfconfig.resync_seconds())
-def sandbox_resync(body: kopf.Body, namespace: str | None, name: str, memo: kopf.Memo,
-                   **_: Any) -> None:
-    """A safety net for missed or failed events: skipped while the sandbox's inputs are
-    those of its last reconcile (no API call then)."""
-    ns = namespace or "default"
-    current = memo.inputs.current(dict(body))
-    if not resync.resync_needed(memo.inputs.last(ns, name), current, time.monotonic(),
-                                memo.settings.resync_seconds):
-        metrics.RESYNCS.labels(result="skipped").inc()
-        return
-    metrics.RESYNCS.labels(result="reconciled").inc()
-    _reconcile_quietly(memo, ns, name, "resync")
+def _resync_forever(memo: Any, stop: threading.Event) -> None:
+    """Every HERMIT_RESYNC_SECONDS, a safety net for missed or failed events: the sandboxes
+    whose inputs changed since their last reconcile (no API call to tell) are reconciled,
+    spread over half a period."""
+    period = memo.settings.resync_seconds
+    while not stop.wait(period):
+        known = len(memo.inputs.sandboxes())
+        due = memo.inputs.due(time.monotonic(), period)
+        metrics.RESYNCS.labels(result="skipped").inc(known - len(due))
+        metrics.RESYNCS.labels(result="reconciled").inc(len(due))
+        for n, (namespace, name) in enumerate(due):
+            memo.wakeups.after(namespace, name, n * period / 2 / len(due))
+
+
+@kopf.on.event(api.GROUP, api.VERSION, api.SANDBOX_PLURAL)
+async def sandbox_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
+    """The four fields of a sandbox its fingerprint needs (kopf's change handlers act)."""
+    memo.inputs.saw_sandbox(body, deleted=type == "DELETED")
 
 
 @kopf.on.delete(api.GROUP, api.VERSION, api.SANDBOX_PLURAL, optional=True)
@@ -141,7 +157,7 @@ def pod_event(body: kopf.Body, type: str | None, namespace: str | None, memo: ko
     memo.inputs.saw_pod(body, deleted=type == "DELETED")
     sandbox = driver.owner_sandbox(dict(body))
     if sandbox is not None and namespace is not None:
-        _reconcile_quietly(memo, namespace, sandbox, "pod event")
+        _reconcile_coalesced(memo, namespace, sandbox, "pod event")
 
 
 @kopf.on.event(api.GROUP, api.VERSION, api.CHECKPOINT_PLURAL)

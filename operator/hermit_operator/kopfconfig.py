@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import kopf
@@ -17,12 +16,9 @@ WATCH_CONNECT_TIMEOUT = 10
 RETRY_DELAY_SECONDS = 10
 # An API refusal (forbidden, invalid, conflict) is retried too, but less often.
 REFUSED_RETRY_DELAY_SECONDS = 60
-
-
-def resync_seconds() -> float:
-    """HERMIT_RESYNC_SECONDS: kopf fixes a timer's interval when its handler is registered
-    (when handlers.py is imported), before the memo holds the settings."""
-    return OperatorSettings.from_env(os.environ).resync_seconds
+# Threads for the (synchronous) handlers: a reconcile mostly waits on the API server, so
+# more than kopf's default (CPUs + 4) keep up with bursts (thousands of pods starting).
+HANDLER_THREADS = 16
 
 
 def configure(kopf_settings: Any, settings: OperatorSettings) -> None:
@@ -42,3 +38,4 @@ def configure(kopf_settings: Any, settings: OperatorSettings) -> None:
     kopf_settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT
     kopf_settings.watching.connect_timeout = WATCH_CONNECT_TIMEOUT
     kopf_settings.queueing.error_delays = (1, 2, 5, 10, 30, 60)
+    kopf_settings.execution.max_workers = HANDLER_THREADS

@@ -6,13 +6,15 @@ event whose reconcile failed or was missed. It must cost nothing for a sandbox w
 inputs did not change, so it compares fingerprints, with no API call:
 
 - ``Inputs`` remembers the resourceVersion of every sandbox pod and Checkpoint the
-  operator's watches delivered (kopf's pod and Checkpoint event handlers feed it);
+  operator's watches delivered (kopf's pod, Checkpoint and sandbox event handlers feed
+  it);
 - after every successful reconcile, the driver records the fingerprint of what it read
   (``record``);
-- the resync computes the fingerprint from the sandbox's body (kopf's) and ``Inputs``,
-  and reconciles only when it differs, or when the last reconcile is ``FULL_EVERY``
-  resync periods old (what no watch shows, a PodDisruptionBudget deleted by hand,
-  comes back then).
+- the resync computes the fingerprint from ``Inputs`` (which also keeps, per sandbox, the
+  four fields a fingerprint needs, from kopf's sandbox events: no body is kept), and
+  reconciles only when it differs, or when the last reconcile is ``FULL_EVERY`` resync
+  periods old (what no watch shows, a PodDisruptionBudget deleted by hand, comes back
+  then).
 
 A fingerprint is the sandbox's uid and generation (the spec; its status is the
 operator's own output), the resourceVersion of its current pod (status.podName) and
@@ -45,6 +47,27 @@ def fingerprint(sandbox: Mapping[str, Any], pod_version: str | None,
     parts = [str(meta.get("uid") or ""), str(meta.get("generation") or ""),
              str(pod_version or "-"), *sorted(f"{n}={v}" for n, v in checkpoints)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Seen:
+    """The few fields of a sandbox a fingerprint needs (all the resync keeps of it)."""
+
+    uid: str
+    generation: str
+    pod: str | None  # status.podName
+    restore_from: str | None  # spec.restoreFrom
+
+    @classmethod
+    def of(cls, sandbox: Mapping[str, Any]) -> Seen:
+        meta = protocol.meta(sandbox)
+        pod = (sandbox.get("status") or {}).get("podName")
+        source = (sandbox.get("spec") or {}).get("restoreFrom")
+        return cls(str(meta.get("uid") or ""), str(meta.get("generation") or ""),
+                   str(pod) if pod else None, str(source) if source else None)
+
+    def as_sandbox(self) -> KubeObject:
+        return {"metadata": {"uid": self.uid, "generation": self.generation}}
 
 
 def relevant(sandbox: Mapping[str, Any], ckpt: Mapping[str, Any]) -> bool:
@@ -93,6 +116,7 @@ class Inputs:
         # the names of its Checkpoints, so a fingerprint reads only the sandbox's own.
         self._ckpts: dict[tuple[str, str], tuple[str | None, str]] = {}
         self._of: dict[tuple[str, str], set[str]] = {}
+        self._sandboxes: dict[tuple[str, str], Seen] = {}
         self._done: dict[tuple[str, str], Reconciled] = {}
 
     @staticmethod
@@ -123,19 +147,40 @@ class Inputs:
             if sandbox is not None:
                 self._of.setdefault((key[0], sandbox), set()).add(key[1])
 
-    def current(self, sandbox: Mapping[str, Any]) -> str:
-        """The fingerprint of ``sandbox`` (kopf's body) as the watches show it now."""
-        meta = protocol.meta(sandbox)
-        namespace, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
-        source = (sandbox.get("spec") or {}).get("restoreFrom")
-        pod = (sandbox.get("status") or {}).get("podName")
+    def saw_sandbox(self, sandbox: Mapping[str, Any], deleted: bool) -> None:
+        key = self._key(sandbox)
         with self._lock:
-            pod_version = self._pods.get((namespace, str(pod))) if pod else None
+            if deleted:
+                self._sandboxes.pop(key, None)
+                self._done.pop(key, None)
+            else:
+                self._sandboxes[key] = Seen.of(sandbox)
+
+    def sandboxes(self) -> list[tuple[str, str]]:
+        with self._lock:
+            return list(self._sandboxes)
+
+    def current(self, namespace: str, name: str) -> str | None:
+        """The fingerprint of the sandbox as the watches show it now; None when unknown."""
+        with self._lock:
+            seen = self._sandboxes.get((namespace, name))
+            if seen is None:
+                return None
+            pod_version = self._pods.get((namespace, seen.pod)) if seen.pod else None
             names = set(self._of.get((namespace, name), ()))
-            if source and (namespace, str(source)) in self._ckpts:
-                names.add(str(source))
+            if seen.restore_from and (namespace, seen.restore_from) in self._ckpts:
+                names.add(seen.restore_from)
             ckpts = [(n, self._ckpts[(namespace, n)][1]) for n in names]
-        return fingerprint(sandbox, pod_version, ckpts)
+        return fingerprint(seen.as_sandbox(), pod_version, ckpts)
+
+    def due(self, now: float, period: float) -> list[tuple[str, str]]:
+        """The sandboxes the resync must reconcile now (``resync_needed``)."""
+        out = []
+        for key in self.sandboxes():
+            current = self.current(*key)
+            if current is not None and resync_needed(self.last(*key), current, now, period):
+                out.append(key)
+        return out
 
     def record(self, namespace: str, name: str, fingerprint_: str, now: float) -> None:
         with self._lock:

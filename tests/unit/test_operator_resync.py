@@ -37,32 +37,39 @@ def test_the_watches_and_the_reconcile_agree_on_a_fingerprint() -> None:
     foreign = ckpt("x", sandbox_name="other", rv="43")
     read = resync.fingerprint_of(sb, the_pod, [mine, source, foreign])
     inputs = resync.Inputs()
+    assert inputs.current("ns", "minimal") is None  # not seen yet
+    inputs.saw_sandbox(sb, deleted=False)
     inputs.saw_pod(the_pod, deleted=False)
     for c in (mine, source, foreign):
         inputs.saw_checkpoint(c, deleted=False)
-    assert inputs.current(sb) == read  # the foreign checkpoint is no input
+    assert inputs.current("ns", "minimal") == read  # the foreign checkpoint is no input
     inputs.saw_checkpoint(with_rv(foreign, "50"), deleted=False)
-    assert inputs.current(sb) == read
-    for changed in (lambda: inputs.saw_checkpoint(with_rv(mine, "51"), deleted=False),
-                    lambda: inputs.saw_pod(with_rv(the_pod, "52"), deleted=False),
-                    lambda: inputs.saw_checkpoint(mine, deleted=True)):
-        before = inputs.current(sb)
-        changed()
-        assert inputs.current(sb) != before
+    assert inputs.current("ns", "minimal") == read
     bumped = copy.deepcopy(sb)
     bumped["metadata"]["generation"] = 2
-    assert inputs.current(bumped) != inputs.current(sb)  # a spec change
+    for changed in (lambda: inputs.saw_checkpoint(with_rv(mine, "51"), deleted=False),
+                    lambda: inputs.saw_pod(with_rv(the_pod, "52"), deleted=False),
+                    lambda: inputs.saw_checkpoint(mine, deleted=True),
+                    lambda: inputs.saw_sandbox(bumped, deleted=False)):  # a spec change
+        before = inputs.current("ns", "minimal")
+        changed()
+        assert inputs.current("ns", "minimal") != before
+    inputs.saw_sandbox(sb, deleted=True)
+    assert inputs.sandboxes() == [] and inputs.current("ns", "minimal") is None
 
 
 def test_a_checkpoint_that_changes_sandbox_moves_between_fingerprints() -> None:
     inputs = resync.Inputs()
     a, b = make_sandbox(dict(RUNNING)), make_sandbox(dict(RUNNING))
     b["metadata"]["name"] = "other"
-    empty_a, empty_b = inputs.current(a), inputs.current(b)
+    inputs.saw_sandbox(a, deleted=False)
+    inputs.saw_sandbox(b, deleted=False)
+    empty_a, empty_b = inputs.current("ns", "minimal"), inputs.current("ns", "other")
     inputs.saw_checkpoint(ckpt("c1"), deleted=False)
-    assert inputs.current(a) != empty_a
+    assert inputs.current("ns", "minimal") != empty_a
     inputs.saw_checkpoint(ckpt("c1", sandbox_name="other", rv="8"), deleted=False)
-    assert inputs.current(a) == empty_a and inputs.current(b) != empty_b
+    assert inputs.current("ns", "minimal") == empty_a
+    assert inputs.current("ns", "other") != empty_b
 
 
 def test_the_resync_reconciles_only_changed_or_long_unseen_sandboxes() -> None:
@@ -175,6 +182,30 @@ def test_a_reconcile_records_what_it_read(monkeypatch: pytest.MonkeyPatch) -> No
                              lambda _sb, _e: None, now=lambda: NOW, inputs=inputs)
     last = inputs.last("ns", "minimal")
     inputs.saw_pod(kube.pods["minimal-1"], deleted=False)
-    assert last is not None and last.fingerprint == inputs.current(kube.sandbox)
-    assert not resync.resync_needed(last, inputs.current(kube.sandbox), last.at, 600.0)
+    inputs.saw_sandbox(kube.sandbox, deleted=False)
+    assert last is not None and last.fingerprint == inputs.current("ns", "minimal")
+    assert inputs.due(last.at + 1.0, 600.0) == []  # unchanged: the resync skips it
+    inputs.saw_pod(with_rv(kube.pods["minimal-1"], "10"), deleted=False)
+    assert inputs.due(last.at + 1.0, 600.0) == [("ns", "minimal")]
     assert protocol.name_of(kube.sandbox) == "minimal"
+
+
+def test_a_burst_of_events_is_coalesced_into_one_more_reconcile() -> None:
+    entered, release = threading.Event(), threading.Event()
+    runs: list[int] = []
+
+    def run() -> None:
+        runs.append(1)
+        if len(runs) == 1:
+            entered.set()
+            assert release.wait(10.0)
+
+    first = threading.Thread(target=driver.coalesced, args=(("ns", "burst"), run))
+    first.start()
+    assert entered.wait(10.0)
+    assert not driver.coalesced(("ns", "burst"), run)  # left to the running one
+    assert not driver.coalesced(("ns", "burst"), run)
+    release.set()
+    first.join(10.0)
+    assert len(runs) == 2  # once more for the whole burst
+    assert driver.coalesced(("ns", "burst"), run) and len(runs) == 3  # idle again
