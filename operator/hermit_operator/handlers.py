@@ -6,7 +6,9 @@ event of its pods and Checkpoints. Checkpoints are watched with an event handler
 kopf's change handlers (and on.field) diff the object without its status, so they never
 see the node-agent's progress.
 
-Time is handled by ``wakeups.Wakeups``, not by polling: a plan that depends on the time
+Pod events only queue their sandbox on ``wakeups.Wakeups``, which is also the work queue
+(a sandbox already queued is not queued twice; its threads reconcile). Time is handled
+by the same queue, not by polling: a plan that depends on the time
 ends in ``driver.Requeue`` with the seconds until its decision changes, and an event's
 reconcile that failed is tried again after a delay (event handlers are not retried by
 kopf). The resync (every HERMIT_RESYNC_SECONDS, a thread) is a safety net that costs
@@ -62,7 +64,7 @@ def _reconcile(memo: Any, namespace: str, name: str) -> None:
 
 def _reconcile_coalesced(memo: Any, namespace: str, name: str, what: str) -> None:
     """As ``_reconcile_quietly``; while one runs for the sandbox, it runs once more instead
-    (pod events and timers: bursts of them cost one or two reconciles)."""
+    (the work queue's: pod events and timers; bursts of them cost one or two reconciles)."""
     driver.coalesced((namespace, name), lambda: _reconcile_quietly(memo, namespace, name, what))
 
 
@@ -96,7 +98,8 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     if "kube" not in memo:
         memo.kube = Kube.connect()
     memo.inputs = resync.Inputs()
-    memo.wakeups = Wakeups(lambda ns, name: _reconcile_coalesced(memo, ns, name, "timer"))
+    memo.wakeups = Wakeups(lambda ns, name: _reconcile_coalesced(memo, ns, name, "timer"),
+                           workers=kopfconfig.HANDLER_THREADS)
     memo.wakeups.start()
     memo.stopping = threading.Event()
     threading.Thread(target=_resync_forever, args=(memo, memo.stopping), name="hermit-resync",
@@ -152,12 +155,14 @@ def sandbox_deleted(namespace: str | None, name: str, memo: kopf.Memo, **_: Any)
 
 
 @kopf.on.event("", "v1", "pods", labels={protocol.LABEL_SANDBOX: kopf.PRESENT})
-def pod_event(body: kopf.Body, type: str | None, namespace: str | None, memo: kopf.Memo,
-              **_: Any) -> None:
+async def pod_event(body: kopf.Body, type: str | None, namespace: str | None,
+                    memo: kopf.Memo, **_: Any) -> None:
+    """Queue the pod's sandbox for a reconcile (a work queue: a sandbox queued already is
+    not queued twice) and return at once: kopf holds no pod body while reconciles run."""
     memo.inputs.saw_pod(body, deleted=type == "DELETED")
     sandbox = driver.owner_sandbox(dict(body))
     if sandbox is not None and namespace is not None:
-        _reconcile_coalesced(memo, namespace, sandbox, "pod event")
+        memo.wakeups.after(namespace, sandbox, 0.0)
 
 
 @kopf.on.event(api.GROUP, api.VERSION, api.CHECKPOINT_PLURAL)

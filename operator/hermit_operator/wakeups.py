@@ -1,4 +1,5 @@
-"""When to look at a sandbox again: one timer thread for every sandbox.
+"""When to look at a sandbox again: one timer thread for every sandbox, and the work
+queue of pod events (due at once).
 
 A plan that depends on the time (an interval checkpoint due, a restore retry's backoff,
 the on-demand fallback, a stopping checkpoint waited for, a fork waiting for its
