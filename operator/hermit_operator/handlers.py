@@ -21,6 +21,7 @@ Importing this module registers the handlers with kopf's default registry.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import threading
@@ -41,8 +42,28 @@ log = logging.getLogger("hermit.operator")
 
 
 def _post(sandbox: dict[str, Any], event: Event) -> None:
-    kopf.event(cast(kopf.Body, sandbox), type=event.type, reason=event.reason,
-               message=event.message)
+    try:
+        kopf.event(cast(kopf.Body, sandbox), type=event.type, reason=event.reason,
+                   message=event.message)
+    except LookupError:  # no kopf context to post from (see _in_kopf_context)
+        log.warning("Event %s not posted for AgentSandbox %s: %s", event.reason,
+                    (sandbox.get("metadata") or {}).get("name"), event.message)
+
+
+def _remember_kopf_context(memo: Any) -> None:
+    """kopf posts Events from the context of its object processing (its event queue and
+    loop are context variables): keep a copy for the wakeups' threads."""
+    if memo.get("kopf_context") is None:
+        memo.kopf_context = contextvars.copy_context()
+
+
+def _in_kopf_context(memo: Any, namespace: str, name: str) -> None:
+    """A queued or timed reconcile, on a wakeups thread, in kopf's context (its Events)."""
+    ctx = memo.get("kopf_context")
+    if ctx is None:
+        _reconcile_coalesced(memo, namespace, name, "timer")
+    else:
+        ctx.copy().run(_reconcile_coalesced, memo, namespace, name, "timer")
 
 
 def _reconcile(memo: Any, namespace: str, name: str) -> None:
@@ -98,7 +119,8 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     if "kube" not in memo:
         memo.kube = Kube.connect()
     memo.inputs = resync.Inputs()
-    memo.wakeups = Wakeups(lambda ns, name: _reconcile_coalesced(memo, ns, name, "timer"),
+    memo.kopf_context = None
+    memo.wakeups = Wakeups(lambda ns, name: _in_kopf_context(memo, ns, name),
                            workers=kopfconfig.HANDLER_THREADS)
     memo.wakeups.start()
     memo.stopping = threading.Event()
@@ -143,6 +165,7 @@ def _resync_forever(memo: Any, stop: threading.Event) -> None:
 @kopf.on.event(api.GROUP, api.VERSION, api.SANDBOX_PLURAL)
 async def sandbox_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
     """The four fields of a sandbox its fingerprint needs (kopf's change handlers act)."""
+    _remember_kopf_context(memo)
     memo.inputs.saw_sandbox(body, deleted=type == "DELETED")
 
 
@@ -159,6 +182,7 @@ async def pod_event(body: kopf.Body, type: str | None, namespace: str | None,
                     memo: kopf.Memo, **_: Any) -> None:
     """Queue the pod's sandbox for a reconcile (a work queue: a sandbox queued already is
     not queued twice) and return at once: kopf holds no pod body while reconciles run."""
+    _remember_kopf_context(memo)
     memo.inputs.saw_pod(body, deleted=type == "DELETED")
     sandbox = driver.owner_sandbox(dict(body))
     if sandbox is not None and namespace is not None:

@@ -209,3 +209,28 @@ def test_a_burst_of_events_is_coalesced_into_one_more_reconcile() -> None:
     first.join(10.0)
     assert len(runs) == 2  # once more for the whole burst
     assert driver.coalesced(("ns", "burst"), run) and len(runs) == 3  # idle again
+
+
+def test_queued_reconciles_post_events_from_kopfs_context(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """kopf's Event queue is a context variable of its object processing: the wakeups'
+    threads run in a copy of that context, else their Events would be lost."""
+    import contextvars
+
+    import kopf
+
+    from hermit_operator import handlers
+
+    marker: contextvars.ContextVar[str] = contextvars.ContextVar("marker")
+    seen: list[str] = []
+    monkeypatch.setattr(handlers, "_reconcile_coalesced",
+                        lambda *_args: seen.append(marker.get("unset")))
+    memo = kopf.Memo(kopf_context=None)
+    handlers._in_kopf_context(memo, "ns", "a")  # before any event: plain
+    token = marker.set("kopf")
+    handlers._remember_kopf_context(memo)
+    marker.reset(token)
+    worker = threading.Thread(target=handlers._in_kopf_context, args=(memo, "ns", "a"))
+    worker.start()
+    worker.join(10.0)
+    assert seen == ["unset", "kopf"]
