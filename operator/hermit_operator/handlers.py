@@ -52,14 +52,14 @@ def _post(sandbox: dict[str, Any], event: Event) -> None:
 
 def _remember_kopf_context(memo: Any) -> None:
     """kopf posts Events from the context of its object processing (its event queue and
-    loop are context variables): keep a copy for the wakeups' threads."""
-    if memo.get("kopf_context") is None:
-        memo.kopf_context = contextvars.copy_context()
+    loop are context variables): keep a copy for the wakeups' threads. (In a dict made at
+    start-up: a handler's memo is a shallow copy of the operator's.)"""
+    memo.kopf_context.setdefault("ctx", contextvars.copy_context())
 
 
 def _in_kopf_context(memo: Any, namespace: str, name: str) -> None:
     """A queued or timed reconcile, on a wakeups thread, in kopf's context (its Events)."""
-    ctx = memo.get("kopf_context")
+    ctx = memo.kopf_context.get("ctx")
     if ctx is None:
         _reconcile_coalesced(memo, namespace, name, "timer")
     else:
@@ -119,7 +119,7 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     if "kube" not in memo:
         memo.kube = Kube.connect()
     memo.inputs = resync.Inputs()
-    memo.kopf_context = None
+    memo.kopf_context = {}
     memo.wakeups = Wakeups(lambda ns, name: _in_kopf_context(memo, ns, name),
                            workers=kopfconfig.HANDLER_THREADS)
     memo.wakeups.start()

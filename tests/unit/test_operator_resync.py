@@ -225,10 +225,10 @@ def test_queued_reconciles_post_events_from_kopfs_context(
     seen: list[str] = []
     monkeypatch.setattr(handlers, "_reconcile_coalesced",
                         lambda *_args: seen.append(marker.get("unset")))
-    memo = kopf.Memo(kopf_context=None)
+    memo = kopf.Memo(kopf_context={})
     handlers._in_kopf_context(memo, "ns", "a")  # before any event: plain
     token = marker.set("kopf")
-    handlers._remember_kopf_context(memo)
+    handlers._remember_kopf_context(copy.copy(memo))  # a handler's memo is a shallow copy
     marker.reset(token)
     worker = threading.Thread(target=handlers._in_kopf_context, args=(memo, "ns", "a"))
     worker.start()
