@@ -23,6 +23,7 @@ OPERATOR_RECONCILE_SECONDS: Final = "hermit_operator_reconcile_duration_seconds"
 OPERATOR_PODS_CREATED: Final = "hermit_operator_pods_created_total"  # labels: mode
 OPERATOR_CHECKPOINTS_DELETED: Final = "hermit_operator_checkpoints_deleted_total"
 OPERATOR_DOWNTIME: Final = "hermit_operator_sandbox_downtime_seconds"  # labels: reason
+OPERATOR_RESYNCS: Final = "hermit_operator_resyncs_total"  # labels: result
 
 # hermit_operator_sandbox_downtime_seconds{reason}: why the sandbox moved, from the
 # stopping Checkpoint's spec.reason (Preemption, Eviction). A Suspend is not downtime
@@ -38,4 +39,5 @@ DOWNTIME_BUCKETS: Final = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90
 
 ALL: Final = (NODE_NOTICES, NODE_CHECKPOINT_SECONDS, NODE_CHECKPOINT_BYTES,
               NODE_RESTORE_SECONDS, NODE_TURNS, OPERATOR_RECONCILES, OPERATOR_RECONCILE_SECONDS,
-              OPERATOR_PODS_CREATED, OPERATOR_CHECKPOINTS_DELETED, OPERATOR_DOWNTIME)
+              OPERATOR_PODS_CREATED, OPERATOR_CHECKPOINTS_DELETED, OPERATOR_DOWNTIME,
+              OPERATOR_RESYNCS)

@@ -136,6 +136,11 @@ def node_of(ckpt: Mapping[str, Any]) -> str | None:
     return str(value) if value else None
 
 
+def node_selector(node: str) -> str:
+    """The label selector of the Checkpoints whose node-agent is ``node``'s."""
+    return f"{LABEL_NODE}={node}"
+
+
 def is_stopping(reason: str) -> bool:
     """Whether a checkpoint of this reason ends the current incarnation once durable."""
     return reason in STOPPING_REASONS

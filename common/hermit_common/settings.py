@@ -203,7 +203,9 @@ class NodeSettings:
     work_dir: str = "/var/lib/hermit"
     metrics_port: int = 9101
     log_level: str = "INFO"
-    reconcile_interval_seconds: float = 2.0  # how often pods and Checkpoints are listed
+    # How often, at the least, the watched copy of the node's pods and Checkpoints is
+    # looked at (a change wakes the loop at once).
+    reconcile_interval_seconds: float = 2.0
     max_frozen_seconds: float = 60.0  # a routine checkpoint thaws the sandbox by then
     # Honour spec.checkpoint.storage (a sandbox's own bucket and Secret); off: only the
     # default store above is used and no Secret is ever read.
@@ -316,6 +318,9 @@ class OperatorSettings:
     # A move's replacement pod is created at the notice, while the old pod is being
     # checkpointed (its init waits for the checkpoint); False: once it is Completed.
     overlap_moves: bool = True
+    # Every sandbox is looked at again this often, a safety net behind the watches: one
+    # whose inputs did not change since it was last reconciled costs nothing.
+    resync_seconds: float = 600.0
 
     @property
     def clusterwide(self) -> bool:
@@ -342,6 +347,8 @@ class OperatorSettings:
             store=store,
             pod_policy=PodPolicySettings.from_env(environ),
             overlap_moves=env.flag("HERMIT_OVERLAP_MOVES", True),
+            resync_seconds=env.number("HERMIT_RESYNC_SECONDS", 600.0, minimum=10.0,
+                                      maximum=86400.0),
             **_leader_settings(env),
         )
 

@@ -1,12 +1,14 @@
 """The node-agent's main loop: notices, Checkpoint requests and restores on this node.
 
-Three things run: the watcher thread (interruption notices from the cloud), the
-reconcile loop (every ``reconcile_interval_seconds``: list this node's pods and the
-Checkpoints, start what is due) and a small pool of jobs (one per sandbox at a
-time) that drive the checkpoint and restore engines. Decisions come from
-``planner`` (pure); this module only applies them. API errors are logged and
-retried on the next loop. SIGTERM of the agent stops the loops, lets running
-jobs finish and does nothing else: no taint, no checkpoint.
+Four things run: the watcher thread (interruption notices from the cloud), the watches
+that keep a local copy of this node's pods, the Checkpoints labelled with it and its
+Node object (``informer.WatchedNode``), the reconcile loop (on every change of that
+copy, and at least every ``reconcile_interval_seconds``: start what is due, from the
+copy, with no API call) and a small pool of jobs (one per sandbox at a time) that
+drive the checkpoint and restore engines. Decisions come from ``planner`` (pure); this
+module only applies them. API errors are logged and retried on the next loop. SIGTERM
+of the agent stops the loops, lets running jobs finish and does nothing else: no
+taint, no checkpoint.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from hermit_common import health as http_health
 from hermit_common import protocol
@@ -34,6 +36,7 @@ from hermit_node import health as agent_health
 from hermit_node.checkpoint import CheckpointResult, CheckpointTarget
 from hermit_node.collect import Collector
 from hermit_node.fence import Fence
+from hermit_node.informer import WatchedNode
 from hermit_node.kube import Kube, KubeConflict, KubeError, KubeTransient
 from hermit_node.planner import KubeObject, SandboxPod
 from hermit_node.restore import RestoreResult, RestoreTarget
@@ -45,6 +48,8 @@ if TYPE_CHECKING:
     from hermit_common.store import CheckpointStore
 
 log = logging.getLogger("hermit_node")
+
+_T = TypeVar("_T")
 
 WORKERS = 4
 STATUS_ATTEMPTS = 5
@@ -74,6 +79,19 @@ class StoreResolver(Protocol):
 
     def for_checkpoint(self, ckpt: KubeObject,
                        owner: KubeObject | None) -> CheckpointStore: ...
+
+
+class NodeView(Protocol):
+    """This node's pods, the Checkpoints labelled with it and its Node object, as last
+    seen (``informer.WatchedNode``); KubeError while they are not known yet."""
+
+    def pods_now(self) -> list[KubeObject]: ...
+
+    def checkpoints_now(self) -> list[KubeObject]: ...
+
+    def node_now(self) -> KubeObject | None: ...
+
+    def healthy(self) -> bool: ...
 
 
 class TreeControl(Protocol):
@@ -155,7 +173,8 @@ class NodeAgent:
     """Applies the planner's decisions for one node."""
 
     def __init__(self, node: str, kube: Kube, checkpointer: Checkpointer, restorer: Restorer,
-                 *, stores: StoreResolver | None = None, trees: TreeControl | None = None,
+                 *, view: NodeView,
+                 stores: StoreResolver | None = None, trees: TreeControl | None = None,
                  jobs: Jobs | None = None, proc_root: Path = Path("/proc"),
                  clock: Callable[[], datetime] = utc_now,
                  stopping: threading.Event | None = None,
@@ -164,6 +183,7 @@ class NodeAgent:
                  routine_upload_seconds: float | None = None) -> None:
         self.node = node
         self._kube = kube
+        self._view = view
         self._checkpointer = checkpointer
         self._restorer = restorer
         # None: the engines' own store for everything (no per-sandbox storage, nothing
@@ -184,7 +204,10 @@ class NodeAgent:
         self._settled = False  # frozen trees and cut-short restores were dealt with
         self._lock = threading.Lock()
         self._reconciling = threading.Lock()  # the watcher thread and the loop both reconcile
-        self._taken: set[str] = set()  # uids of Checkpoints and pods this process took up
+        # uids of the Checkpoints and pods this process took up: forgotten once the local
+        # copy no longer shows them waiting (planner.awaiting) and no job runs for them.
+        self._taken: set[str] = set()
+        self._running: set[str] = set()
 
     # -- notices --------------------------------------------------------------------
 
@@ -240,42 +263,59 @@ class NodeAgent:
 
     def _reconcile(self) -> None:
         try:
-            pods = planner.sandbox_pods(self._kube.list_node_pods(), self.node)
+            pods = planner.sandbox_pods(self._view.pods_now(), self.node)
         except KubeError as exc:
             log.warning("%s", exc)
             return
-        if self._health is not None:
+        if self._health is not None and self._view.healthy():
             self._health.beats.beat(agent_health.API)
-        try:
-            node: KubeObject | None = self._kube.get_node()
-        except KubeError as exc:
-            log.warning("%s", exc)
-            node = None
-        try:
-            checkpoints: list[KubeObject] | None = self._kube.list_checkpoints()
-        except KubeError as exc:
-            log.warning("%s", exc)
-            checkpoints = None
+        node = self._read(self._view.node_now)
+        checkpoints = self._read(self._view.checkpoints_now)
         if not self._recovered and checkpoints is not None:
             self._recovered = self._recover(checkpoints, pods)
         made = self._drain(node, pods, checkpoints)
         if checkpoints is not None:
+            self._forget_finished(checkpoints, pods)
             checkpoints = [*checkpoints, *made]
-        if checkpoints is not None:
             for ckpt, sp in planner.checkpoints_to_serve(checkpoints, pods):
                 uid = str((ckpt.get("metadata") or {}).get("uid") or "")
                 self._start(uid, sp.key, functools.partial(self.run_checkpoint, ckpt, sp))
         for sp in planner.pods_to_restore(pods, checkpoints):
             self._start(sp.uid, sp.key, functools.partial(self.run_restore, sp))
 
+    @staticmethod
+    def _read(read: Callable[[], _T]) -> _T | None:
+        try:
+            return read()
+        except KubeError as exc:
+            log.warning("%s", exc)
+            return None
+
+    def _forget_finished(self, checkpoints: list[KubeObject], pods: list[SandboxPod]) -> None:
+        """Keep ``_taken`` bounded: a uid stays while its job runs or while the local copy
+        still shows the object waiting (a status just written may not be seen yet)."""
+        waiting = planner.awaiting(checkpoints, pods)
+        with self._lock:
+            self._taken = {uid for uid in self._taken if uid in waiting or uid in self._running}
+
     def _start(self, uid: str, key: tuple[str, str], fn: Callable[[], None]) -> None:
         with self._lock:
             if uid in self._taken:
                 return
             self._taken.add(uid)
-        if not self._jobs.submit(key, fn):
+            self._running.add(uid)
+
+        def job() -> None:
+            try:
+                fn()
+            finally:
+                with self._lock:
+                    self._running.discard(uid)
+
+        if not self._jobs.submit(key, job):
             with self._lock:
                 self._taken.discard(uid)  # busy with another job: next loop
+                self._running.discard(uid)
 
     def _release(self, uid: str) -> None:
         """Forget a job that did not get to write anything, so the next loop retries it."""
@@ -338,8 +378,10 @@ class NodeAgent:
         return True
 
     def _list_checkpoints_or(self, fallback: list[KubeObject]) -> list[KubeObject]:
+        """The node's Checkpoints read now: the local copy may not show the statuses just
+        written yet."""
         try:
-            return self._kube.list_checkpoints()
+            return self._kube.list_node_checkpoints()
         except KubeError as exc:
             log.warning("%s", exc)
             return fallback
@@ -659,8 +701,10 @@ def _watch(agent: NodeAgent, settings: NodeSettings, stop: threading.Event,
 
 
 def build_agent(settings: NodeSettings, stop: threading.Event,
-                health: agent_health.AgentHealth | None = None) -> NodeAgent:
-    """Everything built once at start-up; HermitError when a piece cannot be built."""
+                health: agent_health.AgentHealth | None = None
+                ) -> tuple[NodeAgent, WatchedNode]:
+    """Everything built once at start-up; HermitError when a piece cannot be built. The
+    watches are not started yet."""
     from hermit_common.seal import sealing_from
     from hermit_common.store import CheckpointStore
     from hermit_node.checkpoint import CheckpointEngine
@@ -677,13 +721,14 @@ def build_agent(settings: NodeSettings, stop: threading.Event,
     work_dir = Path(settings.work_dir)
     collector = Collector(kube, min_age_seconds=settings.gc_min_age_seconds,
                           stopping=stop) if settings.gc_enabled else None
+    view = WatchedNode(kube, stop)
     return NodeAgent(settings.node_name, kube,
                      CheckpointEngine(criu, store, work_dir,
                                       max_frozen_seconds=settings.max_frozen_seconds),
-                     RestoreEngine(criu, store, work_dir), stores=stores,
+                     RestoreEngine(criu, store, work_dir), view=view, stores=stores,
                      trees=freezer.Trees(), stopping=stop, health=health,
                      collector=collector, fence=Fence(kube),
-                     routine_upload_seconds=settings.routine_upload_seconds)
+                     routine_upload_seconds=settings.routine_upload_seconds), view
 
 
 def run_agent(environ: Mapping[str, str], *, stop: threading.Event | None = None,
@@ -696,7 +741,7 @@ def run_agent(environ: Mapping[str, str], *, stop: threading.Event | None = None
         settings.reconcile_interval_seconds, stopping=stop,
         watcher_polls=settings.watcher.provider != NullWatcher.provider)
     staging.clean(Path(settings.work_dir))  # no job runs yet: all of it is an earlier run's
-    agent = build_agent(settings, stop, health)
+    agent, view = build_agent(settings, stop, health)
     if install_signals:
         signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(stop))
     # Metrics, /healthz and /readyz (hermit_node.health) on one port.
@@ -706,13 +751,14 @@ def run_agent(environ: Mapping[str, str], *, stop: threading.Event | None = None
                                name="watcher", daemon=True)
     health.watching(watcher)
     watcher.start()
+    view.start()
     while not stop.is_set():
         try:
             agent.reconcile_once()
         except Exception:  # a bug must not end the DaemonSet's loop
             log.exception("reconcile failed")
         health.beats.beat(agent_health.LOOP)
-        stop.wait(settings.reconcile_interval_seconds)
+        view.wait_for_change(settings.reconcile_interval_seconds)
     log.info("stopping (no taint, no checkpoint); waiting for running jobs to finish")
     agent.shutdown()
     return 0

@@ -5,7 +5,8 @@ Three heartbeats (``hermit_common.health.Heartbeats``, monotonic seconds):
 - ``loop``: the main loop finished a reconcile (whatever the API server answered);
 - ``watcher``: the interruption watcher made a metadata request (answered or not:
   ``BeatingSession`` beats after every request);
-- ``api``: the main loop listed the pods of its node (the API server answered).
+- ``api``: the main loop turned with every watch of its node's objects listed and open,
+  none failing (the API server answers; ``informer.WatchedNode.healthy``).
 
 Liveness (``/healthz``) never depends on the API server or the metadata service being
 reachable: the main loop and the watcher must have beaten within their limits. The

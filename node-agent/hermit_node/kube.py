@@ -9,13 +9,16 @@ message; its subclasses say what it means (``KubeTransient``: retry later;
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-from kubernetes import client
+from kubernetes import client, watch
 
 from hermit_common import api, protocol
 from hermit_common.kubeapi import (
+    CALL_ERRORS,
     KubeApi,
     KubeApiError,
     KubeConflict,
@@ -23,8 +26,9 @@ from hermit_common.kubeapi import (
     KubeInvalid,
     KubeNotFound,
     KubeTransient,
+    api_error,
 )
-from hermit_common.kubeclient import MERGE_PATCH
+from hermit_common.kubeclient import MERGE_PATCH, REQUEST_TIMEOUT
 
 KubeObject = dict[str, Any]
 
@@ -42,26 +46,96 @@ __all__ = [
     "KubeNotFound",
     "KubeObject",
     "KubeTransient",
+    "Selected",
 ]
 
 
+# A cut or garbled answer (ValueError: not JSON) is network trouble too: retried.
+_LIST_ERRORS: tuple[type[BaseException], ...] = (*CALL_ERRORS, ValueError)
+
+
+class Selected:
+    """One kind of object restricted by a selector, listed and watched with the official
+    client (``kubernetes.watch.Watch``): ``hermit_node.informer.ListWatch``. Objects are
+    the API's JSON, as plain dicts."""
+
+    def __init__(self, what: str, fn: Callable[..., Any], *args: Any, **selectors: str) -> None:
+        self.what = what
+        self._fn, self._args, self._selectors = fn, args, selectors
+
+    def list(self) -> tuple[list[KubeObject], str]:
+        try:
+            resp = self._fn(*self._args, _preload_content=False,
+                            _request_timeout=REQUEST_TIMEOUT, **self._selectors)
+            body = json.loads(resp.data)
+        except _LIST_ERRORS as exc:
+            raise api_error(f"listing {self.what}", exc) from None
+        items = [i for i in body.get("items") or [] if isinstance(i, dict)]
+        for item in items:  # a list's items carry no kind
+            item.setdefault("kind", str(body.get("kind") or "").removesuffix("List"))
+        return items, str((body.get("metadata") or {}).get("resourceVersion") or "")
+
+    def watch(self, resource_version: str, timeout_seconds: int
+              ) -> Iterator[tuple[str, KubeObject]]:
+        w = watch.Watch()  # type: ignore[no-untyped-call]
+        stream = w.stream(  # type: ignore[no-untyped-call]
+            self._fn, *self._args, resource_version=resource_version,
+            timeout_seconds=timeout_seconds, allow_watch_bookmarks=True,
+            _request_timeout=(REQUEST_TIMEOUT[0], timeout_seconds + 30), **self._selectors)
+        try:
+            # An ERROR event (410 Gone: the resourceVersion is too old) is raised by the
+            # client as an ApiException with its code. (Not deserialize=False: the client
+            # then fails on ERROR events.)
+            for event in stream:
+                obj = event.get("raw_object")
+                if isinstance(obj, dict):
+                    yield str(event.get("type")), obj
+        except _LIST_ERRORS as exc:
+            raise api_error(f"watching {self.what}", exc) from None
+        finally:
+            w.stop()  # type: ignore[no-untyped-call]
+
+
 class Kube(KubeApi):
-    """Exactly the calls the node-agent makes: its node, the pods on it, Checkpoints
-    (get, list cluster-wide, create, patch status: KubeApi), Events on them, and the one
-    Secret a sandbox's per-sandbox storage names (get only)."""
+    """Exactly the calls the node-agent makes: its node, the pods on it and the
+    Checkpoints labelled with it (each listed and watched: ``Selected``), Checkpoints (get,
+    create, patch status: KubeApi), Events on them, and the one Secret a sandbox's
+    per-sandbox storage names (get only)."""
 
     def __init__(self, api_client: client.ApiClient, node_name: str) -> None:
         super().__init__(api_client)
         self.node_name = node_name
 
-    # -- pods -----------------------------------------------------------------------
+    # -- what the node-agent watches ------------------------------------------------
+
+    def node_pods(self) -> Selected:
+        """Every pod bound to this node (all namespaces)."""
+        return Selected(f"pods on node {self.node_name}", self._core.list_pod_for_all_namespaces,
+                        field_selector=f"spec.nodeName={self.node_name}")
 
     def list_node_pods(self) -> list[KubeObject]:
-        """Every pod scheduled on this node (all namespaces)."""
-        out = self._call(f"listing pods on node {self.node_name}",
-                         self._core.list_pod_for_all_namespaces,
-                         field_selector=f"spec.nodeName={self.node_name}")
-        return [self._dict(p) for p in out.items or []]
+        """Every pod bound to this node, read now rather than from the watched copy (a
+        check right before an irreversible step: garbage collection, a turn's decision)."""
+        return self.node_pods().list()[0]
+
+    def node_checkpoints(self) -> Selected:
+        """The Checkpoints labelled with this node (all namespaces): the only ones it may
+        serve or report on."""
+        return Selected(f"Checkpoints of node {self.node_name}",
+                        self._custom.list_cluster_custom_object, api.GROUP, api.VERSION,
+                        api.CHECKPOINT_PLURAL,
+                        label_selector=protocol.node_selector(self.node_name))
+
+    def this_node(self) -> Selected:
+        """This node's Node object."""
+        return Selected(f"node {self.node_name}", self._core.list_node,
+                        field_selector=f"metadata.name={self.node_name}")
+
+    def list_node_checkpoints(self) -> list[KubeObject]:
+        """The Checkpoints labelled with this node, read now (not from a watch)."""
+        return self.node_checkpoints().list()[0]
+
+    # -- pods -----------------------------------------------------------------------
 
     def list_sandbox_pods(self, namespace: str, sandbox: str) -> list[KubeObject]:
         """Every pod of one sandbox (label ``hermit.dev/sandbox``), on any node."""
@@ -78,10 +152,6 @@ class Kube(KubeApi):
                    _content_type=MERGE_PATCH)
 
     # -- node -----------------------------------------------------------------------
-
-    def get_node(self) -> KubeObject:
-        return self._dict(self._call(f"reading node {self.node_name}", self._core.read_node,
-                                     self.node_name))
 
     def patch_node(self, patch: KubeObject) -> None:
         self._call(f"patching node {self.node_name}", self._core.patch_node, self.node_name,

@@ -254,6 +254,16 @@ def claimable(ckpt: Mapping[str, Any]) -> bool:
         not protocol.meta(ckpt).get("deletionTimestamp")
 
 
+def awaiting(checkpoints: Iterable[Mapping[str, Any]], pods: Iterable[SandboxPod]) -> set[str]:
+    """The uids of what still waits for this node-agent: Pending Checkpoints (empty
+    status) and pods asking for a restore nobody has started. A job's object leaves this
+    set once the status or annotation the job wrote is seen."""
+    out = {str(protocol.meta(c).get("uid") or "") for c in checkpoints
+           if not (c.get("status") or {}).get("phase")}
+    out.update(sp.uid for sp in pods if sp.restore_from and sp.restore_phase is None)
+    return out
+
+
 def _for_incarnation(ckpt: Mapping[str, Any], sp: SandboxPod) -> bool:
     """A request labelled with an incarnation is for that pod only: a preemption request
     of incarnation N must never stop incarnation N+1 on another node."""

@@ -287,13 +287,20 @@ def interval_due(ckpts: Sequence[KubeObject], pod: Mapping[str, Any], interval: 
     interval too) and the pod's readiness are at least ``interval`` seconds old."""
     if blocking_in_flight(ckpts, pod, now) is not None:
         return False
+    due = interval_due_at(ckpts, pod, interval)
+    return due is not None and now >= due
+
+
+def interval_due_at(ckpts: Sequence[KubeObject], pod: Mapping[str, Any], interval: int
+                    ) -> datetime | None:
+    """When the newest finished checkpoint and the pod's readiness are both ``interval``
+    seconds old (a checkpoint in flight holds it back further: ``blocking_in_flight``);
+    None when neither time is known."""
     since = [t for t in (ready_since(pod),) if t is not None]
     newest = newest_finished(ckpts)
     if newest is not None:
         since.append(finished_at(newest))
-    if not since:
-        return False
-    return now - max(since) >= timedelta(seconds=interval)
+    return max(since) + timedelta(seconds=interval) if since else None
 
 
 def restore_backoff(attempts: int) -> float:

@@ -1,9 +1,10 @@
 """Applies a reconcile plan for one AgentSandbox: read, plan (pure), write, report.
 
-One sandbox is reconciled by one thread at a time (the sandbox handlers and the pod
-event handler may fire together); the sandbox is re-read inside the lock so every
-plan starts from the newest status. A plan that wants another look later (a restore
-retry) ends in ``Requeue``, which the kopf handlers turn into a TemporaryError.
+One sandbox is reconciled by one thread at a time (the sandbox handlers, the pod and
+Checkpoint event handlers and the timers may fire together); the sandbox is re-read
+inside the lock so every plan starts from the newest status. A plan that wants another
+look later (a timed decision: an interval checkpoint, a restore retry, ...) ends in
+``Requeue``, which the kopf handlers turn into a wakeup (wakeups.py).
 """
 
 from __future__ import annotations
@@ -22,17 +23,21 @@ from hermit_operator.checkpoints import orphan_status, sandbox_of
 from hermit_operator.kube import Kube, KubeTransient
 from hermit_operator.podspec import InvalidSpec
 from hermit_operator.reconcile import Event, Plan, plan, rejected_status
+from hermit_operator.resync import Inputs, fingerprint_of
 
 KubeObject = dict[str, Any]
 Poster = Callable[[KubeObject, Event], None]
 
 # A sandbox's PodDisruptionBudget is created (or deleted) at most this often; in between
-# the last outcome is trusted. A budget deleted by hand comes back within this time.
+# the last outcome is trusted. A budget deleted by hand comes back at the sandbox's next
+# reconcile after this time (at the latest a full resync: resync.FULL_EVERY).
 PDB_RECHECK_SECONDS = 60.0
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
 _locks_guard = threading.Lock()
 _pdb_seen: dict[tuple[str, str], tuple[bool, float]] = {}  # -> (exists, time.monotonic())
+_busy: set[tuple[str, str]] = set()  # a coalesced reconcile runs for these
+_again: set[tuple[str, str]] = set()  # ... and must run once more when it ends
 
 
 class Requeue(HermitError):
@@ -55,6 +60,29 @@ def forget(namespace: str, name: str) -> None:
         _pdb_seen.pop((namespace, name), None)
 
 
+def coalesced(key: tuple[str, str], run: Callable[[], None]) -> bool:
+    """``run()`` for a sandbox, unless one runs for it already: that one then runs once more
+    when it ends (it may have read the objects before the change that called for this
+    one). A burst of events costs one or two reconciles and never blocks a thread on the
+    sandbox's lock. ``run`` must not raise. False when it was left to the running one."""
+    with _locks_guard:
+        if key in _busy:
+            _again.add(key)
+            return False
+        _busy.add(key)
+    try:
+        while True:
+            run()
+            with _locks_guard:
+                if key not in _again:
+                    return True
+                _again.discard(key)
+    finally:
+        with _locks_guard:
+            _busy.discard(key)
+            _again.discard(key)
+
+
 def checkpoint_sandbox(ckpt: KubeObject) -> str | None:
     """The name of the AgentSandbox a Checkpoint is of (spec.sandboxRef.name), or None."""
     return sandbox_of(ckpt)
@@ -70,11 +98,14 @@ def owner_sandbox(pod: KubeObject) -> str | None:
 
 
 def reconcile_sandbox(kube: Kube, settings: OperatorSettings, namespace: str, name: str,
-                      post: Poster, now: Callable[[], datetime] | None = None) -> Plan | None:
+                      post: Poster, now: Callable[[], datetime] | None = None,
+                      inputs: Inputs | None = None) -> Plan | None:
     """Reconcile one sandbox; None when it no longer exists.
 
     Raises InvalidSpec after recording it in the status, KubeTransient for retries, and
     Requeue (after applying the plan) when the plan asks to be looked at again later.
+    ``inputs``: where the fingerprint of what a successful reconcile read is recorded
+    (resync.py: the resync skips the sandbox while it holds).
     """
     started = time.monotonic()
     result = "transient"
@@ -93,13 +124,16 @@ def reconcile_sandbox(kube: Kube, settings: OperatorSettings, namespace: str, na
             p = plan(sandbox, pod, moment, settings=settings, checkpoints=ckpts,
                      replacement=replacement)
             _apply(kube, sandbox, p, post, moment)
+            if inputs is not None:
+                inputs.record(namespace, name, fingerprint_of(sandbox, pod, ckpts),
+                              time.monotonic())
             if p.invalid_spec is not None:
                 result = "invalid"
                 raise InvalidSpec(p.invalid_spec)
             result = "ok"
             if p.requeue_after is not None:
-                raise Requeue(f"AgentSandbox {namespace}/{name}: the next restore attempt is "
-                              f"due in {p.requeue_after:.0f}s", p.requeue_after)
+                raise Requeue(f"AgentSandbox {namespace}/{name}: a timed decision is due in "
+                              f"{p.requeue_after:.0f}s", p.requeue_after)
             return p
     except InvalidSpec:
         result = "invalid"
@@ -113,8 +147,8 @@ def reconcile_sandbox(kube: Kube, settings: OperatorSettings, namespace: str, na
 
 
 def reconcile_checkpoint(kube: Kube, settings: OperatorSettings, ckpt: KubeObject, post: Poster,
-                         *, deleted: bool = False, now: Callable[[], datetime] | None = None
-                         ) -> Plan | None:
+                         *, deleted: bool = False, now: Callable[[], datetime] | None = None,
+                         inputs: Inputs | None = None) -> Plan | None:
     """Reconcile the sandbox a Checkpoint is of. When that AgentSandbox does not exist, a
     Pending Checkpoint is failed (status written by the operator, with a Warning Event):
     no node-agent would ever take it."""
@@ -123,7 +157,7 @@ def reconcile_checkpoint(kube: Kube, settings: OperatorSettings, ckpt: KubeObjec
     namespace = meta.get("namespace")
     if sandbox is None or namespace is None:
         return None
-    p = reconcile_sandbox(kube, settings, namespace, sandbox, post, now)
+    p = reconcile_sandbox(kube, settings, namespace, sandbox, post, now, inputs)
     if p is not None or deleted:
         return p
     status = orphan_status(ckpt, (now or (lambda: datetime.now(UTC)))())

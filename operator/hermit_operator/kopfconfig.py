@@ -16,10 +16,9 @@ WATCH_CONNECT_TIMEOUT = 10
 RETRY_DELAY_SECONDS = 10
 # An API refusal (forbidden, invalid, conflict) is retried too, but less often.
 REFUSED_RETRY_DELAY_SECONDS = 60
-RESYNC_SECONDS = 60.0  # every sandbox is reconciled at least this often
-# Sandboxes with interval checkpoints, a scheduled restore retry or a fork waiting for its
-# checkpoint are reconciled this often; the plan decides whether anything is due.
-TICK_SECONDS = 5.0
+# Threads for the (synchronous) handlers: a reconcile mostly waits on the API server, so
+# more than kopf's default (CPUs + 4) keep up with bursts (thousands of pods starting).
+HANDLER_THREADS = 16
 
 
 def configure(kopf_settings: Any, settings: OperatorSettings) -> None:
@@ -39,3 +38,4 @@ def configure(kopf_settings: Any, settings: OperatorSettings) -> None:
     kopf_settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT
     kopf_settings.watching.connect_timeout = WATCH_CONNECT_TIMEOUT
     kopf_settings.queueing.error_delays = (1, 2, 5, 10, 30, 60)
+    kopf_settings.execution.max_workers = HANDLER_THREADS

@@ -26,6 +26,12 @@ CHECKPOINTS_DELETED: Final = Counter(
     metrics.OPERATOR_CHECKPOINTS_DELETED,
     "Checkpoint objects deleted by retention.",
 )
+RESYNCS: Final = Counter(
+    metrics.OPERATOR_RESYNCS,
+    "Periodic looks at a sandbox (HERMIT_RESYNC_SECONDS), by result: skipped (its inputs "
+    "are those of its last reconcile), reconciled.",
+    ["result"],
+)
 DOWNTIME: Final = Histogram(
     metrics.OPERATOR_DOWNTIME,
     "Seconds a sandbox did not run during a move, by reason (preemption, eviction): from "

@@ -31,7 +31,7 @@ The checkpoint/restore protocol (docs/protocol.md), seen from the operator:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Final
@@ -66,6 +66,8 @@ WARNING = "Warning"
 LOST_POD_REASONS = frozenset({"Evicted", "Preempting", "NodeShutdown", "Terminated", "NodeLost",
                               "Shutdown", "UnexpectedAdmissionError"})
 _RETRY_FIELDS: Final = ("restoreAttempts", "nextRestoreAt")
+# A fork whose checkpoint is missing or in flight is looked at again this often.
+FORK_RECHECK_SECONDS: Final = 5.0
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,10 @@ class Plan:
     fail_checkpoints: tuple[tuple[str, KubeObject], ...] = ()  # (name, status): refused ones
     pdb: KubeObject | None = None  # the sandbox's PodDisruptionBudget (created when missing)
     delete_pdb: str | None = None  # a PodDisruptionBudget the sandbox must not have
-    requeue_after: float | None = None  # seconds: reconcile again then (a restore retry)
+    # Seconds until a decision that depends on the time changes (an interval checkpoint,
+    # a restore retry, the on-demand fallback, a wait for a stopping checkpoint, a fork
+    # waiting for its checkpoint): reconcile again then (wakeups.py).
+    requeue_after: float | None = None
     # (reason, seconds) of a move that ended in this plan: observed by the driver once the
     # status patch (Restoring=False) is written, so a retried plan does not count it again.
     downtime: tuple[str, float] | None = None
@@ -299,21 +304,13 @@ def _run(st: _State, out: KubeObject, pod: KubeObject | None, incarnation: int) 
     return _observe(st, out, pod, waiting)
 
 
-def wants_ticks(spec: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
-    """Whether a sandbox needs the frequent timer: interval checkpoints are on, a restore
-    retry is scheduled, a fork waits for its checkpoint, or a spot pod that no node has
-    taken yet may fall back to on-demand. The plans decide the rest."""
-    if status.get("nextRestoreAt"):
-        return True
-    if spec.get("suspend") or status.get("phase") in ("Succeeded", "Failed"):
-        return False
-    if ck.interval_seconds({"spec": spec}) is not None:
-        return True
-    if (status.get("capacity") == api.CAPACITY_SPOT
-            and podspec.fallback_after_seconds({"spec": spec}) is not None
-            and not status.get("nodeName")):
-        return True
-    return bool(spec.get("restoreFrom")) and not status.get("incarnation")
+def _wake_at(st: _State, at: datetime | None) -> None:
+    """Look again at ``at``, when a decision that depends on the time changes (the earliest
+    such moment of the plan wins); a moment not after ``now`` was decided by this plan."""
+    if at is None or at <= st.now:
+        return
+    seconds = (at - st.now).total_seconds()
+    st.requeue_after = seconds if st.requeue_after is None else min(st.requeue_after, seconds)
 
 
 def _protect_restore_sources(st: _State, pod: KubeObject | None) -> None:
@@ -456,7 +453,10 @@ def _replacement_unwanted(st: _State) -> str | None:
 
 
 def _wait_for(st: _State, out: KubeObject, flight: KubeObject, why: str) -> Plan:
-    """A stopping checkpoint is in flight: the replacement waits for it to finish."""
+    """A stopping checkpoint is in flight: the replacement waits for it to finish (its end
+    is an event), or until it is STOPPING_WAIT old."""
+    created = ck.created_at(flight)
+    _wake_at(st, created + ck.STOPPING_WAIT if created is not None else None)
     return _finish(st, out, None, sit.WaitingForCheckpoint(
         f"{why}; waiting for checkpoint {ck.name_of(flight)} to finish"))
 
@@ -561,7 +561,11 @@ def _fork(st: _State, out: KubeObject, source: str, delete: str | None) -> Plan:
 
 
 def _fork_blocked(st: _State, out: KubeObject, reason: str, message: str, *, warn: bool) -> Plan:
-    """The fork cannot start yet: Ready=False says why; a Warning once per reason."""
+    """The fork cannot start yet: Ready=False says why; a Warning once per reason. A missing
+    or in-flight checkpoint is looked at again every FORK_RECHECK_SECONDS (its events
+    reconcile the sandbox it is of, not the fork)."""
+    if reason != REASON_CHECKPOINT_FAILED:
+        _wake_at(st, st.now + timedelta(seconds=FORK_RECHECK_SECONDS))
     before = get_condition(st.status.get("conditions") or [], api.COND_READY) or {}
     if warn and (before.get("reason"), before.get("message")) != (reason, message):
         st.events.append(Event(WARNING, reason, message))
@@ -718,7 +722,7 @@ def _schedule_retry(st: _State, out: KubeObject, failure: _Failure, attempts: in
     out.update(podName=None, nodeName=None, restoreAttempts=attempts, nextRestoreAt=at,
                restoredFrom=record)
     _drop(out, st.status, "capacity")
-    st.requeue_after = delay
+    _wake_at(st, st.now + timedelta(seconds=delay))
     return _finish(st, out, None, sit.RestoreRetrying(message), delete=failure.pod)
 
 
@@ -735,7 +739,7 @@ def _retry_restore(st: _State, out: KubeObject, incarnation: int) -> Plan:
                           f"Checkpoint {source} no longer exists")
     due = ck.parse_time(st.status.get("nextRestoreAt"))
     if due is not None and due > st.now:
-        st.requeue_after = max(1.0, (due - st.now).total_seconds())
+        _wake_at(st, max(due, st.now + timedelta(seconds=1)))
         return _finish(st, out, None, sit.RestoreWaiting())
     new = _next_pod(st, incarnation)
     message = (f"restoring checkpoint {source} into pod {new} (attempt {attempts + 1} of "
@@ -809,11 +813,11 @@ def _pod_state(pod: KubeObject) -> sit.PodState:
 def _observe(st: _State, out: KubeObject, pod: KubeObject,
              waiting: placement.Unplaced | None = None) -> Plan:
     """The current pod exists: its state becomes the sandbox's (an Event on a change).
-    ``waiting``: no node has taken it (the tick timer, on while a spot pod with a fallback
-    has no node, looks again until the fallback is due: wants_ticks)."""
+    ``waiting``: no node has taken it (the plan looks again when its fallback is due)."""
     name = pod["metadata"]["name"]
     node = (pod.get("spec") or {}).get("nodeName")
     out.update(podName=name, nodeName=node)
+    _wake_at(st, waiting.fallback_at if waiting is not None else None)
     _set_capacity(out, st.status, podspec.capacity_of(pod))
     restored = _restore_completed(st, out, pod)
     state = _pod_state(pod)
@@ -840,9 +844,16 @@ def _interval(st: _State, out: KubeObject, pod: KubeObject, observed: sit.PodObs
             or any(sit.true_after(_seen(st, observed), t)
                    for t in (api.COND_RESTORING, api.COND_SUCCEEDED, api.COND_FAILED))):
         return
-    if ck.interval_due(st.ckpts, pod, interval, st.now):
+    blocking = ck.blocking_in_flight(st.ckpts, pod, st.now)
+    if blocking is not None:  # its end is an event; only its age is a timer
+        created = ck.created_at(blocking)
+        _wake_at(st, created + ck.IN_FLIGHT_LIMIT if created is not None else None)
+        return
+    due = ck.interval_due_at(st.ckpts, pod, interval)
+    if due is not None and due <= st.now:
         st.create_checkpoint = ck.interval_checkpoint(
             st.sandbox, int(out["incarnation"]), st.now, (pod.get("spec") or {}).get("nodeName"))
+    _wake_at(st, due)
 
 
 def _was(status: KubeObject, type_: str, value: str) -> bool:

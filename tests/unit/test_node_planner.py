@@ -387,8 +387,21 @@ class FakeKube:
             raise KubeError("listing pods on node node-a failed: HTTP 503")
         return self.pods
 
-    def list_checkpoints(self) -> list[dict[str, Any]]:
+    def list_node_checkpoints(self) -> list[dict[str, Any]]:
         return list(self.checkpoints.values())
+
+    # The agent's NodeView (its watches' local copy), read straight from this fake.
+    def pods_now(self) -> list[dict[str, Any]]:
+        return self.list_node_pods()
+
+    def checkpoints_now(self) -> list[dict[str, Any]]:
+        return self.list_node_checkpoints()
+
+    def node_now(self) -> dict[str, Any]:
+        return self.node
+
+    def healthy(self) -> bool:
+        return True
 
     def get_checkpoint(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self.checkpoints.get(name)
@@ -417,9 +430,6 @@ class FakeKube:
 
     def annotate_pod(self, namespace: str, name: str, ann: dict[str, str | None]) -> None:
         self.annotations.append((name, ann))
-
-    def get_node(self) -> dict[str, Any]:
-        return self.node
 
     def patch_node(self, patch: dict[str, Any]) -> None:
         self.node["spec"].update(patch["spec"])
@@ -478,7 +488,7 @@ def fake_proc(tmp_path: Path) -> Path:
 
 def make_agent(tmp_path: Path, kube: FakeKube, engine: FakeEngine) -> NodeAgent:
     return NodeAgent(NODE, kube, engine, engine,  # type: ignore[arg-type]
-                     proc_root=fake_proc(tmp_path), clock=lambda: NOW)
+                     view=kube, proc_root=fake_proc(tmp_path), clock=lambda: NOW)
 
 
 def notice(kind: str = "spot-interruption") -> Notice:
@@ -755,7 +765,7 @@ def test_restart_completes_a_checkpoint_whose_manifest_is_durable(tmp_path: Path
     lost = ckpt("manual", status={"phase": "Dumping", "nodeName": NODE})
     kube = FakeKube([pod("box-1")], [uploading, lost])
     trees = FakeTrees()
-    agent = NodeAgent(NODE, kube, FakeEngine(), FakeEngine(),  # type: ignore[arg-type]
+    agent = NodeAgent(NODE, kube, FakeEngine(), FakeEngine(), view=kube,  # type: ignore[arg-type]
                       stores=FakeStores(FakeManifests({"box-1-preempt"})), trees=trees,
                       proc_root=fake_proc(tmp_path), clock=lambda: NOW)
     agent.reconcile_once()
@@ -771,7 +781,7 @@ def test_restart_completes_a_checkpoint_whose_manifest_is_durable(tmp_path: Path
 def test_restart_thaws_a_tree_with_no_durable_stop(tmp_path: Path) -> None:
     kube = FakeKube([pod("box-1")], [])
     trees = FakeTrees()
-    agent = NodeAgent(NODE, kube, FakeEngine(), FakeEngine(),  # type: ignore[arg-type]
+    agent = NodeAgent(NODE, kube, FakeEngine(), FakeEngine(), view=kube,  # type: ignore[arg-type]
                       stores=FakeStores(FakeManifests(set())), trees=trees,
                       proc_root=fake_proc(tmp_path), clock=lambda: NOW)
     agent.reconcile_once()

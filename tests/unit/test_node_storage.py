@@ -508,7 +508,7 @@ def test_a_restarted_agent_looks_for_the_manifest_where_it_was_being_written(
     from hermit_node.agent import NodeAgent
     from tests.unit.test_node_planner import fake_proc
 
-    agent = NodeAgent("node-a", kube, FakeEngine(), FakeEngine(),  # type: ignore[arg-type]
+    agent = NodeAgent("node-a", kube, FakeEngine(), FakeEngine(), view=kube,  # type: ignore[arg-type]
                       stores=fake, trees=FakeTrees(), proc_root=fake_proc(tmp_path),
                       clock=lambda: NOW)
     agent.reconcile_once()

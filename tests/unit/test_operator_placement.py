@@ -19,7 +19,7 @@ import pytest
 from hermit_common import api, protocol
 from hermit_operator import placement
 from hermit_operator import situations as sit
-from hermit_operator.reconcile import Plan, plan, wants_ticks
+from hermit_operator.reconcile import Plan, plan
 from tests.unit.test_operator_checkpoints import NOW, SETTINGS, after, ckpt, cond
 from tests.unit.test_operator_checkpoints import sandbox as make_sandbox
 
@@ -137,7 +137,7 @@ def test_a_spot_pod_no_node_takes_says_why_and_when_it_falls_back() -> None:
     assert SCHEDULER in ready["message"]
     assert "moves to an on-demand node at 2026-01-01T12:01:00Z" in ready["message"]
     assert (p.status_patch["phase"], p.status_patch["capacity"]) == ("Pending", "spot")
-    assert wants_ticks(sb["spec"], after(p, sb)["status"])  # the timer brings the deadline
+    assert p.requeue_after == 30.0  # looked at again when the fallback is due: 12:01:00
 
 
 def test_without_the_setting_a_spot_pod_waits_for_spot_for_ever() -> None:
@@ -148,7 +148,7 @@ def test_without_the_setting_a_spot_pod_waits_for_spot_for_ever() -> None:
     assert p.create_pod is None and p.delete_pod is None
     assert cond(p, "Ready")["reason"] == "WaitingForSpotCapacity"
     assert "fallbackToOnDemandAfterSeconds is not set" in cond(p, "Ready")["message"]
-    assert not wants_ticks(sb["spec"], after(p, sb)["status"])
+    assert p.requeue_after is None  # nothing timed: the scheduler's events bring it back
 
 
 def test_a_node_that_appears_takes_the_waiting_pod_and_nothing_moves() -> None:
@@ -160,7 +160,7 @@ def test_a_node_that_appears_takes_the_waiting_pod_and_nothing_moves() -> None:
     assert p.create_pod is None and p.delete_pod is None
     assert (cond(p, "Ready")["reason"], p.status_patch["nodeName"]) == ("PodRunning", "spot-9")
     assert p.status_patch["capacity"] == "spot"
-    assert not wants_ticks(sb["spec"], after(p, sb)["status"])
+    assert p.requeue_after is None
 
 
 # -- the fallback ---------------------------------------------------------------------------
@@ -224,7 +224,7 @@ def test_an_on_demand_pod_no_node_takes_waits_and_says_so() -> None:
     ready = cond(p, "Ready")
     assert ready["reason"] == "Unschedulable" and "asks for an on-demand node" in ready["message"]
     assert SCHEDULER in ready["message"] and p.status_patch["capacity"] == "on-demand"
-    assert not wants_ticks(sb["spec"], after(p, sb)["status"])
+    assert p.requeue_after is None
 
 
 def test_no_fallback_for_a_sandbox_that_does_not_require_spot() -> None:
@@ -279,27 +279,7 @@ def test_a_lost_on_demand_pod_is_replaced_on_spot() -> None:
     assert restore_source(p) == "minimal-1-preempt" and capacity(p) == "spot"
 
 
-# -- the timer, the conditions, the schema ----------------------------------------------------
-
-@pytest.mark.parametrize(
-    ("spec", "status", "ticks"),
-    [
-        ({"placement": {"fallbackToOnDemandAfterSeconds": 30}}, {"capacity": "spot"}, True),
-        ({"placement": {"fallbackToOnDemandAfterSeconds": 30}},
-         {"capacity": "spot", "nodeName": "spot-1"}, False),  # bound: it can only run there
-        ({"placement": {"fallbackToOnDemandAfterSeconds": 30}}, {"capacity": "on-demand"},
-         False),
-        ({"placement": {}}, {"capacity": "spot"}, False),
-        ({"placement": {"fallbackToOnDemandAfterSeconds": 30, "spot": False}},
-         {"capacity": "spot"}, False),
-        ({"placement": {"fallbackToOnDemandAfterSeconds": 30}, "suspend": True},
-         {"capacity": "spot"}, False),
-    ],
-)
-def test_the_tick_timer_runs_while_a_spot_pod_without_a_node_may_fall_back(spec: Obj, status: Obj,
-                                                             ticks: bool) -> None:
-    assert wants_ticks(spec, status) is ticks
-
+# -- the conditions, the schema ----------------------------------------------------
 
 def test_ready_verdicts_for_a_pod_no_node_takes() -> None:
     def ready(u: placement.Unplaced) -> sit.Verdict | None:

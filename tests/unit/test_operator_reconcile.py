@@ -11,12 +11,12 @@ from hermit_common import protocol
 from hermit_common.settings import OperatorSettings
 from hermit_operator.conditions import get_condition
 from hermit_operator.reconcile import (
+    FORK_RECHECK_SECONDS,
     Plan,
     container_message,
     plan,
     pod_is_lost,
     pod_is_ready,
-    wants_ticks,
 )
 
 SAMPLES = Path(__file__).resolve().parents[2] / "crds" / "samples"
@@ -256,7 +256,7 @@ def test_fork_refuses_a_checkpoint_the_operator_did_not_verify() -> None:
     assert [(e.type, e.reason) for e in p.events] == [("Warning", "CheckpointUntrusted")]
     again = plan(after(p, sb), None, NOW, settings=SETTINGS, checkpoints=[forged])
     assert again.events == () and again.create_pod is None  # one Warning, not one per tick
-    assert wants_ticks(sb["spec"], after(again, sb)["status"])  # looked at again
+    assert again.requeue_after == FORK_RECHECK_SECONDS  # looked at again
     # Its own sandbox's reconcile verifies it: the fork starts.
     verified = plan(after(again, sb), None, NOW, settings=SETTINGS,
                     checkpoints=[_other_checkpoint()])

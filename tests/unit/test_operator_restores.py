@@ -16,7 +16,7 @@ import pytest
 from hermit_common import api, protocol
 from hermit_operator import checkpoints as ck
 from hermit_operator.conditions import is_true
-from hermit_operator.reconcile import Plan, plan, wants_ticks
+from hermit_operator.reconcile import Plan, plan
 from tests.unit.test_operator_checkpoints import NOW, RUNNING, SETTINGS, after, ckpt, cond, pod
 from tests.unit.test_operator_checkpoints import sandbox as make_sandbox
 
@@ -244,22 +244,6 @@ def test_suspend_forgets_a_scheduled_retry() -> None:
     p = plan(sb, None, NOW, settings=SETTINGS, checkpoints=CKPTS)
     assert (p.status_patch["restoreAttempts"], p.status_patch["nextRestoreAt"]) == (None, None)
     assert p.status_patch["phase"] == "Suspended"
-
-
-@pytest.mark.parametrize(
-    ("spec", "status", "ticks"),
-    [
-        ({}, {}, False),
-        ({"checkpoint": {"intervalSeconds": 60}}, {"phase": "Running"}, True),
-        ({"checkpoint": {"intervalSeconds": 60}}, {"phase": "Succeeded"}, False),
-        ({"checkpoint": {"intervalSeconds": 60}, "suspend": True}, {}, False),
-        ({}, {"nextRestoreAt": "2026-01-01T12:00:05Z"}, True),
-        ({"restoreFrom": "o1"}, {}, True),
-        ({"restoreFrom": "o1"}, {"incarnation": 1}, False),
-    ],
-)
-def test_wants_ticks(spec: dict[str, Any], status: dict[str, Any], ticks: bool) -> None:
-    assert wants_ticks(spec, status) is ticks
 
 
 def test_no_restore_failure_fails_the_sandbox() -> None:
