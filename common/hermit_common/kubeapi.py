@@ -48,8 +48,7 @@ from hermit_common.kubeclient import (
     load_configuration,
     one_line,
 )
-
-Manifest = dict[str, Any]
+from hermit_common.protocol import KubeObject
 
 # Failures on the way to or from the API server (urllib3 wraps most of them in
 # MaxRetryError; sockets and TLS raise OSError; a cut response, HTTPException).
@@ -160,7 +159,7 @@ class KubeApi:
 
     # -- plumbing -------------------------------------------------------------------
 
-    def _dict(self, obj: object) -> Manifest:
+    def _dict(self, obj: object) -> KubeObject:
         """A client model (or a dict) as a plain dict in API form."""
         out = self._client.sanitize_for_serialization(obj)  # type: ignore[no-untyped-call]
         return out if isinstance(out, dict) else {}
@@ -182,7 +181,7 @@ class KubeApi:
 
     # -- AgentSandboxes -------------------------------------------------------------
 
-    def get_sandbox(self, namespace: str, name: str) -> Manifest | None:
+    def get_sandbox(self, namespace: str, name: str) -> KubeObject | None:
         """The AgentSandbox, or None when it does not exist."""
         out = self._get_or_none(f"reading AgentSandbox {namespace}/{name}",
                                 self._custom.get_namespaced_custom_object, api.GROUP,
@@ -191,14 +190,14 @@ class KubeApi:
 
     # -- Checkpoints ----------------------------------------------------------------
 
-    def get_checkpoint(self, namespace: str, name: str) -> Manifest | None:
+    def get_checkpoint(self, namespace: str, name: str) -> KubeObject | None:
         """The Checkpoint, or None when it does not exist."""
         out = self._get_or_none(f"reading Checkpoint {namespace}/{name}",
                                 self._custom.get_namespaced_custom_object, api.GROUP,
                                 api.VERSION, namespace, api.CHECKPOINT_PLURAL, name)
         return out if isinstance(out, dict) else None
 
-    def list_checkpoints(self, namespace: str | None = None) -> list[Manifest]:
+    def list_checkpoints(self, namespace: str | None = None) -> list[KubeObject]:
         """Every Checkpoint in ``namespace``, or in the cluster when it is None."""
         if namespace is None:
             out = self._call("listing Checkpoints", self._custom.list_cluster_custom_object,
@@ -210,7 +209,7 @@ class KubeApi:
         items = out.get("items") if isinstance(out, dict) else None
         return [i for i in items or [] if isinstance(i, dict)]
 
-    def create_checkpoint(self, manifest: Manifest, namespace: str | None = None) -> Manifest:
+    def create_checkpoint(self, manifest: KubeObject, namespace: str | None = None) -> KubeObject:
         """Create a Checkpoint in ``namespace`` (default: the manifest's own); when one of
         that name exists already (409), return that one as it is."""
         name = manifest["metadata"]["name"]
@@ -225,7 +224,7 @@ class KubeApi:
                 raise KubeTransient(f"{what}: it existed and vanished; retrying") from None
         return out if isinstance(out, dict) else {}
 
-    def patch_checkpoint_status(self, namespace: str, name: str, status: Manifest) -> None:
+    def patch_checkpoint_status(self, namespace: str, name: str, status: KubeObject) -> None:
         """A JSON merge patch of the Checkpoint's status subresource (None values remove
         fields); KubeNotFound when the Checkpoint does not exist."""
         self._call(f"patching the status of Checkpoint {namespace}/{name}",

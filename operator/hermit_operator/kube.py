@@ -22,9 +22,9 @@ from hermit_common.kubeapi import (
     KubeInvalid,
     KubeNotFound,
     KubeTransient,
-    Manifest,
 )
 from hermit_common.kubeclient import MERGE_PATCH
+from hermit_common.protocol import KubeObject
 from hermit_operator.podspec import InvalidSpec
 
 KubeError = KubeApiError
@@ -37,8 +37,8 @@ __all__ = [
     "KubeForbidden",
     "KubeInvalid",
     "KubeNotFound",
+    "KubeObject",
     "KubeTransient",
-    "Manifest",
 ]
 
 
@@ -52,12 +52,12 @@ class Kube(KubeApi):
 
     # -- pods -----------------------------------------------------------------------
 
-    def get_pod(self, namespace: str, name: str) -> Manifest | None:
+    def get_pod(self, namespace: str, name: str) -> KubeObject | None:
         out = self._get_or_none(f"reading pod {namespace}/{name}",
                                 self._core.read_namespaced_pod, name, namespace)
         return None if out is None else self._dict(out)
 
-    def create_pod(self, manifest: Manifest) -> Manifest:
+    def create_pod(self, manifest: KubeObject) -> KubeObject:
         """Create the pod; when it already exists and belongs to the same owner, return it.
         InvalidSpec when the API rejects it (400, 422) or one of that name is not ours."""
         meta = manifest["metadata"]
@@ -88,7 +88,7 @@ class Kube(KubeApi):
 
     # -- AgentSandboxes -------------------------------------------------------------
 
-    def patch_sandbox_status(self, namespace: str, name: str, status: Manifest) -> None:
+    def patch_sandbox_status(self, namespace: str, name: str, status: KubeObject) -> None:
         """A JSON merge patch of .status (None values remove fields); a sandbox that is
         gone has nothing left to report on."""
         with contextlib.suppress(KubeNotFound):
@@ -99,7 +99,7 @@ class Kube(KubeApi):
 
     # -- Checkpoints (get, list, create: KubeApi) -----------------------------------
 
-    def patch_checkpoint(self, namespace: str, name: str, patch: Manifest) -> None:
+    def patch_checkpoint(self, namespace: str, name: str, patch: KubeObject) -> None:
         """A JSON merge patch of a Checkpoint (metadata only; its status is the node-agent's)."""
         with contextlib.suppress(KubeNotFound):
             self._call(f"patching Checkpoint {namespace}/{name}",
@@ -112,7 +112,7 @@ class Kube(KubeApi):
                        self._custom.delete_namespaced_custom_object, api.GROUP, api.VERSION,
                        namespace, api.CHECKPOINT_PLURAL, name)
 
-    def patch_checkpoint_status(self, namespace: str, name: str, status: Manifest) -> None:
+    def patch_checkpoint_status(self, namespace: str, name: str, status: KubeObject) -> None:
         """A JSON merge patch of a Checkpoint's status. The node-agent writes it, except for a
         Checkpoint of an AgentSandbox that does not exist: the operator fails that one (and
         one that is gone needs no failing)."""
@@ -121,13 +121,13 @@ class Kube(KubeApi):
 
     # -- PodDisruptionBudgets -------------------------------------------------------
 
-    def get_pdb(self, namespace: str, name: str) -> Manifest | None:
+    def get_pdb(self, namespace: str, name: str) -> KubeObject | None:
         out = self._get_or_none(f"reading PodDisruptionBudget {namespace}/{name}",
                                 self._policy.read_namespaced_pod_disruption_budget, name,
                                 namespace)
         return None if out is None else self._dict(out)
 
-    def ensure_pdb(self, manifest: Manifest) -> None:
+    def ensure_pdb(self, manifest: KubeObject) -> None:
         """Create the sandbox's PodDisruptionBudget; one that exists (409) is left as it is,
         except that the spec of one owned by the same sandbox is brought up to date. One
         of that name that is not the sandbox's is not touched."""
@@ -163,7 +163,7 @@ class Kube(KubeApi):
                        body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)))
 
 
-def _owned_by(obj: Manifest, uid: str | None) -> bool:
+def _owned_by(obj: KubeObject, uid: str | None) -> bool:
     """Whether ``uid`` is the controller owner of ``obj``."""
     return bool(uid) and any(
         o.get("uid") == uid and o.get("controller")

@@ -36,8 +36,8 @@ def test_the_claim_is_made_on_the_version_listed(tmp_path: Path) -> None:
 def _listed_as(kube: FakeKube, rv: str) -> None:
     """The loop's listing shows every Checkpoint Pending at ``rv`` (an older version)."""
     listed = [{**c, "metadata": {**c["metadata"], "resourceVersion": rv}, "status": {}}
-              for c in kube.list_checkpoints()]
-    kube.list_checkpoints = lambda: listed  # type: ignore[method-assign]
+              for c in kube.list_node_checkpoints()]
+    kube.list_node_checkpoints = lambda: listed  # type: ignore[method-assign]
 
 
 def test_a_checkpoint_changed_but_still_pending_is_claimed_on_its_new_version(

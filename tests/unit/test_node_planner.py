@@ -891,7 +891,7 @@ def test_a_restore_expects_the_recorded_parent_and_lineage_and_a_fork_inherits_i
         "lineage": ["uid-of-box"]})])
     engine = FakeEngine()
     store = InheritingStore()
-    agent = NodeAgent(NODE, kube, engine, engine, stores=FakeStores(store),  # type: ignore[arg-type]
+    agent = NodeAgent(NODE, kube, engine, engine, stores=FakeStores(store), view=kube,  # type: ignore[arg-type]
                       proc_root=fake_proc(tmp_path), clock=lambda: NOW)
     agent.reconcile_once()
     agent.shutdown()
