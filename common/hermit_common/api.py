@@ -12,10 +12,26 @@ CHECKPOINT_KIND: Final = "Checkpoint"
 CHECKPOINT_PLURAL: Final = "checkpoints"
 
 # AgentSandbox.status.phase, derived from conditions by the operator.
+PHASE_PENDING: Final = "Pending"
+PHASE_RUNNING: Final = "Running"
+PHASE_CHECKPOINTING: Final = "Checkpointing"
+PHASE_MIGRATING: Final = "Migrating"
+PHASE_RESTORING: Final = "Restoring"
+PHASE_SUSPENDED: Final = "Suspended"
+PHASE_SUCCEEDED: Final = "Succeeded"
+PHASE_FAILED: Final = "Failed"
 SANDBOX_PHASES: Final = (
-    "Pending", "Running", "Checkpointing", "Migrating", "Restoring",
-    "Suspended", "Succeeded", "Failed",
+    PHASE_PENDING, PHASE_RUNNING, PHASE_CHECKPOINTING, PHASE_MIGRATING, PHASE_RESTORING,
+    PHASE_SUSPENDED, PHASE_SUCCEEDED, PHASE_FAILED,
 )
+PHASES_FINISHED: Final = (PHASE_SUCCEEDED, PHASE_FAILED)
+
+# Pod.status.phase (Kubernetes' own values), as the operator and the node-agent read them.
+POD_PENDING: Final = "Pending"
+POD_RUNNING: Final = "Running"
+POD_SUCCEEDED: Final = "Succeeded"
+POD_FAILED: Final = "Failed"
+POD_ENDED: Final = (POD_SUCCEEDED, POD_FAILED)
 
 # AgentSandbox.status.conditions[].type, written by the operator only.
 COND_ACCEPTED: Final = "Accepted"  # the spec is valid and can be run

@@ -43,7 +43,7 @@ from hermit_common.tree import (
     KINDS,
     Entry,
 )
-from hermit_node.checkpoint import SECTION_IMAGES, SECTION_ROOTFS, SECTION_WORKSPACE
+from hermit_node.checkpoint import NETNS_KEY, SECTION_IMAGES, SECTION_ROOTFS, SECTION_WORKSPACE
 
 CAPABILITY_XATTR: Final = "security.capability"
 PRIVILEGE_BITS: Final = stat.S_ISUID | stat.S_ISGID
@@ -222,7 +222,7 @@ def check_restore_info(info: Mapping[str, Any]) -> None:
     Unknown keys are ignored, as the restore ignores them."""
     if info.get("engine", 1) != 1:
         raise CheckpointRefused(f"restore.engine {info.get('engine')!r:.40} is not 1")
-    net = info.get("netnsKey", "extnet")
+    net = info.get("netnsKey", NETNS_KEY)
     if not isinstance(net, str) or not _KEY_RE.match(net):
         raise CheckpointRefused(f"restore.netnsKey {net!r:.80} is not a plain token")
     _tokens(info.get("mounts", {}), "mounts", _KEY_RE, _abs_path)

@@ -23,12 +23,13 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
+from hermit_common import api
 from hermit_node import planner
 from hermit_node.planner import SandboxPod
 
 log = logging.getLogger(__name__)
 
-POD_ENDED = frozenset({"Succeeded", "Failed"})  # Kubernetes pod phases: nothing runs
+POD_ENDED = frozenset(api.POD_ENDED)  # Kubernetes pod phases: nothing runs
 
 
 def older_alive(pods: Iterable[Mapping[str, Any]], sp: SandboxPod) -> list[str]:

@@ -68,7 +68,7 @@ def sandbox_pod(pod: Mapping[str, Any]) -> SandboxPod | None:
         incarnation = int(labels.get(protocol.LABEL_INCARNATION, "0"))
     except ValueError:
         incarnation = 0
-    running = (status.get("phase") == "Running" and not meta.get("deletionTimestamp")
+    running = (status.get("phase") == api.POD_RUNNING and not meta.get("deletionTimestamp")
                and bool((first.get("state") or {}).get("running"))
                and bool(first.get("containerID")))
     return SandboxPod(

@@ -67,12 +67,12 @@ def set_condition(
 
 # Highest priority first; Running needs Ready=True and comes after these.
 _PHASE_ORDER = (
-    (api.COND_FAILED, "Failed"),
-    (api.COND_SUCCEEDED, "Succeeded"),
-    (api.COND_SUSPENDED, "Suspended"),
-    (api.COND_MIGRATING, "Migrating"),
-    (api.COND_RESTORING, "Restoring"),
-    (api.COND_CHECKPOINTING, "Checkpointing"),
+    (api.COND_FAILED, api.PHASE_FAILED),
+    (api.COND_SUCCEEDED, api.PHASE_SUCCEEDED),
+    (api.COND_SUSPENDED, api.PHASE_SUSPENDED),
+    (api.COND_MIGRATING, api.PHASE_MIGRATING),
+    (api.COND_RESTORING, api.PHASE_RESTORING),
+    (api.COND_CHECKPOINTING, api.PHASE_CHECKPOINTING),
 )
 
 
@@ -84,13 +84,13 @@ def derive_phase(conditions: Sequence[Condition] | None, pod_phase: str | None =
     (the current pod's status.phase) counts as Failed/Succeeded before conditions say so.
     """
     if (get_condition(conditions, api.COND_ACCEPTED) or {}).get("status") == FALSE:
-        return "Failed"
+        return api.PHASE_FAILED
     for type_, phase in _PHASE_ORDER:
         if is_true(conditions, type_) or (phase == pod_phase and phase in _POD_TERMINAL):
             return phase
     if is_true(conditions, api.COND_READY):
-        return "Running"
-    return "Pending"
+        return api.PHASE_RUNNING
+    return api.PHASE_PENDING
 
 
-_POD_TERMINAL = ("Failed", "Succeeded")
+_POD_TERMINAL = api.POD_ENDED

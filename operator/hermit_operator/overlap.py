@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from hermit_common import protocol
+from hermit_common import api, protocol
 from hermit_operator import checkpoints as ck
 from hermit_operator import podspec
 
@@ -80,7 +80,7 @@ def waiting_for(pod: Mapping[str, Any], checkpoint: str) -> bool:
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
     phase = (pod.get("status") or {}).get("phase")
     return (source_of(pod) == checkpoint and not terminating(pod)
-            and phase not in ("Succeeded", "Failed")
+            and phase not in api.POD_ENDED
             and annotations.get(protocol.ANNOTATION_RESTORE_PHASE) != protocol.RESTORE_FAILED)
 
 

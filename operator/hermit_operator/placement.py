@@ -47,7 +47,8 @@ def unschedulable(pod: KubeObject) -> str | None:
     """The scheduler's message when it found no node for the pod (Pending, unbound,
     PodScheduled False with reason Unschedulable), else None."""
     status = pod.get("status") or {}
-    if (pod.get("spec") or {}).get("nodeName") or status.get("phase") not in (None, "Pending"):
+    if (pod.get("spec") or {}).get("nodeName") or \
+            status.get("phase") not in (None, api.POD_PENDING):
         return None
     scheduled = get_condition(status.get("conditions") or [], POD_SCHEDULED) or {}
     if scheduled.get("status") != FALSE or scheduled.get("reason") != UNSCHEDULABLE:

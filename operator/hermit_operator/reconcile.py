@@ -159,7 +159,7 @@ class _Failure:
 def pod_is_ready(pod: KubeObject) -> bool:
     """Running, with the Ready condition True (or, without conditions, every container ready)."""
     status = pod.get("status") or {}
-    if status.get("phase") != "Running":
+    if status.get("phase") != api.POD_RUNNING:
         return False
     ready = get_condition(status.get("conditions") or [], "Ready")
     if ready is not None:
@@ -171,7 +171,7 @@ def pod_is_ready(pod: KubeObject) -> bool:
 def pod_is_lost(pod: KubeObject) -> bool:
     """The pod failed because it was evicted, preempted or disrupted, not by its command."""
     status = pod.get("status") or {}
-    if status.get("phase") != "Failed":
+    if status.get("phase") != api.POD_FAILED:
         return False
     if status.get("reason") in LOST_POD_REASONS:
         return True
@@ -193,7 +193,7 @@ def container_message(pod: KubeObject) -> str:
         if waiting and waiting.get("reason") not in (None, "PodInitializing", "ContainerCreating"):
             return _join(f"container {name} is waiting", waiting.get("reason"),
                          waiting.get("message"))
-    return _join(f"pod is {status.get('phase', 'Pending')}", status.get("reason"),
+    return _join(f"pod is {status.get('phase', api.POD_PENDING)}", status.get("reason"),
                  status.get("message"))
 
 
@@ -331,7 +331,7 @@ def _stopping(st: _State, out: KubeObject, incarnation: int, pod: KubeObject) ->
     flight = ck.stopping_in_flight(st.ckpts, pod, st.now)
     if flight is not None:
         _overlap(st, incarnation, flight)
-    if flight is not None and (pod.get("status") or {}).get("phase") in ("Failed", "Succeeded"):
+    if flight is not None and (pod.get("status") or {}).get("phase") in api.POD_ENDED:
         # The node-agent ended the tree under its checkpoint: not the sandbox's outcome.
         return _wait_for(st, out, flight, f"pod {pod['metadata']['name']} has stopped")
     return None
@@ -383,7 +383,7 @@ def _suspend(st: _State, out: KubeObject, pod: KubeObject | None, incarnation: i
     _drop(out, st.status, *_RETRY_FIELDS)  # resuming starts the restores afresh
     name = (pod.get("metadata") or {}).get("name") if pod else None
     live = (pod is not None and not (pod.get("metadata") or {}).get("deletionTimestamp")
-            and (pod.get("status") or {}).get("phase") == "Running"
+            and (pod.get("status") or {}).get("phase") == api.POD_RUNNING
             and not is_true(st.before, api.COND_RESTORING))
     suspended = ck.stopping_completed(st.ckpts, pod, (protocol.SUSPEND,)) if pod else None
     if pod is not None and live and suspended is None:
@@ -677,7 +677,7 @@ def _restore_failure(st: _State, out: KubeObject, pod: KubeObject) -> _Failure |
         return _Failure(name, str(source),
                         _one_line(annotations.get(protocol.ANNOTATION_RESTORE_MESSAGE))
                         or "no message", retryable.strip().lower() != "false")
-    ended = (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+    ended = (pod.get("status") or {}).get("phase") in api.POD_ENDED
     if outcome != protocol.RESTORED and ended and is_true(st.before, api.COND_RESTORING):
         return _Failure(name, str(source),
                         f"the pod ended before its restore finished: {container_message(pod)}",
@@ -801,13 +801,13 @@ def _restore_completed(st: _State, out: KubeObject, pod: KubeObject) -> str | No
 
 def _pod_state(pod: KubeObject) -> sit.PodState:
     phase = (pod.get("status") or {}).get("phase")
-    if phase == "Succeeded":
+    if phase == api.POD_SUCCEEDED:
         return sit.PodState.SUCCEEDED
-    if phase == "Failed":
+    if phase == api.POD_FAILED:
         return sit.PodState.FAILED
     if pod_is_ready(pod):
         return sit.PodState.RUNNING
-    return sit.PodState.PENDING if phase in (None, "Pending") else sit.PodState.NOT_READY
+    return sit.PodState.PENDING if phase in (None, api.POD_PENDING) else sit.PodState.NOT_READY
 
 
 def _observe(st: _State, out: KubeObject, pod: KubeObject,

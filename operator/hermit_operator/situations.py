@@ -125,11 +125,11 @@ class PodCreating:
 
 
 class PodState(Enum):
-    PENDING = "Pending"
+    PENDING = api.POD_PENDING
     NOT_READY = "NotReady"
-    RUNNING = "Running"  # and ready
-    SUCCEEDED = "Succeeded"
-    FAILED = "Failed"
+    RUNNING = api.POD_RUNNING  # and ready
+    SUCCEEDED = api.POD_SUCCEEDED
+    FAILED = api.POD_FAILED
 
 
 @dataclass(frozen=True)
