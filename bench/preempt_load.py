@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -279,6 +280,7 @@ class Move:
     checkpoint: str = ""
     phase: str = ""
     durable_s: float | None = None
+    completed_at_s: float | None = None  # status.completedAt (whole seconds) - the notice
     frozen_ms: Any = None
     size: str = ""
     last_tick: int = 0  # the old pod's last tick when the checkpoint was durable
@@ -289,7 +291,7 @@ class Move:
 
 
 def _follow_checkpoints(kube: e2e.Kube, ns: str, moves: dict[str, Move],
-                        before: dict[str, sb.Running], at: float) -> None:
+                        before: dict[str, sb.Running], at: float, notice: datetime) -> None:
     for c in sb.checkpoints(ns):
         name = c["spec"]["sandboxRef"]["name"]
         move = moves.get(name)
@@ -301,6 +303,9 @@ def _follow_checkpoints(kube: e2e.Kube, ns: str, moves: dict[str, Move],
         if move.phase == protocol.COMPLETED:
             move.durable_s, move.frozen_ms = at, st.get("frozenMs")
             move.size = str(st.get("size") or "")
+            completed = protocol.parse_time(st.get("completedAt"))
+            if completed is not None:
+                move.completed_at_s = (completed - notice).total_seconds()
             seen = sb.ticks(kube, ns, before[name].pod)
             move.last_tick = seen[-1] if seen else 0
 
@@ -322,9 +327,10 @@ def follow(kube: e2e.Kube, ns: str, before: dict[str, sb.Running], target: str,
     """Polls the Checkpoints and sandboxes until every sandbox runs again elsewhere (or
     the timeout): when each checkpoint was first seen Completed and each sandbox Running."""
     moves = {name: Move() for name in before}
+    notice = datetime.now(UTC) - timedelta(seconds=time.monotonic() - notice_at)
     while time.monotonic() - notice_at < timeout:
         at = time.monotonic() - notice_at
-        _follow_checkpoints(kube, ns, moves, before, at)
+        _follow_checkpoints(kube, ns, moves, before, at, notice)
         _follow_sandboxes(ns, moves, target, at)
         if all(m.running_s is not None for m in moves.values()):
             break
@@ -413,11 +419,14 @@ def report(args: argparse.Namespace, target: str, moves: dict[str, Move],
     rank = {n: i + 1 for i, (_, n) in enumerate(order)}
     print(f"\n{len(moves)} sandboxes ({args.mem_mb} MiB workload each) on {target}, "
           f"spot notice {args.notice} s (deadline: the node is gone at +{args.notice} s); "
-          f"times in seconds after the notice, first seen (polled every {POLL_SECONDS} s)")
-    print(f"{'#':>3} {'sandbox':10} {'checkpoint phase':17} {'durable':>8} {'frozen ms':>9} "
+          f"times in seconds after the notice, first seen (polled every {POLL_SECONDS} s); "
+          f"completedAt: the Checkpoint's own time (whole seconds)")
+    print(f"{'#':>3} {'sandbox':10} {'checkpoint phase':17} {'durable':>8} "
+          f"{'completedAt':>11} {'frozen ms':>9} "
           f"{'size':>10} {'running':>8}  {'on':12} invariants")
     for name, m in sorted(moves.items(), key=lambda kv: (rank.get(kv[0], 999), kv[0])):
         print(f"{rank.get(name, '-'):>3} {name:10} {m.phase or '-':17} {_s(m.durable_s):>8} "
+              f"{_s(m.completed_at_s):>11} "
               f"{m.frozen_ms if m.frozen_ms is not None else '-':>9} {m.size or '-':>10} "
               f"{_s(m.running_s):>8}  {m.node or '-':12} {m.invariants}")
     in_time = [(t, n) for t, n in order if t <= args.notice]
