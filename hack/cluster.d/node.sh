@@ -349,6 +349,19 @@ node_up() {  # node_up NAME CAPACITY: one node, up to registered (idempotent)
   node_start "$1"
 }
 
+# node_thaw NAME: a SIGKILL waits until a frozen task thaws (a checkpoint freezes the
+# sandbox), so a node that dies mid-checkpoint is thawed for its kill to land.
+node_thaw() {
+  local f
+  for f in $(find "/sys/fs/cgroup/freezer/$CGROUP_ROOT/$1" -name freezer.state 2>/dev/null); do
+    echo THAWED >"$f" 2>/dev/null || true
+  done
+  for f in $(find "/sys/fs/cgroup/unified/$CGROUP_ROOT/$1" "/sys/fs/cgroup/$CGROUP_ROOT/$1" \
+      -name cgroup.freeze 2>/dev/null); do
+    echo 0 >"$f" 2>/dev/null || true
+  done
+}
+
 # node_kill NAME: the node vanishes as a cloud VM does: every process of it
 # (kubelet, containerd, shims, containers, AEMM) killed, mounts, netns and
 # cgroups removed. The Node object is left to the caller.
@@ -362,6 +375,7 @@ node_kill() {
   while pids=$(node_cgroup_pids "$name") && [ -n "$pids" ]; do
     # shellcheck disable=SC2086
     kill -KILL $pids 2>/dev/null || true
+    node_thaw "$name"
     tries=$((tries + 1)); [ $tries -lt 100 ] || { log "warning: processes of $name survive: $pids"; break; }
     sleep 0.1
   done
