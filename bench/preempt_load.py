@@ -102,20 +102,7 @@ def operator_pids(kube: e2e.Kube, release_ns: str) -> list[int]:
     pods = kube.api.list_namespaced_pod(
         release_ns, label_selector="app.kubernetes.io/component=operator")
     hosts = {f"HOSTNAME={p.metadata.name}".encode() for p in pods.items if p.metadata}
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            if not any(part.endswith(b"hermit-operator") for part in cmdline[:2]):
-                continue
-            environ = set((entry / "environ").read_bytes().split(b"\0"))
-        except OSError:
-            continue
-        if hosts & environ:
-            found.append(int(entry.name))
-    return found
+    return sb.host_pids(b"hermit-operator", hosts)
 
 
 @dataclass

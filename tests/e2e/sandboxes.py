@@ -204,24 +204,30 @@ def since(started: float) -> float:
     return round(time.monotonic() - started, 1)
 
 
-def node_agent_pids(node: str) -> list[int]:
-    """Host pids of the node-agent serving ``node`` (the local cluster shares this host's
-    kernel: each node's processes are visible here, told apart by HERMIT_NODE_NAME)."""
+def host_pids(program: bytes, env_any: set[bytes], arg: bytes | None = None) -> list[int]:
+    """Host pids of ``program`` (its argv[0] or argv[1] ends with it, and ``arg`` is one of
+    its arguments) whose environment holds one of ``env_any`` (the local cluster shares
+    this host's kernel: every node's processes are visible here)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            if not any(part.endswith(b"hermit-node") for part in cmdline[:2]) or \
-                    b"run" not in cmdline:
+            if not any(part.endswith(program) for part in cmdline[:2]) or \
+                    (arg is not None and arg not in cmdline):
                 continue
-            environ = (entry / "environ").read_bytes().split(b"\0")
+            environ = set((entry / "environ").read_bytes().split(b"\0"))
         except OSError:
             continue
-        if f"HERMIT_NODE_NAME={node}".encode() in environ:
+        if env_any & environ:
             found.append(int(entry.name))
     return found
+
+
+def node_agent_pids(node: str) -> list[int]:
+    """Host pids of the node-agent serving ``node``, told apart by HERMIT_NODE_NAME."""
+    return host_pids(b"hermit-node", {f"HERMIT_NODE_NAME={node}".encode()}, b"run")
 
 
 def kill_node_agent(kube: Kube, release_ns: str, node: str) -> None:
