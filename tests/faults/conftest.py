@@ -1,0 +1,38 @@
+"""The fault-injection suite (hack/test faults): the e2e fixtures, plus the ledger whose
+table is printed at the end of the run and written to $HERMIT_CACHE/logs/faults-table.txt."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import (  # noqa: F401  (fixtures the scenarios use)
+    e2e_config,
+    hermit_release,
+    kube,
+    namespace,
+    s3_for_pods,
+)
+from tests.faults.ledger import Ledger
+
+LEDGER = Ledger()
+
+
+@pytest.fixture(scope="session")
+def ledger() -> Ledger:
+    return LEDGER
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not LEDGER.rows:
+        return
+    table = LEDGER.table()
+    terminalreporter.section("fault-injection summary")
+    terminalreporter.write_line(table)
+    cache = Path(os.environ.get("HERMIT_CACHE", Path.home() / ".cache/hermit"))
+    out = cache / "logs/faults-table.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(table + "\n")
+    terminalreporter.write_line(f"(also written to {out})")

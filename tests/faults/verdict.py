@@ -1,0 +1,77 @@
+"""Lost and duplicated, measured: how each fault scenario decides its row of the table.
+
+Lost: the sandbox is not Running again, or its counter does not continue, or the
+workload's own checks (memory, child, pipes, socket, database, files) fail.
+Duplicated: more than one live copy, counted both in the API (live pods of the sandbox)
+and on the host (workload process trees carrying the sandbox's marker in their
+environment; the local cluster's nodes share this host's kernel), so a pod that vanished
+from the API while its processes run still counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hermit_common import protocol
+from tests.e2e import sandboxes as sb
+from tests.e2e.conftest import Kube
+
+MARKER = "HERMIT_FAULT_SANDBOX"
+
+
+def spec(image: str, name: str, **extra: Any) -> dict[str, Any]:
+    """The self-checking workload's spec with the sandbox's marker in its environment."""
+    body = sb.stateful_spec(image, **extra)
+    body["podTemplate"]["spec"]["containers"][0]["env"].append({"name": MARKER, "value": name})
+    return body
+
+
+def live_process_trees(name: str) -> int:
+    """Workload processes of ``name`` on this host whose parent is not one of them."""
+    pids = set(sb.host_pids(b"hermit-stateful", {f"{MARKER}={name}".encode()}))
+    return sum(1 for pid in pids if _parent(pid) not in pids)
+
+
+def _parent(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def live_pods(kube: Kube, ns: str, name: str) -> list[str]:
+    return [p.metadata.name for p in kube.api.list_namespaced_pod(ns).items
+            if (p.metadata.labels or {}).get(protocol.LABEL_SANDBOX) == name
+            and p.metadata.deletion_timestamp is None and p.status.phase == "Running"]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    lost: int
+    duplicated: int
+    detail: str
+
+
+def judge(kube: Kube, ns: str, name: str, before: int, *, restores: int, avoid: str = "",
+          exact: bool = True, timeout: float = 300) -> Outcome:
+    """Waits for the sandbox to run again and judges it without raising, so the row is
+    recorded before the scenario asserts."""
+    try:
+        after = sb.wait_running(kube, ns, name, restores=restores, avoid=avoid,
+                                timeout=timeout, min_ticks=1)
+        seen = sb.assert_continues(kube, ns, after.pod, before, exact=exact)
+    except (AssertionError, pytest.fail.Exception) as exc:
+        return Outcome(1, _duplicates(kube, ns, name), f"lost: {exc}"[:300])
+    dup = _duplicates(kube, ns, name)
+    return Outcome(0, dup, f"runs on {after.node} from tick {seen[0]}")
+
+
+def _duplicates(kube: Kube, ns: str, name: str) -> int:
+    copies = max(len(live_pods(kube, ns, name)), live_process_trees(name))
+    return max(0, copies - 1)
+
