@@ -3,6 +3,7 @@ chart's file)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ranked = sorted(values)
-    return ranked[min(len(ranked) - 1, max(0, round(q * len(ranked) + 0.5) - 1))]
+    return ranked[min(len(ranked) - 1, max(0, math.ceil(q * len(ranked)) - 1))]
 
 
 def _recovered(o: Outcome) -> str:
