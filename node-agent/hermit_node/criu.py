@@ -46,6 +46,9 @@ class RestoreRequest:
     tcp_close: bool = True
     file_locks: bool = True
     rst_sibling: bool = True
+    # Leave anonymous private memory to a running ``criu lazy-pages`` daemon (lazypages.py)
+    # listening in the images dir.
+    lazy_pages: bool = False
 
 
 @dataclass
@@ -132,6 +135,8 @@ class Criu:
             opts.file_locks = req.file_locks
             opts.shell_job = False
             opts.rst_sibling = req.rst_sibling
+            if req.lazy_pages:
+                opts.lazy_pages = True
             opts.manage_cgroups = True
             opts.manage_cgroups_mode = rpc.IGNORE
             _skip_network_lock(opts, rpc)
