@@ -25,7 +25,7 @@ from hermit_common import protocol
 from hermit_common.errors import CheckpointRefused, RestoreFailed
 from hermit_common.manifest import Manifest
 from hermit_common.store import CheckpointStore
-from hermit_node import admit, container, staging, sysinfo
+from hermit_node import admit, container, lazypages, metrics, staging, sysinfo
 from hermit_node.checkpoint import NETNS_KEY, SECTION_IMAGES, SECTION_ROOTFS, SECTION_WORKSPACE
 from hermit_node.criu import Criu, RestoreRequest
 from hermit_node.fsapply import apply_tree
@@ -33,6 +33,10 @@ from hermit_node.imagefiles import image_lookup
 from hermit_node.restore_worker import WorkerRequest
 
 log = logging.getLogger(__name__)
+
+# A lazy restore's daemon that has not copied every page in by then fails, and its tree
+# is killed (lazypages.watch).
+LAZY_FILL_TIMEOUT_SECONDS = 600.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,9 @@ class RestoreResult:
     total_ms: int
     restored_pid: int  # root of the restored tree, as seen in the container
     downloaded_bytes: int
+    # The tree runs while CRIU's lazy-pages daemon copies its memory in (restore_ms is
+    # then the time to running, not to every page being in).
+    lazy: bool = False
 
 
 def check_compatible(manifest: Manifest, *, criu_version: str, cpu_flags: tuple[str, ...],
@@ -173,10 +180,20 @@ def check_room(manifest: Manifest, admitted: admit.Admitted, local: Path,
 
 
 class RestoreEngine:
-    def __init__(self, criu: Criu, store: CheckpointStore, work_dir: Path) -> None:
+    def __init__(self, criu: Criu, store: CheckpointStore, work_dir: Path, *,
+                 lazy: bool = False) -> None:
         self._criu = criu
         self._store = store
         self._work_dir = work_dir
+        self.lazy = lazy and self._lazy_works()
+        metrics.record_lazy_restore(self.lazy)
+
+    def _lazy_works(self) -> bool:
+        reason = lazypages.unavailable(self._criu.binary)
+        if reason is not None:
+            log.warning("HERMIT_LAZY_RESTORE is on, but this node cannot restore lazily "
+                        "(%s): restores copy all memory in before the sandbox runs", reason)
+        return reason is None
 
     def restore(self, target: RestoreTarget, *, timeout: float = 120.0,
                 store: CheckpointStore | None = None) -> RestoreResult:
@@ -196,7 +213,7 @@ class RestoreEngine:
             apply_ms = _ms(started)
 
             started = time.monotonic()
-            pid = self._run_criu(target, manifest, local, view, mapped, timeout)
+            pid, daemon = self._run_criu(target, manifest, local, view, mapped, timeout)
             restore_ms = _ms(started)
         except BaseException:
             # Nothing downloaded stays on the node; CRIU's log is kept beside the dir.
@@ -205,10 +222,13 @@ class RestoreEngine:
         result = RestoreResult(
             download_ms=download_ms, apply_ms=apply_ms, restore_ms=restore_ms,
             total_ms=_ms(began), restored_pid=pid,
-            downloaded_bytes=manifest.totals.image_bytes,
+            downloaded_bytes=manifest.totals.image_bytes, lazy=daemon is not None,
         )
-        # The restored tree holds nothing open in the staging dir.
-        shutil.rmtree(local, ignore_errors=True)
+        if daemon is None:
+            # The restored tree holds nothing open in the staging dir.
+            shutil.rmtree(local, ignore_errors=True)
+        else:
+            _fill_in_background(daemon, target, local)
         log.info("restored %s/%s into pid %d: %s", target.namespace, target.checkpoint,
                  target.init_pid, result)
         return result
@@ -259,8 +279,12 @@ class RestoreEngine:
         return admitted
 
     def _run_criu(self, target: RestoreTarget, manifest: Manifest, local: Path,
-                  view: container.ContainerView, mapped: _Externals, timeout: float) -> int:
-        """Restores the tree into the container; returns its root's pid in the container."""
+                  view: container.ContainerView, mapped: _Externals, timeout: float,
+                  ) -> tuple[int, lazypages.LazyPages | None]:
+        """Restores the tree into the container; returns its root's pid in the container,
+        and for a lazy restore the daemon still copying its memory in."""
+        daemon = lazypages.LazyPages.start(self._criu.binary, local / SECTION_IMAGES) \
+            if self.lazy else None
         request = WorkerRequest(
             criu_binary=self._criu.binary,
             images_dir=str(local / SECTION_IMAGES),
@@ -271,10 +295,44 @@ class RestoreEngine:
             stdio_keys=mapped.stdio_keys,
             cgroup_dirs=[str(p) for cg in view.cgroups if (p := cg.host_path()).is_dir()],
             bind_self=mapped.cgroup_sources,
+            lazy_pages=daemon is not None,
         )
-        pid = _run_worker(request, timeout)
-        _wait_for_child(target.init_pid, timeout)
-        return pid
+        try:
+            pid = _run_worker(request, timeout)
+            _wait_for_child(target.init_pid, timeout)
+        except BaseException:
+            if daemon is not None:
+                daemon.stop()
+            raise
+        return pid, daemon
+
+
+def _fill_in_background(daemon: lazypages.LazyPages, target: RestoreTarget,
+                        local: Path) -> None:
+    """Waits in a thread until ``daemon`` has copied the tree's memory in, then removes
+    the staging dir (the daemon reads its pages images until then). A daemon that fails
+    takes the tree down with it (lazypages.watch)."""
+
+    def done(filled: lazypages.Filled) -> None:
+        metrics.record_lazy_fill(filled.seconds, ok=filled.ok)
+        if filled.ok:
+            log.info("lazy restore of %s/%s: every page in after %.0f ms", target.namespace,
+                     target.checkpoint, filled.seconds * 1000)
+            shutil.rmtree(local, ignore_errors=True)
+        else:
+            staging.discard(local, local / SECTION_IMAGES / lazypages.LOG_FILE)
+
+    lazypages.watch(daemon, tree_root=lambda: _first_child(target.init_pid),
+                    timeout=LAZY_FILL_TIMEOUT_SECONDS, done=done)
+
+
+def _first_child(pid: int) -> int | None:
+    """Host pid of ``pid``'s first child (a restored tree's root), if it has one."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
 
 
 def _run_worker(request: WorkerRequest, timeout: float) -> int:

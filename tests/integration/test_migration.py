@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,12 +71,12 @@ def store_settings(minio_server: MinioServer) -> StoreSettings:
     return settings
 
 
-def engines(node: Node, criu_bin: Path,
-            settings: StoreSettings) -> tuple[CheckpointEngine, RestoreEngine]:
+def engines(node: Node, criu_bin: Path, settings: StoreSettings, *,
+            lazy: bool = False) -> tuple[CheckpointEngine, RestoreEngine]:
     store = CheckpointStore(settings)
     criu = Criu(str(criu_bin))
     return (CheckpointEngine(criu, store, node.work_dir),
-            RestoreEngine(criu, store, node.work_dir))
+            RestoreEngine(criu, store, node.work_dir, lazy=lazy))
 
 
 def checkpoint_target(sandbox: Sandbox, uid: str, name: str) -> CheckpointTarget:
@@ -89,14 +90,15 @@ def restore_target(sandbox: Sandbox, uid: str, name: str) -> RestoreTarget:
                          init_pid=sandbox.init_pid, image_digest=sandbox.node.image_digest())
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["full", "lazy"])
 def test_migration_keeps_memory_children_files_log_socket_and_output(
     nodes: tuple[Node, Node], cni_network: CniNetwork, criu_bin: Path,
-    store_settings: StoreSettings,
+    store_settings: StoreSettings, lazy: bool,
 ) -> None:
     node_a, node_b = nodes
     uid = str(uuid.uuid4())
     ckpt_a, restore_b = engines(node_a, criu_bin, store_settings)[0], engines(
-        node_b, criu_bin, store_settings)[1]
+        node_b, criu_bin, store_settings, lazy=lazy)[1]
 
     source = start_sandbox(node_a, cni_network, "sbx")
     source.wait_ticks(15)
@@ -118,6 +120,9 @@ def test_migration_keeps_memory_children_files_log_socket_and_output(
     try:
         restored = restore_b.restore(restore_target(target, uid, "ckpt-1"))
         assert restored.restored_pid > 0
+        assert restored.lazy == lazy
+        if lazy:
+            _wait_for_every_page(node_b)
 
         # The in-memory counter continues where it was: no gap, no duplicate, not from zero.
         ticks = target.wait_ticks(last + 10)
@@ -148,6 +153,18 @@ def test_migration_keeps_memory_children_files_log_socket_and_output(
             assert Path(f"/proc/{pid}/cgroup").read_text() == expected, f"pid {pid} cgroup"
     finally:
         destroy_sandbox(target, cni_network)
+
+
+def _wait_for_every_page(node: Node, timeout: float = 60.0) -> None:
+    """A lazy restore's staging dir goes once its daemon has copied every page in (a
+    failed daemon leaves its log beside it)."""
+    staged = node.work_dir / "restores" / NAMESPACE / "sbx" / "ckpt-1"
+    deadline = time.monotonic() + timeout
+    while staged.exists():
+        assert time.monotonic() < deadline, "the lazy-pages daemon never finished"
+        time.sleep(0.02)
+    kept = staged.with_name("ckpt-1.lazy-pages.log")
+    assert not kept.exists(), kept.read_text()[-2000:]
 
 
 def _nspid(host_pid: int) -> tuple[int, ...]:
