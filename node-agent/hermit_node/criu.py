@@ -162,6 +162,37 @@ class Criu:
             os.close(images_fd)
 
 
+@dataclass(frozen=True)
+class PageMap:
+    """One task's ``pagemap-<pid>.img``: which pages image holds its memory, and its
+    entries in file order as (vaddr, nr_pages, flags) (flags: CRIU's PE_* bits)."""
+
+    pid: int
+    pages_id: int
+    entries: tuple[tuple[int, int, int], ...]
+
+
+PAGEMAP_FILE = re.compile(r"pagemap-(\d+)\.img")
+
+
+def read_pagemaps(images_dir: Path) -> list[PageMap]:
+    """The task pagemaps of an images dir (shared-memory pagemaps are not included)."""
+    import pycriu.images
+
+    maps = []
+    for path in sorted(images_dir.iterdir()):
+        match = PAGEMAP_FILE.fullmatch(path.name)
+        if match is None:
+            continue
+        with path.open("rb") as f:
+            entries = pycriu.images.load(f)["entries"]
+        maps.append(PageMap(
+            pid=int(match.group(1)), pages_id=int(entries[0]["pages_id"]),
+            entries=tuple((int(e["vaddr"]), int(e["nr_pages"]), int(e.get("flags", 0)))
+                          for e in entries[1:])))
+    return maps
+
+
 def _skip_network_lock(opts: Any, rpc: Any) -> None:
     # Locking needs iptables/nftables inside the netns; the sandbox's netns is external
     # and its pod is about to go away, so there is nothing to protect.

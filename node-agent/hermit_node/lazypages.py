@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hermit_node.criu import CriuError, log_errors
+from hermit_node.pagesource import PageServer
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +70,22 @@ class LazyPages:
         self._began = began
 
     @classmethod
-    def start(cls, criu_binary: str, images_dir: Path, *, timeout: float = 30.0) -> LazyPages:
+    def start(cls, criu_binary: str, images_dir: Path, *, timeout: float = 30.0,
+              page_server: PageServer | None = None) -> LazyPages:
         """Starts the daemon and returns once it listens on its socket; CriuError if it
-        does not within ``timeout`` seconds."""
+        does not within ``timeout`` seconds. With ``page_server`` the daemon asks it for
+        the pages instead of reading the pages images itself."""
         began = time.monotonic()
-        proc = subprocess.Popen(
-            [criu_binary, "lazy-pages", "--images-dir", str(images_dir),
-             "--work-dir", str(images_dir), "--log-file", LOG_FILE, "-v2"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            close_fds=True)
+        argv = [criu_binary, "lazy-pages", "--images-dir", str(images_dir),
+                "--work-dir", str(images_dir), "--log-file", LOG_FILE, "-v2"]
+        fds: tuple[int, ...] = ()
+        if page_server is not None:
+            fds = (page_server.daemon_fd,)
+            argv += ["--page-server", "--ps-socket", str(page_server.daemon_fd)]
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, close_fds=True, pass_fds=fds)
+        if page_server is not None:
+            page_server.handed_over()
         daemon = cls(proc, images_dir, began)
         deadline = began + timeout
         while not (images_dir / SOCKET).exists():

@@ -15,14 +15,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from hermit_node import lazypages
-from hermit_node.criu import Criu, DumpRequest, RestoreRequest
+from hermit_node import lazypages, pagesource
+from hermit_node.criu import Criu, DumpRequest, RestoreRequest, read_pagemaps
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -83,23 +84,28 @@ def restore(criu: Criu, images: Path, log_file: str, *, lazy: bool) -> int:
                                        lazy_pages=lazy))
 
 
-def test_lazy_restore_runs_before_its_memory_is_in(tmp_path: Path, criu_bin: Path) -> None:
-    reason = lazypages.unavailable(str(criu_bin))
-    assert reason is None, f"this machine cannot restore lazily: {reason}"
-    criu = Criu(str(criu_bin))
-    out, images = tmp_path / "out.txt", tmp_path / "images"
+def dump_holder(criu: Criu, out: Path, images: Path) -> str:
+    """Dumps (and ends) a holder process; returns the digest of its memory."""
     images.mkdir()
     proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(out), str(MIB)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_for(lambda: bool(lines(out, "tick")), "the holder to fill its memory")
-        digest = lines(out, "digest")[0]
         criu.dump(DumpRequest(pid=proc.pid, images_dir=images, leave_running=False))
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             kill_tree(proc.pid)
+    return lines(out, "digest")[0]
+
+
+def test_lazy_restore_runs_before_its_memory_is_in(tmp_path: Path, criu_bin: Path) -> None:
+    reason = lazypages.unavailable(str(criu_bin))
+    assert reason is None, f"this machine cannot restore lazily: {reason}"
+    criu = Criu(str(criu_bin))
+    out, images = tmp_path / "out.txt", tmp_path / "images"
+    digest = dump_holder(criu, out, images)
 
     began = time.monotonic()
     pid = restore(criu, images, "restore-full.log", lazy=False)
@@ -127,3 +133,100 @@ def test_lazy_restore_runs_before_its_memory_is_in(tmp_path: Path, criu_bin: Pat
         kill_tree(pid)
     print(f"\n{MIB} MiB: full restore -> running {full_s * 1000:.0f} ms; lazy restore -> "
           f"running {running_s * 1000:.0f} ms, -> all pages present {all_in_s * 1000:.0f} ms")
+
+
+# The pace the pages image "arrives" at: a download from S3 of a few hundred MB/s.
+DELIVERY_BYTES_PER_SECOND = 256 << 20
+PIECE = 4 << 20  # the store's chunk size
+
+
+def deliver(source: Path, dest: Path, arrivals: pagesource.Arrivals,
+            stop: threading.Event) -> None:
+    """Writes ``source`` into ``dest`` in store-chunk pieces at the pace of a download: a
+    piece someone waits for first, then the others in order."""
+    size = source.stat().st_size
+    began = time.monotonic()
+    sent = 0
+
+    def missing(offsets: range) -> int | None:
+        return next((o for o in offsets
+                     if not arrivals.has(dest.name, o, min(PIECE, size - o))), None)
+
+    with source.open("rb") as src, dest.open("r+b") as dst:
+        while not stop.is_set():
+            want = arrivals.wanted()
+            offset = None if want is None else missing(
+                range(want[1] // PIECE * PIECE, want[1] + want[2], PIECE))
+            if offset is None:
+                offset = missing(range(0, size, PIECE))
+                if offset is None:
+                    return
+            src.seek(offset)
+            data = src.read(PIECE)
+            dst.seek(offset)
+            dst.write(data)
+            dst.flush()
+            arrivals.mark(dest.name, offset, len(data))
+            sent += len(data)
+            # Paced like a download (a simulated bandwidth, not a wait for a condition).
+            time.sleep(max(0.0, began + sent / DELIVERY_BYTES_PER_SECOND - time.monotonic()))
+
+
+def test_lazy_restore_from_a_page_source_runs_before_its_pages_arrive(
+        tmp_path: Path, criu_bin: Path) -> None:
+    """The pages image is not there yet when the tree starts: only the pages ``criu
+    restore`` reads itself are. The tree runs, and a page it touches is served by the page
+    source once its bytes have arrived, never before."""
+    criu = Criu(str(criu_bin))
+    out, images = tmp_path / "out.txt", tmp_path / "images"
+    digest = dump_holder(criu, out, images)
+    maps = read_pagemaps(images)
+    (name,) = {pagesource.pages_file(pm) for pm in maps}
+    arrived_later = tmp_path / name
+    (images / name).rename(arrived_later)
+    with (images / name).open("wb") as f:  # the download's placeholder: all holes
+        f.truncate(arrived_later.stat().st_size)
+    arrivals = pagesource.Arrivals(timeout=120)
+    with arrived_later.open("rb") as src, (images / name).open("r+b") as dst:
+        for file, offset, length in pagesource.eager_ranges(maps):
+            src.seek(offset)
+            dst.seek(offset)
+            dst.write(src.read(length))
+            arrivals.mark(file, offset, length)
+    eager = sum(length for _, _, length in pagesource.eager_ranges(maps))
+
+    server = pagesource.PageServer(images, maps, arrivals.wait_for)
+    daemon = lazypages.LazyPages.start(str(criu_bin), images, page_server=server)
+    stop = threading.Event()
+    delivery = threading.Thread(target=deliver, args=(arrived_later, images / name, arrivals,
+                                                      stop))
+    began = time.monotonic()
+    delivery.start()
+    try:
+        pid = restore(criu, images, "restore-ps.log", lazy=True)
+    except BaseException:
+        stop.set()
+        arrivals.fail("the restore failed")
+        daemon.stop()
+        raise
+    running_s = time.monotonic() - began
+    arrived_at_running = not delivery.is_alive()
+    try:
+        delivery.join(120)
+        arrived_s = time.monotonic() - began
+        filled = daemon.wait(timeout=120)
+        all_in_s = time.monotonic() - began
+        assert filled.ok, filled.message
+        server.join(30)
+        assert server.error is None, server.error
+        check_memory(out, digest)
+    finally:
+        stop.set()
+        arrivals.fail("the test ended")
+        daemon.stop()
+        kill_tree(pid)
+    assert not arrived_at_running, "the tree only ran once its whole pages image was in"
+    print(f"\n{MIB} MiB from a page source: {eager} bytes read by criu restore itself; "
+          f"-> running {running_s * 1000:.0f} ms, pages image arrived "
+          f"{arrived_s * 1000:.0f} ms, -> all pages present {all_in_s * 1000:.0f} ms, "
+          f"{server.served} pages served")
