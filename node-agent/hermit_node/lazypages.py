@@ -29,8 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hermit_node.criu import CriuError, log_errors
-from hermit_node.pagesource import PageServer
+from hermit_common.store import Deferred
+from hermit_node.criu import CriuError, log_errors, read_pagemaps
+from hermit_node.pagesource import Arrivals, PageServer, eager_ranges
 
 log = logging.getLogger(__name__)
 
@@ -144,3 +145,59 @@ def watch(daemon: LazyPages, *, tree_root: Callable[[], int | None], timeout: fl
     thread = threading.Thread(target=run, name=f"lazy-pages {daemon.images_dir}", daemon=True)
     thread.start()
     return thread
+
+
+@dataclass
+class Streamed:
+    """A lazy restore whose pages images are still being downloaded: the daemon, its page
+    source, and the thread fetching the rest of the pages images."""
+
+    daemon: LazyPages
+    arrivals: Arrivals
+    deferred: Deferred
+    fetcher: threading.Thread
+
+    def abort(self, why: str) -> None:
+        """Stops the fetch, fails every page wait and ends the daemon (the tree never ran)."""
+        self.deferred.stop.set()
+        self.arrivals.fail(why)
+        self.daemon.stop()
+        self.fetcher.join()
+
+
+def start_streamed(criu_binary: str, images_dir: Path, deferred: Deferred) -> Streamed:
+    """Fetches the pages ``criu restore`` reads itself, then starts fetching the rest of
+    the pages images in a thread (a chunk a task waits for first) and a daemon that serves
+    each page once its chunk is in. A failed fetch fails the waits, so the daemon, so the
+    tree (``watch``)."""
+    maps = read_pagemaps(images_dir)
+    arrivals = Arrivals()
+
+    def landed(path: str, offset: int, length: int) -> None:
+        arrivals.mark(Path(path).name, offset, length)
+
+    def wanted() -> tuple[str, int, int] | None:
+        want = arrivals.wanted()
+        return None if want is None else (str(images_dir / want[0]), want[1], want[2])
+
+    deferred.fetch_ranges([(str(images_dir / name), offset, length)
+                           for name, offset, length in eager_ranges(maps)], landed)
+
+    def fetch() -> None:
+        try:
+            deferred.fetch_rest(landed, wanted)
+        except BaseException as exc:
+            log.error("lazy restore in %s: fetching its pages failed: %s", images_dir, exc)
+            arrivals.fail(f"fetching the pages failed: {exc}")
+
+    fetcher = threading.Thread(target=fetch, name=f"pages {images_dir}", daemon=True)
+    fetcher.start()
+    server = PageServer(images_dir, maps, arrivals.wait_for)
+    try:
+        daemon = LazyPages.start(criu_binary, images_dir, page_server=server)
+    except BaseException:
+        deferred.stop.set()
+        arrivals.fail("the lazy-pages daemon did not start")
+        fetcher.join()
+        raise
+    return Streamed(daemon, arrivals, deferred, fetcher)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+import re
 import socket
 import struct
 import threading
@@ -45,6 +46,8 @@ PS_IOV_FORCE_CLOSE = 0x1024
 PS_CMD_BITS = 16
 PS_CMD_MASK = (1 << PS_CMD_BITS) - 1
 PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
+
+PAGES_IMAGE = re.compile(r"pages-\d+\.img")  # the files a lazy restore streams
 
 # (pages image file name, byte offset, length): blocks until those bytes are in place.
 WaitFor = Callable[[str, int, int], None]

@@ -24,8 +24,8 @@ from typing import Any
 from hermit_common import protocol
 from hermit_common.errors import CheckpointRefused, RestoreFailed
 from hermit_common.manifest import Manifest
-from hermit_common.store import CheckpointStore
-from hermit_node import admit, container, lazypages, metrics, staging, sysinfo
+from hermit_common.store import CheckpointStore, Deferred
+from hermit_node import admit, container, lazypages, metrics, pagesource, staging, sysinfo
 from hermit_node.checkpoint import NETNS_KEY, SECTION_IMAGES, SECTION_ROOTFS, SECTION_WORKSPACE
 from hermit_node.criu import Criu, RestoreRequest
 from hermit_node.fsapply import apply_tree
@@ -205,7 +205,8 @@ class RestoreEngine:
         shutil.rmtree(local, ignore_errors=True)
         local.mkdir(parents=True)
         try:
-            manifest, admitted, download_ms = self._download(target, view, local, store)
+            manifest, admitted, deferred, download_ms = self._download(
+                target, view, local, store)
             mapped = _map_externals(manifest.restore, view)
 
             started = time.monotonic()
@@ -213,7 +214,8 @@ class RestoreEngine:
             apply_ms = _ms(started)
 
             started = time.monotonic()
-            pid, daemon = self._run_criu(target, manifest, local, view, mapped, timeout)
+            pid, streamed = self._run_criu(target, manifest, local, view, mapped, timeout,
+                                           deferred)
             restore_ms = _ms(started)
         except BaseException:
             # Nothing downloaded stays on the node; CRIU's log is kept beside the dir.
@@ -222,23 +224,25 @@ class RestoreEngine:
         result = RestoreResult(
             download_ms=download_ms, apply_ms=apply_ms, restore_ms=restore_ms,
             total_ms=_ms(began), restored_pid=pid,
-            downloaded_bytes=manifest.totals.image_bytes, lazy=daemon is not None,
+            downloaded_bytes=manifest.totals.image_bytes, lazy=streamed is not None,
         )
-        if daemon is None:
+        if streamed is None:
             # The restored tree holds nothing open in the staging dir.
             shutil.rmtree(local, ignore_errors=True)
         else:
-            _fill_in_background(daemon, target, local)
+            _fill_in_background(streamed, target, local)
         log.info("restored %s/%s into pid %d: %s", target.namespace, target.checkpoint,
                  target.init_pid, result)
         return result
 
     def _download(self, target: RestoreTarget, view: container.ContainerView,
                   local: Path, store: CheckpointStore | None = None,
-                  ) -> tuple[Manifest, admit.Admitted, int]:
+                  ) -> tuple[Manifest, admit.Admitted, Deferred | None, int]:
         """Reads the manifest from ``store`` (where the checkpoint was written; default: the
-        engine's store), admits it, then fetches and verifies the checkpoint into ``local``.
-        Returns the manifest, what to apply, and the duration in milliseconds."""
+        engine's store), admits it, then fetches and verifies the checkpoint into ``local``
+        (for a lazy restore: all but the pages images, whose chunks are left to the
+        returned Deferred). Returns the manifest, what to apply, the Deferred, and the
+        duration in milliseconds."""
         store = store or self._store
         started = time.monotonic()
         # A sealed manifest is verified here (signature, namespace, sandbox uid, name,
@@ -256,11 +260,12 @@ class RestoreEngine:
         admitted = self._admit(target, manifest, view)
         check_room(manifest, admitted, local, view)
         # The manifest downloaded is the one admitted: the same bytes, by digest.
-        store.download(
+        _, deferred = store.download_deferred(
             target.namespace, target.sandbox, target.checkpoint, local,
             expect_uid=target.sandbox_uid, expect_digest=digest,
-            expect_parent=target.expect_parent, expect_lineage=target.expect_lineage)
-        return manifest, admitted, _ms(started)
+            expect_parent=target.expect_parent, expect_lineage=target.expect_lineage,
+            defer=_pages_images if self.lazy else None)
+        return manifest, admitted, deferred if self.lazy else None, _ms(started)
 
     @staticmethod
     def _admit(target: RestoreTarget, manifest: Manifest,
@@ -280,11 +285,12 @@ class RestoreEngine:
 
     def _run_criu(self, target: RestoreTarget, manifest: Manifest, local: Path,
                   view: container.ContainerView, mapped: _Externals, timeout: float,
-                  ) -> tuple[int, lazypages.LazyPages | None]:
+                  deferred: Deferred | None) -> tuple[int, lazypages.Streamed | None]:
         """Restores the tree into the container; returns its root's pid in the container,
-        and for a lazy restore the daemon still copying its memory in."""
-        daemon = lazypages.LazyPages.start(self._criu.binary, local / SECTION_IMAGES) \
-            if self.lazy else None
+        and for a lazy restore (``deferred``: the pages images still to fetch) what is
+        still fetching and copying its memory in."""
+        streamed = None if deferred is None else lazypages.start_streamed(
+            self._criu.binary, local / SECTION_IMAGES, deferred)
         request = WorkerRequest(
             criu_binary=self._criu.binary,
             images_dir=str(local / SECTION_IMAGES),
@@ -295,26 +301,35 @@ class RestoreEngine:
             stdio_keys=mapped.stdio_keys,
             cgroup_dirs=[str(p) for cg in view.cgroups if (p := cg.host_path()).is_dir()],
             bind_self=mapped.cgroup_sources,
-            lazy_pages=daemon is not None,
+            lazy_pages=streamed is not None,
         )
         try:
             pid = _run_worker(request, timeout)
             _wait_for_child(target.init_pid, timeout)
         except BaseException:
-            if daemon is not None:
-                daemon.stop()
+            if streamed is not None:
+                streamed.abort("the restore failed")
             raise
-        return pid, daemon
+        return pid, streamed
 
 
-def _fill_in_background(daemon: lazypages.LazyPages, target: RestoreTarget,
+def _pages_images(section: str, path: str) -> bool:
+    """The files a lazy restore fetches while the tree already runs."""
+    return section == SECTION_IMAGES and pagesource.PAGES_IMAGE.fullmatch(path) is not None
+
+
+def _fill_in_background(streamed: lazypages.Streamed, target: RestoreTarget,
                         local: Path) -> None:
-    """Waits in a thread until ``daemon`` has copied the tree's memory in, then removes
-    the staging dir (the daemon reads its pages images until then). A daemon that fails
-    takes the tree down with it (lazypages.watch)."""
+    """Waits in a thread until the daemon has copied the tree's memory in, then removes
+    the staging dir (the fetch writes and the daemon reads its pages images until then).
+    A daemon that fails takes the tree down with it (lazypages.watch)."""
 
     def done(filled: lazypages.Filled) -> None:
         metrics.record_lazy_fill(filled.seconds, ok=filled.ok)
+        if not filled.ok:
+            streamed.deferred.stop.set()
+            streamed.arrivals.fail("the lazy-pages daemon ended")
+        streamed.fetcher.join()
         if filled.ok:
             log.info("lazy restore of %s/%s: every page in after %.0f ms", target.namespace,
                      target.checkpoint, filled.seconds * 1000)
@@ -322,7 +337,7 @@ def _fill_in_background(daemon: lazypages.LazyPages, target: RestoreTarget,
         else:
             staging.discard(local, local / SECTION_IMAGES / lazypages.LOG_FILE)
 
-    lazypages.watch(daemon, tree_root=lambda: _first_child(target.init_pid),
+    lazypages.watch(streamed.daemon, tree_root=lambda: _first_child(target.init_pid),
                     timeout=LAZY_FILL_TIMEOUT_SECONDS, done=done)
 
 
