@@ -1093,20 +1093,29 @@ class Deferred:
         jobs = [partial(self._fetch, d, landed) for d in wanted if self._take([d])]
         _run_parallel(self._workers, "hermit-download", jobs, _ignore, self.stop)
 
-    def fetch_rest(self, landed: Landed,
-                   wanted: Callable[[], tuple[str, int, int] | None]) -> None:
-        """Fetches every chunk not fetched yet, a chunk under ``wanted()`` first; raises
-        the first failure once the other workers stopped."""
+    def fetch_rest(self, landed: Landed, wanted: Callable[[], tuple[str, int, int] | None], *,
+                   bulk: threading.Event | None = None,
+                   idle: Callable[[], None] = lambda: time.sleep(0.01)) -> None:
+        """Fetches every chunk not fetched yet, a chunk under ``wanted()`` first, the others
+        only once ``bulk`` is set (None: at once); ``idle()`` waits a little for either.
+        Raises the first failure once the other workers stopped."""
         errors: list[BaseException] = []
 
         def work() -> None:
             try:
                 while not self.stop.is_set():
                     want = wanted()
-                    digest = (want and self._take(self._under(*want))) or self._take(self._order)
-                    if digest is None:
+                    digest = want and self._take(self._under(*want))
+                    if not digest and (bulk is None or bulk.is_set()):
+                        digest = self._take(self._order)
+                        if digest is None:
+                            return
+                    if digest:
+                        self._fetch(digest, landed)
+                    elif len(self._taken) == len(self._order):
                         return
-                    self._fetch(digest, landed)
+                    else:
+                        idle()
             except BaseException as exc:
                 errors.append(exc)
                 self.stop.set()

@@ -156,6 +156,9 @@ class Streamed:
     arrivals: Arrivals
     deferred: Deferred
     fetcher: threading.Thread
+    # Set once the tree runs: until then only the pages a task waits for are fetched, so
+    # the restore does not compete with the bulk of the download.
+    bulk: threading.Event
 
     def abort(self, why: str) -> None:
         """Stops the fetch, fails every page wait and ends the daemon (the tree never ran)."""
@@ -180,12 +183,20 @@ def start_streamed(criu_binary: str, images_dir: Path, deferred: Deferred) -> St
         want = arrivals.wanted()
         return None if want is None else (str(images_dir / want[0]), want[1], want[2])
 
+    began = time.monotonic()
+    eager = eager_ranges(maps)
     deferred.fetch_ranges([(str(images_dir / name), offset, length)
-                           for name, offset, length in eager_ranges(maps)], landed)
+                           for name, offset, length in eager], landed)
+    log.info("lazy restore in %s: fetched the chunks under the %d bytes criu restore reads "
+             "itself in %.0f ms", images_dir, sum(n for _, _, n in eager),
+             (time.monotonic() - began) * 1000)
+
+    bulk = threading.Event()
 
     def fetch() -> None:
         try:
-            deferred.fetch_rest(landed, wanted)
+            deferred.fetch_rest(landed, wanted, bulk=bulk,
+                                idle=lambda: arrivals.wait_wanted(0.05))
         except BaseException as exc:
             log.error("lazy restore in %s: fetching its pages failed: %s", images_dir, exc)
             arrivals.fail(f"fetching the pages failed: {exc}")
@@ -200,4 +211,4 @@ def start_streamed(criu_binary: str, images_dir: Path, deferred: Deferred) -> St
         arrivals.fail("the lazy-pages daemon did not start")
         fetcher.join()
         raise
-    return Streamed(daemon, arrivals, deferred, fetcher)
+    return Streamed(daemon, arrivals, deferred, fetcher, bulk)

@@ -144,6 +144,12 @@ class Arrivals:
         with self._changed:
             return self._wanted[0] if self._wanted else None
 
+    def wait_wanted(self, timeout: float) -> None:
+        """Waits up to ``timeout`` seconds for a range someone waits for."""
+        with self._changed:
+            self._changed.wait_for(lambda: bool(self._wanted) or self._failed is not None,
+                                   timeout)
+
     def wait_for(self, name: str, offset: int, length: int) -> None:
         with self._changed:
             want = (name, offset, length)

@@ -230,6 +230,7 @@ class RestoreEngine:
             # The restored tree holds nothing open in the staging dir.
             shutil.rmtree(local, ignore_errors=True)
         else:
+            streamed.bulk.set()  # the tree runs: fetch the rest of its memory
             _fill_in_background(streamed, target, local)
         log.info("restored %s/%s into pid %d: %s", target.namespace, target.checkpoint,
                  target.init_pid, result)
