@@ -16,6 +16,9 @@ NODE_CHECKPOINT_SECONDS: Final = "hermit_node_checkpoint_duration_seconds"  # la
 NODE_CHECKPOINT_BYTES: Final = "hermit_node_checkpoint_bytes_total"  # labels: kind
 NODE_RESTORE_SECONDS: Final = "hermit_node_restore_duration_seconds"  # labels: result
 NODE_TURNS: Final = "hermit_node_turns_total"  # labels: decision (protocol.TURN_DECISIONS)
+# 1: restores on this node are lazy (HERMIT_LAZY_RESTORE and userfaultfd works); 0: full.
+NODE_LAZY_RESTORE: Final = "hermit_node_lazy_restore_enabled"
+NODE_LAZY_FILL_SECONDS: Final = "hermit_node_lazy_restore_fill_seconds"  # labels: result
 
 # -- operator -------------------------------------------------------------------------------
 OPERATOR_RECONCILES: Final = "hermit_operator_reconciles_total"  # labels: result
@@ -38,6 +41,7 @@ DOWNTIME_BUCKETS: Final = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90
                            180.0, 300.0, 600.0)
 
 ALL: Final = (NODE_NOTICES, NODE_CHECKPOINT_SECONDS, NODE_CHECKPOINT_BYTES,
-              NODE_RESTORE_SECONDS, NODE_TURNS, OPERATOR_RECONCILES, OPERATOR_RECONCILE_SECONDS,
+              NODE_RESTORE_SECONDS, NODE_TURNS, NODE_LAZY_RESTORE, NODE_LAZY_FILL_SECONDS,
+              OPERATOR_RECONCILES, OPERATOR_RECONCILE_SECONDS,
               OPERATOR_PODS_CREATED, OPERATOR_CHECKPOINTS_DELETED, OPERATOR_DOWNTIME,
               OPERATOR_RESYNCS)

@@ -222,6 +222,9 @@ class NodeSettings:
     # caller's token must carry ("": the API server's own audiences).
     turn_port: int = 9103
     turn_audience: str = ""
+    # Restore lazily (docs/criu.md#lazy-restore): the tree runs while CRIU's lazy-pages
+    # daemon copies its memory in; a node without userfaultfd restores fully.
+    lazy_restore: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> NodeSettings:
@@ -248,6 +251,7 @@ class NodeSettings:
                 "HERMIT_ROUTINE_UPLOAD_SECONDS", 900.0, minimum=10.0, maximum=86400.0),
             turn_port=env.integer("HERMIT_TURN_PORT", 9103, minimum=0, maximum=65535),
             turn_audience=env.optional_str("HERMIT_TURN_AUDIENCE") or "",
+            lazy_restore=env.flag("HERMIT_LAZY_RESTORE", False),
         )
 
 

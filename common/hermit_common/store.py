@@ -35,7 +35,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
@@ -905,6 +905,19 @@ class CheckpointStore:
         checkpoint), CheckpointNotFound, or StoreUnavailable. On failure nothing
         is left under ``dest``; on success every byte has been verified.
         """
+        return self.download_deferred(
+            namespace, sandbox, checkpoint, dest, expect_uid=expect_uid,
+            expect_digest=expect_digest, expect_parent=expect_parent,
+            expect_lineage=expect_lineage)[0]
+
+    def download_deferred(self, namespace: str, sandbox: str, checkpoint: str, dest: Path, *,
+                          expect_uid: str, expect_digest: str | None = None,
+                          expect_parent: str | None = None,
+                          expect_lineage: tuple[str, ...] | None = None,
+                          defer: Defer | None = None) -> tuple[Manifest, Deferred]:
+        """``download``, except that the chunks of the files ``defer`` picks are left to the
+        returned Deferred: those files exist with their size and metadata, and their
+        bytes (each chunk verified) land when it fetches them."""
         opened = self._open_manifest(Expected(namespace, sandbox, checkpoint, expect_uid,
                                               expect_parent, expect_lineage), expect_digest)
         manifest, cipher = opened.manifest, opened.cipher
@@ -927,15 +940,21 @@ class CheckpointStore:
                     raise CheckpointFailed(
                         f"cannot restore into {section_root}: it already exists") from None
                 created.append(section_root)
-            self._materialize(manifest, dest, _Where(namespace, sandbox, checkpoint, cipher))
+            where = _Where(namespace, sandbox, checkpoint, cipher)
+            later = self._materialize(manifest, dest, where, defer)
         except BaseException:
             for path in created:
                 shutil.rmtree(path, ignore_errors=True)
             raise
-        return manifest
+        return manifest, Deferred(
+            partial(self._fetch_chunk, chunk_size=manifest.chunk_size, at=where), later,
+            self.settings.transfer_concurrency)
 
-    def _materialize(self, manifest: Manifest, dest: Path, where: _Where) -> None:
+    def _materialize(self, manifest: Manifest, dest: Path, where: _Where,
+                     defer: Defer | None = None) -> dict[str, list[_Location]]:
+        """Writes the checkpoint under ``dest``; returns the chunks left for later."""
         locations: dict[str, list[_Location]] = {}
+        later: dict[str, list[_Location]] = {}
         chunk_size = manifest.chunk_size
         for name, entries in manifest.sections.items():
             root = os.fspath(dest / name)
@@ -950,10 +969,12 @@ class CheckpointStore:
                         os.ftruncate(fd, entry.size)
                     finally:
                         os.close(fd)
+                    into = later if defer is not None and defer(name, entry.path) \
+                        else locations
                     for ci, digest in enumerate(entry.chunks):
                         offset = ci * chunk_size
                         length = min(chunk_size, entry.size - offset)
-                        locations.setdefault(digest, []).append(
+                        into.setdefault(digest, []).append(
                             _Location(full, offset, length, f"{name}/{entry.path}"))
         self._fetch_chunks(locations, chunk_size, where)
         is_root = os.geteuid() == 0
@@ -975,16 +996,17 @@ class CheckpointStore:
                 _apply_metadata(full, entry, is_root)
         for full, entry in sorted(dirs, key=lambda d: d[0].count("/"), reverse=True):
             _apply_metadata(full, entry, is_root)
+        return later
 
     def _fetch_chunks(self, locations: Mapping[str, list[_Location]], chunk_size: int,
                       where: _Where) -> None:
         stop = threading.Event()
-        jobs = [partial(self._fetch_chunk, digest, locs, chunk_size, where, stop)
+        jobs = [partial(self._fetch_chunk, digest, locs, stop, chunk_size=chunk_size, at=where)
                 for digest, locs in locations.items()]
         _run_parallel(self.settings.transfer_concurrency, "hermit-download", jobs, _ignore, stop)
 
-    def _fetch_chunk(self, digest: str, locs: list[_Location], chunk_size: int,
-                     at: _Where, stop: threading.Event) -> None:
+    def _fetch_chunk(self, digest: str, locs: list[_Location], stop: threading.Event, *,
+                     chunk_size: int, at: _Where) -> None:
         if stop.is_set():
             return
         ns, checkpoint = at.namespace, at.checkpoint
@@ -1017,6 +1039,95 @@ class CheckpointStore:
                     f"checkpoint {ns}/{checkpoint}: chunk {digest} of {loc.label} has "
                     f"{len(data)} bytes, the manifest expects {loc.length}")
             _write_all(loc.path, loc.offset, data)
+
+
+# (section, path inside it) -> True: a download leaves that file's chunks to a Deferred.
+Defer = Callable[[str, str], bool]
+# (file path, offset, length) of bytes that landed, verified.
+Landed = Callable[[str, int, int], None]
+
+
+class Deferred:
+    """Chunks a download left for later (``download_deferred``), fetched while their files
+    are already in use: the chunks under given ranges first (``fetch_ranges``), then the
+    rest (``fetch_rest``), each as soon as someone waits for it."""
+
+    def __init__(self, fetch_one: Callable[[str, list[_Location], threading.Event], None],
+                 locations: dict[str, list[_Location]], workers: int) -> None:
+        self._fetch_one = fetch_one
+        self._locations = locations
+        self._workers = workers
+        self._order = list(locations)
+        self._taken: set[str] = set()
+        self._lock = threading.Lock()
+        self.stop = threading.Event()
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(loc.length for locs in self._locations.values() for loc in locs)
+
+    def _under(self, path: str, offset: int, length: int) -> list[str]:
+        return [d for d, locs in self._locations.items() for loc in locs
+                if loc.path == path and loc.offset < offset + length
+                and offset < loc.offset + loc.length]
+
+    def _fetch(self, digest: str, landed: Landed) -> None:
+        locs = self._locations[digest]
+        self._fetch_one(digest, locs, self.stop)
+        if self.stop.is_set():
+            raise CheckpointFailed("the download was stopped")
+        for loc in locs:
+            landed(loc.path, loc.offset, loc.length)
+
+    def _take(self, digests: Iterable[str]) -> str | None:
+        with self._lock:
+            for digest in digests:
+                if digest not in self._taken:
+                    self._taken.add(digest)
+                    return digest
+        return None
+
+    def fetch_ranges(self, ranges: Iterable[tuple[str, int, int]], landed: Landed) -> None:
+        """Fetches (now, in parallel) the chunks under ``ranges`` (path, offset, length)."""
+        wanted = list(dict.fromkeys(d for r in ranges for d in self._under(*r)))
+        jobs = [partial(self._fetch, d, landed) for d in wanted if self._take([d])]
+        _run_parallel(self._workers, "hermit-download", jobs, _ignore, self.stop)
+
+    def fetch_rest(self, landed: Landed, wanted: Callable[[], tuple[str, int, int] | None], *,
+                   bulk: threading.Event | None = None,
+                   idle: Callable[[], None] = lambda: time.sleep(0.01)) -> None:
+        """Fetches every chunk not fetched yet, a chunk under ``wanted()`` first, the others
+        only once ``bulk`` is set (None: at once); ``idle()`` waits a little for either.
+        Raises the first failure once the other workers stopped."""
+        errors: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                while not self.stop.is_set():
+                    want = wanted()
+                    digest = want and self._take(self._under(*want))
+                    if not digest and (bulk is None or bulk.is_set()):
+                        digest = self._take(self._order)
+                        if digest is None:
+                            return
+                    if digest:
+                        self._fetch(digest, landed)
+                    elif len(self._taken) == len(self._order):
+                        return
+                    else:
+                        idle()
+            except BaseException as exc:
+                errors.append(exc)
+                self.stop.set()
+
+        threads = [threading.Thread(target=work, name=f"hermit-deferred-{i}", daemon=True)
+                   for i in range(max(1, min(self._workers, len(self._order))))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,9 @@ class RestoreRequest:
     tcp_close: bool = True
     file_locks: bool = True
     rst_sibling: bool = True
+    # Leave anonymous private memory to a running ``criu lazy-pages`` daemon (lazypages.py)
+    # listening in the images dir.
+    lazy_pages: bool = False
 
 
 @dataclass
@@ -132,6 +135,8 @@ class Criu:
             opts.file_locks = req.file_locks
             opts.shell_job = False
             opts.rst_sibling = req.rst_sibling
+            if req.lazy_pages:
+                opts.lazy_pages = True
             opts.manage_cgroups = True
             opts.manage_cgroups_mode = rpc.IGNORE
             _skip_network_lock(opts, rpc)
@@ -155,6 +160,37 @@ class Criu:
             return int(resp.pid)
         finally:
             os.close(images_fd)
+
+
+@dataclass(frozen=True)
+class PageMap:
+    """One task's ``pagemap-<pid>.img``: which pages image holds its memory, and its
+    entries in file order as (vaddr, nr_pages, flags) (flags: CRIU's PE_* bits)."""
+
+    pid: int
+    pages_id: int
+    entries: tuple[tuple[int, int, int], ...]
+
+
+PAGEMAP_FILE = re.compile(r"pagemap-(\d+)\.img")
+
+
+def read_pagemaps(images_dir: Path) -> list[PageMap]:
+    """The task pagemaps of an images dir (shared-memory pagemaps are not included)."""
+    import pycriu.images
+
+    maps = []
+    for path in sorted(images_dir.iterdir()):
+        match = PAGEMAP_FILE.fullmatch(path.name)
+        if match is None:
+            continue
+        with path.open("rb") as f:
+            entries = pycriu.images.load(f)["entries"]
+        maps.append(PageMap(
+            pid=int(match.group(1)), pages_id=int(entries[0]["pages_id"]),
+            entries=tuple((int(e["vaddr"]), int(e["nr_pages"]), int(e.get("flags", 0)))
+                          for e in entries[1:])))
+    return maps
 
 
 def _skip_network_lock(opts: Any, rpc: Any) -> None:

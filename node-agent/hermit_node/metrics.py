@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from hermit_common import metrics
 
@@ -22,6 +22,13 @@ CHECKPOINT_BYTES = Counter(
 RESTORE_SECONDS = Histogram(
     metrics.NODE_RESTORE_SECONDS, "Time to restore a checkpoint into a pod", ["result"],
     buckets=_BUCKETS)
+
+LAZY_RESTORE = Gauge(
+    metrics.NODE_LAZY_RESTORE, "1 when restores on this node are lazy (CRIU lazy-pages), else 0")
+LAZY_FILL_SECONDS = Histogram(
+    metrics.NODE_LAZY_FILL_SECONDS,
+    "Time from the start of a lazy restore's CRIU run until every page of the tree is in",
+    ["result"], buckets=_BUCKETS)
 
 TURNS = Counter(metrics.NODE_TURNS, "Turns ended, by what the inspector decided", ["decision"])
 
@@ -44,6 +51,14 @@ def record_checkpoint_failure(total_seconds: float) -> None:
 
 def record_restore(seconds: float, *, ok: bool) -> None:
     RESTORE_SECONDS.labels("success" if ok else "failure").observe(seconds)
+
+
+def record_lazy_restore(enabled: bool) -> None:
+    LAZY_RESTORE.set(1 if enabled else 0)
+
+
+def record_lazy_fill(seconds: float, *, ok: bool) -> None:
+    LAZY_FILL_SECONDS.labels("success" if ok else "failure").observe(seconds)
 
 
 def record_notice(provider: str, kind: str) -> None:

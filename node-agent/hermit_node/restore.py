@@ -24,8 +24,8 @@ from typing import Any
 from hermit_common import protocol
 from hermit_common.errors import CheckpointRefused, RestoreFailed
 from hermit_common.manifest import Manifest
-from hermit_common.store import CheckpointStore
-from hermit_node import admit, container, staging, sysinfo
+from hermit_common.store import CheckpointStore, Deferred
+from hermit_node import admit, container, lazypages, metrics, pagesource, staging, sysinfo
 from hermit_node.checkpoint import NETNS_KEY, SECTION_IMAGES, SECTION_ROOTFS, SECTION_WORKSPACE
 from hermit_node.criu import Criu, RestoreRequest
 from hermit_node.fsapply import apply_tree
@@ -33,6 +33,10 @@ from hermit_node.imagefiles import image_lookup
 from hermit_node.restore_worker import WorkerRequest
 
 log = logging.getLogger(__name__)
+
+# A lazy restore's daemon that has not copied every page in by then fails, and its tree
+# is killed (lazypages.watch).
+LAZY_FILL_TIMEOUT_SECONDS = 600.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,9 @@ class RestoreResult:
     total_ms: int
     restored_pid: int  # root of the restored tree, as seen in the container
     downloaded_bytes: int
+    # The tree runs while CRIU's lazy-pages daemon copies its memory in (restore_ms is
+    # then the time to running, not to every page being in).
+    lazy: bool = False
 
 
 def check_compatible(manifest: Manifest, *, criu_version: str, cpu_flags: tuple[str, ...],
@@ -173,10 +180,20 @@ def check_room(manifest: Manifest, admitted: admit.Admitted, local: Path,
 
 
 class RestoreEngine:
-    def __init__(self, criu: Criu, store: CheckpointStore, work_dir: Path) -> None:
+    def __init__(self, criu: Criu, store: CheckpointStore, work_dir: Path, *,
+                 lazy: bool = False) -> None:
         self._criu = criu
         self._store = store
         self._work_dir = work_dir
+        self.lazy = lazy and self._lazy_works()
+        metrics.record_lazy_restore(self.lazy)
+
+    def _lazy_works(self) -> bool:
+        reason = lazypages.unavailable(self._criu.binary)
+        if reason is not None:
+            log.warning("HERMIT_LAZY_RESTORE is on, but this node cannot restore lazily "
+                        "(%s): restores copy all memory in before the sandbox runs", reason)
+        return reason is None
 
     def restore(self, target: RestoreTarget, *, timeout: float = 120.0,
                 store: CheckpointStore | None = None) -> RestoreResult:
@@ -188,7 +205,8 @@ class RestoreEngine:
         shutil.rmtree(local, ignore_errors=True)
         local.mkdir(parents=True)
         try:
-            manifest, admitted, download_ms = self._download(target, view, local, store)
+            manifest, admitted, deferred, download_ms = self._download(
+                target, view, local, store)
             mapped = _map_externals(manifest.restore, view)
 
             started = time.monotonic()
@@ -196,7 +214,8 @@ class RestoreEngine:
             apply_ms = _ms(started)
 
             started = time.monotonic()
-            pid = self._run_criu(target, manifest, local, view, mapped, timeout)
+            pid, streamed = self._run_criu(target, manifest, local, view, mapped, timeout,
+                                           deferred)
             restore_ms = _ms(started)
         except BaseException:
             # Nothing downloaded stays on the node; CRIU's log is kept beside the dir.
@@ -205,20 +224,26 @@ class RestoreEngine:
         result = RestoreResult(
             download_ms=download_ms, apply_ms=apply_ms, restore_ms=restore_ms,
             total_ms=_ms(began), restored_pid=pid,
-            downloaded_bytes=manifest.totals.image_bytes,
+            downloaded_bytes=manifest.totals.image_bytes, lazy=streamed is not None,
         )
-        # The restored tree holds nothing open in the staging dir.
-        shutil.rmtree(local, ignore_errors=True)
+        if streamed is None:
+            # The restored tree holds nothing open in the staging dir.
+            shutil.rmtree(local, ignore_errors=True)
+        else:
+            streamed.bulk.set()  # the tree runs: fetch the rest of its memory
+            _fill_in_background(streamed, target, local)
         log.info("restored %s/%s into pid %d: %s", target.namespace, target.checkpoint,
                  target.init_pid, result)
         return result
 
     def _download(self, target: RestoreTarget, view: container.ContainerView,
                   local: Path, store: CheckpointStore | None = None,
-                  ) -> tuple[Manifest, admit.Admitted, int]:
+                  ) -> tuple[Manifest, admit.Admitted, Deferred | None, int]:
         """Reads the manifest from ``store`` (where the checkpoint was written; default: the
-        engine's store), admits it, then fetches and verifies the checkpoint into ``local``.
-        Returns the manifest, what to apply, and the duration in milliseconds."""
+        engine's store), admits it, then fetches and verifies the checkpoint into ``local``
+        (for a lazy restore: all but the pages images, whose chunks are left to the
+        returned Deferred). Returns the manifest, what to apply, the Deferred, and the
+        duration in milliseconds."""
         store = store or self._store
         started = time.monotonic()
         # A sealed manifest is verified here (signature, namespace, sandbox uid, name,
@@ -236,11 +261,12 @@ class RestoreEngine:
         admitted = self._admit(target, manifest, view)
         check_room(manifest, admitted, local, view)
         # The manifest downloaded is the one admitted: the same bytes, by digest.
-        store.download(
+        _, deferred = store.download_deferred(
             target.namespace, target.sandbox, target.checkpoint, local,
             expect_uid=target.sandbox_uid, expect_digest=digest,
-            expect_parent=target.expect_parent, expect_lineage=target.expect_lineage)
-        return manifest, admitted, _ms(started)
+            expect_parent=target.expect_parent, expect_lineage=target.expect_lineage,
+            defer=_pages_images if self.lazy else None)
+        return manifest, admitted, deferred if self.lazy else None, _ms(started)
 
     @staticmethod
     def _admit(target: RestoreTarget, manifest: Manifest,
@@ -259,8 +285,13 @@ class RestoreEngine:
         return admitted
 
     def _run_criu(self, target: RestoreTarget, manifest: Manifest, local: Path,
-                  view: container.ContainerView, mapped: _Externals, timeout: float) -> int:
-        """Restores the tree into the container; returns its root's pid in the container."""
+                  view: container.ContainerView, mapped: _Externals, timeout: float,
+                  deferred: Deferred | None) -> tuple[int, lazypages.Streamed | None]:
+        """Restores the tree into the container; returns its root's pid in the container,
+        and for a lazy restore (``deferred``: the pages images still to fetch) what is
+        still fetching and copying its memory in."""
+        streamed = None if deferred is None else lazypages.start_streamed(
+            self._criu.binary, local / SECTION_IMAGES, deferred)
         request = WorkerRequest(
             criu_binary=self._criu.binary,
             images_dir=str(local / SECTION_IMAGES),
@@ -271,10 +302,53 @@ class RestoreEngine:
             stdio_keys=mapped.stdio_keys,
             cgroup_dirs=[str(p) for cg in view.cgroups if (p := cg.host_path()).is_dir()],
             bind_self=mapped.cgroup_sources,
+            lazy_pages=streamed is not None,
         )
-        pid = _run_worker(request, timeout)
-        _wait_for_child(target.init_pid, timeout)
-        return pid
+        try:
+            pid = _run_worker(request, timeout)
+            _wait_for_child(target.init_pid, timeout)
+        except BaseException:
+            if streamed is not None:
+                streamed.abort("the restore failed")
+            raise
+        return pid, streamed
+
+
+def _pages_images(section: str, path: str) -> bool:
+    """The files a lazy restore fetches while the tree already runs."""
+    return section == SECTION_IMAGES and pagesource.PAGES_IMAGE.fullmatch(path) is not None
+
+
+def _fill_in_background(streamed: lazypages.Streamed, target: RestoreTarget,
+                        local: Path) -> None:
+    """Waits in a thread until the daemon has copied the tree's memory in, then removes
+    the staging dir (the fetch writes and the daemon reads its pages images until then).
+    A daemon that fails takes the tree down with it (lazypages.watch)."""
+
+    def done(filled: lazypages.Filled) -> None:
+        metrics.record_lazy_fill(filled.seconds, ok=filled.ok)
+        if not filled.ok:
+            streamed.deferred.stop.set()
+            streamed.arrivals.fail("the lazy-pages daemon ended")
+        streamed.fetcher.join()
+        if filled.ok:
+            log.info("lazy restore of %s/%s: every page in after %.0f ms", target.namespace,
+                     target.checkpoint, filled.seconds * 1000)
+            shutil.rmtree(local, ignore_errors=True)
+        else:
+            staging.discard(local, local / SECTION_IMAGES / lazypages.LOG_FILE)
+
+    lazypages.watch(streamed.daemon, tree_root=lambda: _first_child(target.init_pid),
+                    timeout=LAZY_FILL_TIMEOUT_SECONDS, done=done)
+
+
+def _first_child(pid: int) -> int | None:
+    """Host pid of ``pid``'s first child (a restored tree's root), if it has one."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
 
 
 def _run_worker(request: WorkerRequest, timeout: float) -> int:

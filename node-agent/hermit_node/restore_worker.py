@@ -36,6 +36,7 @@ class WorkerRequest:
     cgroup_dirs: list[str]  # host cgroup directories of the new container
     bind_self: list[str] = field(default_factory=list)  # external sources to make mount roots
     join_uts_ipc: bool = True
+    lazy_pages: bool = False  # a criu lazy-pages daemon listens in images_dir
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> WorkerRequest:
@@ -59,6 +60,7 @@ def _child(req: WorkerRequest, netns_fd: int, stdio_fds: dict[str, int]) -> int:
         externals=tuple(req.externals),
         inherit_fds=((req.netns_key, netns_fd), *stdio_fds.items()),
         join_ns=join,
+        lazy_pages=req.lazy_pages,
     ))
     return pid
 

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,12 +71,12 @@ def store_settings(minio_server: MinioServer) -> StoreSettings:
     return settings
 
 
-def engines(node: Node, criu_bin: Path,
-            settings: StoreSettings) -> tuple[CheckpointEngine, RestoreEngine]:
+def engines(node: Node, criu_bin: Path, settings: StoreSettings, *,
+            lazy: bool = False) -> tuple[CheckpointEngine, RestoreEngine]:
     store = CheckpointStore(settings)
     criu = Criu(str(criu_bin))
     return (CheckpointEngine(criu, store, node.work_dir),
-            RestoreEngine(criu, store, node.work_dir))
+            RestoreEngine(criu, store, node.work_dir, lazy=lazy))
 
 
 def checkpoint_target(sandbox: Sandbox, uid: str, name: str) -> CheckpointTarget:
@@ -89,14 +90,15 @@ def restore_target(sandbox: Sandbox, uid: str, name: str) -> RestoreTarget:
                          init_pid=sandbox.init_pid, image_digest=sandbox.node.image_digest())
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["full", "lazy"])
 def test_migration_keeps_memory_children_files_log_socket_and_output(
     nodes: tuple[Node, Node], cni_network: CniNetwork, criu_bin: Path,
-    store_settings: StoreSettings,
+    store_settings: StoreSettings, lazy: bool,
 ) -> None:
     node_a, node_b = nodes
     uid = str(uuid.uuid4())
     ckpt_a, restore_b = engines(node_a, criu_bin, store_settings)[0], engines(
-        node_b, criu_bin, store_settings)[1]
+        node_b, criu_bin, store_settings, lazy=lazy)[1]
 
     source = start_sandbox(node_a, cni_network, "sbx")
     source.wait_ticks(15)
@@ -118,6 +120,9 @@ def test_migration_keeps_memory_children_files_log_socket_and_output(
     try:
         restored = restore_b.restore(restore_target(target, uid, "ckpt-1"))
         assert restored.restored_pid > 0
+        assert restored.lazy == lazy
+        if lazy:
+            _wait_for_every_page(node_b)
 
         # The in-memory counter continues where it was: no gap, no duplicate, not from zero.
         ticks = target.wait_ticks(last + 10)
@@ -148,6 +153,19 @@ def test_migration_keeps_memory_children_files_log_socket_and_output(
             assert Path(f"/proc/{pid}/cgroup").read_text() == expected, f"pid {pid} cgroup"
     finally:
         destroy_sandbox(target, cni_network)
+
+
+def _wait_for_every_page(node: Node, checkpoint: str = "ckpt-1",
+                         timeout: float = 120.0) -> None:
+    """A lazy restore's staging dir goes once its daemon has copied every page in (a
+    failed daemon leaves its log beside it)."""
+    staged = node.work_dir / "restores" / NAMESPACE / "sbx" / checkpoint
+    deadline = time.monotonic() + timeout
+    while staged.exists():
+        assert time.monotonic() < deadline, "the lazy-pages daemon never finished"
+        time.sleep(0.01)
+    kept = staged.with_name(f"{checkpoint}.lazy-pages.log")
+    assert not kept.exists(), kept.read_text()[-2000:]
 
 
 def _nspid(host_pid: int) -> tuple[int, ...]:
@@ -216,6 +234,51 @@ def _move_three_times(nodes: tuple[Node, Node], cni_network: CniNetwork, criu_bi
         # The workload verifies its patterned memory every tick and exits 3 if it is not.
         current.wait_ticks(ticks[-1] + 5)
         assert current.container.alive(), current.container.read_log()[-500:]
+
+
+LARGE_MEM_MB = "256"
+
+
+def test_a_large_sandbox_restored_lazily_runs_before_its_memory_is_in(
+    nodes: tuple[Node, Node], cni_network: CniNetwork, criu_bin: Path,
+    store_settings: StoreSettings,
+) -> None:
+    """The same checkpoint from MinIO, restored fully and then lazily (its pages images
+    streamed from the store while the tree runs). The workload verifies its patterned
+    memory every tick and exits 3 if a word is wrong."""
+    node_a, node_b = nodes
+    uid = str(uuid.uuid4())
+    source = start_sandbox(node_a, cni_network, "sbx", env={"HERMIT_WORKLOAD_MEM_MB": LARGE_MEM_MB})
+    try:
+        source.wait_ticks(5)
+        checkpoint = engines(node_a, criu_bin, store_settings)[0]
+        result = checkpoint.checkpoint(checkpoint_target(source, uid, "big"), stop=True)
+        source.container.wait_exit(30)
+        last = source.ticks()[-1]
+    finally:
+        destroy_sandbox(source, cni_network)
+    figures = []
+    for lazy in (False, True):
+        restore = engines(node_b, criu_bin, store_settings, lazy=lazy)[1]
+        target = start_sandbox(node_b, cni_network, "sbx", restore=True)
+        try:
+            began = time.monotonic()
+            restored = restore.restore(restore_target(target, uid, "big"))
+            running_ms = (time.monotonic() - began) * 1000
+            assert restored.lazy == lazy
+            if lazy:
+                _wait_for_every_page(node_b, "big")
+            all_in_ms = (time.monotonic() - began) * 1000
+            ticks = target.wait_ticks(last + 5)
+            assert ticks == list(range(1, len(ticks) + 1)), "ticks.log has a gap or a duplicate"
+            assert target.container.alive(), target.container.read_log()[-500:]
+            figures.append(f"{'lazy' if lazy else 'full'}: -> running {running_ms:.0f} ms "
+                           f"(download {restored.download_ms} ms, criu {restored.restore_ms} "
+                           f"ms), -> all pages present {all_in_ms:.0f} ms")
+        finally:
+            destroy_sandbox(target, cni_network)
+    print(f"\n{LARGE_MEM_MB} MiB sandbox, {result.image_bytes} image bytes, from MinIO: "
+          + "; ".join(figures))
 
 
 def test_failed_checkpoint_leaves_sandbox_running(

@@ -262,6 +262,11 @@ def test_the_turn_endpoint_is_on_by_default_and_port_0_removes_it_and_its_rights
     assert env_off["HERMIT_TURN_PORT"] == "0"
 
 
+def test_lazy_restore_is_off_by_default_and_the_value_turns_it_on() -> None:
+    assert _node_agent_parts()[1]["HERMIT_LAZY_RESTORE"] == "false"
+    assert _node_agent_parts("nodeAgent.lazyRestore=true")[1]["HERMIT_LAZY_RESTORE"] == "true"
+
+
 def test_the_turn_port_is_on_the_node_and_the_client_role_is_narrow() -> None:
     helm = _helm()
     if helm is None:

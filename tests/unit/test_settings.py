@@ -53,6 +53,13 @@ def test_per_sandbox_storage_is_off_unless_turned_on() -> None:
         NodeSettings.from_env({**BASE, "HERMIT_PER_SANDBOX_STORAGE": "maybe"})
 
 
+def test_lazy_restore_is_off_unless_turned_on() -> None:
+    assert NodeSettings.from_env(BASE).lazy_restore is False
+    assert NodeSettings.from_env({**BASE, "HERMIT_LAZY_RESTORE": "true"}).lazy_restore is True
+    with pytest.raises(SettingsError, match="HERMIT_LAZY_RESTORE='soon' is not a "):
+        NodeSettings.from_env({**BASE, "HERMIT_LAZY_RESTORE": "soon"})
+
+
 def test_redacted_masks_a_session_token() -> None:
     s = StoreSettings(bucket="b-1", access_key_id="AKIA", secret_access_key="s",
                       session_token="very-secret-token")

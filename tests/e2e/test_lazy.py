@@ -1,0 +1,82 @@
+"""Lazy restore on the cluster: a sandbox moved by a drain runs on its new node while its
+memory streams in from S3 (nodeAgent.lazyRestore; docs/criu.md#lazy-restore)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e import sandboxes as sb
+from tests.e2e.conftest import (
+    RELEASE,
+    REPO,
+    E2EConfig,
+    Kube,
+    helm_binary,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+
+def _helm_set_lazy(e2e_config: E2EConfig, release_ns: str, on: bool) -> None:
+    proc = subprocess.run(
+        [helm_binary(), "upgrade", RELEASE, str(REPO / "charts/hermit"), "-n", release_ns,
+         "--reuse-values", "--set", f"nodeAgent.lazyRestore={str(on).lower()}",
+         "--wait", "--timeout", "180s"],
+        env={**os.environ, "KUBECONFIG": e2e_config.kubeconfig}, capture_output=True,
+        text=True, check=False)
+    assert proc.returncode == 0, f"helm upgrade failed: {proc.stdout}{proc.stderr}"
+
+
+@pytest.fixture
+def lazy_release(hermit_release: str, e2e_config: E2EConfig) -> Iterator[str]:
+    """The release with lazy restore on, for this test only."""
+    _helm_set_lazy(e2e_config, hermit_release, True)
+    try:
+        yield hermit_release
+    finally:
+        _helm_set_lazy(e2e_config, hermit_release, False)
+
+
+def test_a_drained_sandbox_runs_on_its_new_node_while_its_memory_streams_in(
+    kube: Kube, namespace: str, lazy_release: str, e2e_config: E2EConfig,
+) -> None:
+    name, where = sb.start_on_spot(kube, e2e_config, lazy_release, namespace)
+    kubectl = str(Path(os.environ.get("HERMIT_CACHE", Path.home() / ".cache/hermit"))
+                  / "bin/kubectl")
+    started = time.monotonic()
+    drain = subprocess.Popen(
+        [kubectl, "drain", where.node, "--ignore-daemonsets", "--delete-emptydir-data",
+         "--timeout=180s", "--kubeconfig", e2e_config.kubeconfig],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        ckpt = wait_until("a Completed Eviction checkpoint", 120, sb.completed_checkpoint(
+            namespace, "Eviction", sandbox_name=name), 0.2)
+        last = sb.ticks(kube, namespace, where.pod)
+        out, _ = drain.communicate(timeout=240)
+        assert drain.returncode == 0, f"drain failed: {out}"
+        after = sb.wait_running(kube, namespace, name, restores=1, avoid=where.node,
+                                min_ticks=1)
+        running = sb.since(started)
+        filled = f"lazy restore of {namespace}/{ckpt['metadata']['name']}: every page in"
+        wait_until("the new node's lazy restore to have every page in", 120,
+                   lambda: filled in sb.node_agent_log(kube, lazy_release, after.node), 0.5)
+        log = sb.node_agent_log(kube, lazy_release, after.node)
+        assert "cannot restore lazily" not in log, log[-3000:]
+        # The workload checks its patterned memory every tick and exits if it is wrong.
+        sb.assert_continues(kube, namespace, after.pod, last[-1] if last else 0,
+                            exact=bool(last))
+        line = next(ln for ln in log.splitlines() if filled in ln)
+        print(f"drain of {where.node}: sandbox running on {after.node} {running} s after "
+              f"the drain began; {line.split('every page in', 1)[1].strip()}")
+    finally:
+        if drain.poll() is None:
+            drain.kill()
+        subprocess.run([kubectl, "uncordon", where.node, "--kubeconfig",
+                        e2e_config.kubeconfig], capture_output=True, check=False)
