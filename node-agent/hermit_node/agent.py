@@ -172,6 +172,7 @@ class Jobs:
         self._freezing = 0
         self._seq = 0
         self._closed = False
+        self._local = threading.local()  # the job a worker thread runs
         self._threads = [threading.Thread(target=self._work, name=f"hermit-job-{i}",
                                           daemon=True) for i in range(workers)]
         for thread in self._threads:
@@ -206,15 +207,29 @@ class Jobs:
                     if self._closed and not self._queue:
                         return
                     self._cond.wait()
+            self._local.job = job
             try:
                 job.fn()
             except Exception:  # a bug in a job must not take the agent down
                 log.exception("job for %s/%s crashed", *job.key)
             finally:
+                self._local.job = None
                 with self._cond:
                     self._busy.discard(job.key)
                     self._freezing -= job.freezes
                     self._cond.notify_all()
+
+    def unfrozen(self) -> None:
+        """Called by a job once its checkpoint is durable (its sandbox thawed, or about to
+        be ended): its freezing slot goes to the next checkpoint while it cleans up (the
+        removal of its staging directory took 3-5 s on a loaded node)."""
+        job = getattr(self._local, "job", None)
+        if job is None or not job.freezes:
+            return
+        with self._cond:
+            job.freezes = False
+            self._freezing -= 1
+            self._cond.notify_all()
 
     def busy(self) -> set[tuple[str, str]]:
         with self._cond:
@@ -533,6 +548,9 @@ class NodeAgent:
                                                         seconds=time.monotonic() - began),
                                forever=True)
             recorded.set()
+            # Durable and recorded: the engine ends a stopping checkpoint's tree right after
+            # this; what is left (removing the staging directory) needs no freezing slot.
+            self._jobs.unfrozen()
 
         try:
             result = self._take(ckpt, sp, stop, record, store)

@@ -1068,3 +1068,19 @@ def test_library_loggers_stay_at_info_when_hermit_logs_debug() -> None:
         assert logging.getLogger("urllib3.connectionpool").getEffectiveLevel() == logging.WARNING
     finally:
         agent_module.set_log_levels("INFO")
+
+
+def test_a_durable_checkpoint_frees_its_freezing_slot_before_its_job_ends() -> None:
+    jobs = agent_module.Jobs(workers=2, freezing=1)
+    cleaning, started = threading.Event(), threading.Event()
+
+    def first() -> None:
+        jobs.unfrozen()  # durable: only the cleanup is left
+        cleaning.wait(10)
+
+    jobs.submit(("ns", "a"), first, priority=agent_module.URGENT, freezes=True)
+    jobs.submit(("ns", "b"), started.set, priority=agent_module.URGENT, freezes=True)
+    assert started.wait(10)  # while the first one still cleans up
+    cleaning.set()
+    jobs.shutdown()
+    jobs.unfrozen()  # outside a job: nothing
