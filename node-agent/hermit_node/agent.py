@@ -114,15 +114,19 @@ class _Progress:
     never reaches the upload."""
 
     def __init__(self, kube: Kube, namespace: str, name: str,
-                 write_status: Callable[[str, str, KubeObject], None]) -> None:
+                 write_status: Callable[[str, str, KubeObject], None],
+                 thawed: Callable[[], None] | None = None) -> None:
         self._kube, self._namespace, self._name = kube, namespace, name
         self._write_status = write_status
+        self._thawed = thawed  # a routine checkpoint's sandbox runs again as it uploads
         self._mark = planner.ProgressMark(time.monotonic(), 0.0)
 
     def uploading(self, frozen_ms: int, dump_ms: int) -> None:
         self._write_status(self._namespace, self._name,
                            planner.status_uploading(frozen_ms, dump_ms))
         self._mark = planner.ProgressMark(time.monotonic(), 0.0)
+        if self._thawed is not None:
+            self._thawed()  # its upload needs no freezing slot: a notice's checkpoints go on
 
     def __call__(self, progress: UploadProgress) -> None:
         fraction, now = planner.upload_fraction(progress), time.monotonic()
@@ -642,7 +646,8 @@ class NodeAgent:
         if sp.container_id is None:
             raise HermitError(f"pod {sp.namespace}/{sp.pod} has no container id")
         pid = locate.find_init_pid(sp.container_id, self._proc_root)
-        progress = _Progress(self._kube, namespace, name, self._write_status)
+        progress = _Progress(self._kube, namespace, name, self._write_status,
+                             None if stop else self._jobs.unfrozen)
         return self._checkpointer.checkpoint(CheckpointTarget(
             namespace=namespace, sandbox=sp.sandbox, sandbox_uid=sp.sandbox_uid,
             checkpoint=name, init_pid=pid, workspace_path=sp.workspace_path,

@@ -1084,3 +1084,36 @@ def test_a_durable_checkpoint_frees_its_freezing_slot_before_its_job_ends() -> N
     cleaning.set()
     jobs.shutdown()
     jobs.unfrozen()  # outside a job: nothing
+
+
+class BlockingEngine(FakeEngine):
+    """Blocks a routine checkpoint in its upload (after on_uploading) until released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.uploading, self.release = threading.Event(), threading.Event()
+
+    def checkpoint(self, target: Any, *, stop: bool = False, **kwargs: Any) -> CheckpointResult:
+        if not stop:
+            on_uploading = kwargs.pop("on_uploading")
+            on_uploading(5, 4)
+            self.uploading.set()
+            self.release.wait(10)
+        return super().checkpoint(target, stop=stop, **kwargs)
+
+
+def test_a_routine_upload_leaves_its_slot_to_a_notices_checkpoint(tmp_path: Path) -> None:
+    kube = FakeKube([pod("box-1"), pod("cat-1", sandbox="cat")],
+                    [ckpt("manual", sandbox="cat")])
+    engine = BlockingEngine()
+    agent = NodeAgent(NODE, kube, engine, engine,  # type: ignore[arg-type]
+                      view=kube, proc_root=fake_proc(tmp_path), clock=lambda: NOW,
+                      jobs=agent_module.Jobs(workers=2, freezing=1))
+    agent.reconcile_once()
+    assert engine.uploading.wait(10)
+    agent.on_notice(notice())  # box-1's Preemption checkpoint takes the only slot
+    wait_for(lambda: (kube.checkpoints.get("box-1-preempt") or {}).get(
+        "status", {}).get("phase") == "Completed")
+    engine.release.set()
+    agent.shutdown()
+    assert kube.checkpoints["manual"]["status"]["phase"] == "Completed"
