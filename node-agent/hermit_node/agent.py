@@ -297,11 +297,12 @@ class NodeAgent:
         metrics.record_notice(notice.provider, notice.kind)
         left = notice.seconds_left(self._clock())
         if notice.asks_early_checkpoint:
-            log.warning("advisory notice on %s (%s, %s): an early checkpoint of every "
-                        "sandbox, which keeps running", self.node, notice.provider,
-                        notice.kind)
             with self._lock:
-                self._advised = notice
+                moot = self._notice is not None
+                self._advised = None if moot else notice
+            log.warning("advisory notice on %s (%s, %s): %s", self.node, notice.provider,
+                        notice.kind, "nothing to do after the interruption notice" if moot
+                        else "an early checkpoint of every sandbox, which keeps running")
             self.reconcile_once()
             return
         if not notice.is_interruption:
