@@ -27,6 +27,7 @@ import contextlib
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -62,12 +63,74 @@ def _stat(pid: int) -> list[str] | None:
         return None
 
 
-def children_map() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
+def all_stats() -> dict[int, tuple[str, list[str]]]:
+    """Every process of this host: pid -> (command name, the /proc/<pid>/stat fields after
+    the name)."""
+    out: dict[int, tuple[str, list[str]]] = {}
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (fields := _stat(int(entry.name))) is not None:
-            out.setdefault(int(fields[1]), []).append(int(entry.name))
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = (entry / "stat").read_text()
+        except OSError:
+            continue
+        head, _, rest = text.rpartition(")")
+        out[int(entry.name)] = (head.partition("(")[2], rest.split())
     return out
+
+
+def children_map(stats: dict[int, tuple[str, list[str]]] | None = None
+                 ) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for pid, (_, fields) in (stats if stats is not None else all_stats()).items():
+        out.setdefault(int(fields[1]), []).append(pid)
+    return out
+
+
+def host_busy_ticks() -> tuple[int, int]:
+    """(busy, total) ticks of the whole machine (/proc/stat's cpu line)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+@dataclass
+class HostCpu:
+    """The whole machine between the notice and the deadline: how busy its cores were and
+    which commands used them (utime+stime of each process seen, summed by command name;
+    a process that lived less than a sample is missed, its time goes to its parent's
+    cutime, which is not counted)."""
+
+    window: tuple[float, float] = (0.0, 0.0)
+    busy: list[tuple[int, int]] = field(default_factory=list)
+    first: dict[int, tuple[str, int]] = field(default_factory=dict)
+    last: dict[int, int] = field(default_factory=dict)
+    opened: bool = False
+
+    def sample(self, now: float, stats: dict[int, tuple[str, list[str]]]) -> None:
+        if not (self.window[0] <= now <= self.window[1]) or self.window[1] == 0.0:
+            return
+        self.busy.append(host_busy_ticks())
+        for pid, (comm, fields) in stats.items():
+            ticks = int(fields[11]) + int(fields[12])
+            if pid not in self.first:
+                self.first[pid] = (comm, ticks if not self.opened else 0)
+            self.last[pid] = ticks
+        self.opened = True
+
+    def summary(self, top: int = 10) -> str:
+        if len(self.busy) < 2:
+            return "no samples"
+        (b0, t0), (b1, t1) = self.busy[0], self.busy[-1]
+        cores = os.cpu_count() or 1
+        by_comm: dict[str, int] = {}
+        for pid, (comm, start) in self.first.items():
+            by_comm[comm] = by_comm.get(comm, 0) + self.last.get(pid, start) - start
+        seconds = (t1 - t0) / CLK_TCK / cores
+        ranked = sorted(by_comm.items(), key=lambda kv: -kv[1])[:top]
+        return (f"machine {cores} cores {100 * (b1 - b0) / max(1, t1 - t0):.0f} % busy over "
+                f"{seconds:.0f} s; CPU-seconds by command: "
+                + ", ".join(f"{c} {v / CLK_TCK:.1f}" for c, v in ranked))
 
 
 def tree(roots: list[int], children: dict[int, list[int]]) -> set[int]:
@@ -147,14 +210,17 @@ class Sampler(threading.Thread):
     def __init__(self, series: dict[str, Series]) -> None:
         super().__init__(daemon=True)
         self.series, self.notice_at = series, 0.0
+        self.host = HostCpu()
         self.stopped = threading.Event()
 
     def run(self) -> None:
         while not self.stopped.is_set():
             now = time.monotonic()
-            children = children_map()
+            stats = all_stats()
+            children = children_map(stats)
             for one in self.series.values():
                 one.sample(now, children)
+            self.host.sample(now, stats)
             self.stopped.wait(max(0.0, 1.0 - (time.monotonic() - now)))
 
     def stop(self) -> None:
@@ -269,6 +335,9 @@ class Move:
     durable_s: float | None = None
     completed_at_s: float | None = None  # status.completedAt (whole seconds) - the notice
     frozen_ms: Any = None
+    started_at_s: float | None = None  # status.startedAt (whole seconds) - the notice
+    dump_ms: Any = None
+    upload_ms: Any = None
     size: str = ""
     last_tick: int = 0  # the old pod's last tick when the checkpoint was durable
     running_s: float | None = None
@@ -287,8 +356,12 @@ def _follow_checkpoints(kube: e2e.Kube, ns: str, moves: dict[str, Move],
             continue
         st = c.get("status") or {}
         move.checkpoint, move.phase = e2e.name_of(c), st.get("phase") or protocol.PENDING
+        started = protocol.parse_time(st.get("startedAt"))
+        if started is not None:
+            move.started_at_s = (started - notice).total_seconds()
         if move.phase == protocol.COMPLETED:
             move.durable_s, move.frozen_ms = at, st.get("frozenMs")
+            move.dump_ms, move.upload_ms = st.get("dumpMs"), st.get("uploadMs")
             move.size = str(st.get("size") or "")
             completed = protocol.parse_time(st.get("completedAt"))
             if completed is not None:
@@ -388,16 +461,40 @@ def preempt(kube: e2e.Kube, cfg: e2e.E2EConfig, release_ns: str, ns: str, target
     missing = [label for label, s in sampler.series.items() if not s.samples]
     if missing:
         log(f"WARNING: no process found on this host for {', '.join(missing)}")
+    follower = _follow_agent_log(kube, release_ns, target, args.agent_log)
     log(f"spot notice to {target}: {args.notice} s")
     notice_at = sampler.notice_at = time.monotonic()
+    sampler.host.window = (notice_at, notice_at + args.notice)
     command = e2e.run_cluster_command(cfg.preempt_cmd, node=target, notice=str(args.notice))
     try:
         moves = follow(kube, ns, before, target, notice_at, args.notice + args.after)
     finally:
         out, _ = command.communicate(timeout=args.notice + 180)
         sampler.stop()
+        if follower is not None:
+            follower.terminate()
+            follower.wait(timeout=10)
     assert command.returncode == 0, f"preempt command failed: {out}"
     return moves, sampler
+
+
+def _follow_agent_log(kube: e2e.Kube, release_ns: str, node: str,
+                      path: str) -> subprocess.Popen[bytes] | None:
+    """``kubectl logs -f`` of the node's node-agent into ``path`` ("": none), from 10 s
+    before the notice until the node is gone: the agent's DEBUG log of the checkpoints."""
+    if not path:
+        return None
+    pods = [p for p in kube.api.list_namespaced_pod(
+        release_ns, label_selector="app.kubernetes.io/component=node-agent").items
+        if p.spec and p.spec.node_name == node and p.metadata]
+    if not pods:
+        log(f"WARNING: no node-agent pod on {node}: no log")
+        return None
+    with open(path, "wb") as out:
+        return subprocess.Popen(
+            ["kubectl", "--kubeconfig", os.environ["KUBECONFIG"], "logs", "-f",
+             "--since=10s", "-n", release_ns, str(pods[0].metadata.name)],
+            stdout=out, stderr=subprocess.STDOUT)
 
 
 def report(args: argparse.Namespace, target: str, moves: dict[str, Move],
@@ -409,12 +506,15 @@ def report(args: argparse.Namespace, target: str, moves: dict[str, Move],
           f"times in seconds after the notice, first seen (polled every {POLL_SECONDS} s); "
           f"completedAt: the Checkpoint's own time (whole seconds)")
     print(f"{'#':>3} {'sandbox':10} {'checkpoint phase':17} {'durable':>8} "
-          f"{'completedAt':>11} {'frozen ms':>9} "
+          f"{'started':>7} {'completedAt':>11} {'frozen ms':>9} {'dump ms':>7} "
+          f"{'upload ms':>9} "
           f"{'size':>10} {'running':>8}  {'on':12} invariants")
     for name, m in sorted(moves.items(), key=lambda kv: (rank.get(kv[0], 999), kv[0])):
         print(f"{rank.get(name, '-'):>3} {name:10} {m.phase or '-':17} {_s(m.durable_s):>8} "
-              f"{_s(m.completed_at_s):>11} "
-              f"{m.frozen_ms if m.frozen_ms is not None else '-':>9} {m.size or '-':>10} "
+              f"{_s(m.started_at_s):>7} {_s(m.completed_at_s):>11} "
+              f"{m.frozen_ms if m.frozen_ms is not None else '-':>9} "
+              f"{m.dump_ms if m.dump_ms is not None else '-':>7} "
+              f"{m.upload_ms if m.upload_ms is not None else '-':>9} {m.size or '-':>10} "
               f"{_s(m.running_s):>8}  {m.node or '-':12} {m.invariants}")
     in_time = [(t, n) for t, n in order if t <= args.notice]
     last = f" (last at {in_time[-1][0]:.1f} s)" if in_time else ""
@@ -429,6 +529,7 @@ def report(args: argparse.Namespace, target: str, moves: dict[str, Move],
     print(f"invariants held: {held}/{len(moves)}")
     for label, series in sampler.series.items():
         print(f"{label:32} {series.summary(sampler.notice_at)}")
+    print(f"notice to deadline: {sampler.host.summary()}")
 
 
 def _s(value: float | None) -> str:
@@ -450,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--notice", type=int, default=120, help="spot notice (seconds)")
     parser.add_argument("--node", default="", help="the spot node (default: the first Ready)")
     parser.add_argument("--start-timeout", type=float, default=600)
+    parser.add_argument("--agent-log", default="",
+                        help="write the preempted node's node-agent log there")
     parser.add_argument("--after", type=float, default=240,
                         help="how long after the deadline to wait for the sandboxes to run")
     args = parser.parse_args(argv)

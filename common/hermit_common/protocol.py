@@ -35,7 +35,8 @@ INTERVAL: Final = "Interval"  # spec.checkpoint.intervalSeconds (operator)
 TURN: Final = "Turn"  # an agent turn ended (harness)
 MANUAL: Final = "Manual"  # a user
 SUSPEND: Final = "Suspend"  # spec.suspend (operator)
-REASONS: Final = (PREEMPTION, EVICTION, INTERVAL, TURN, MANUAL, SUSPEND)
+REBALANCE: Final = "Rebalance"  # an advisory rebalance recommendation (node-agent)
+REASONS: Final = (PREEMPTION, EVICTION, INTERVAL, TURN, MANUAL, SUSPEND, REBALANCE)
 # Reasons whose checkpoint ends the current incarnation once it is durable.
 STOPPING_REASONS: Final = (PREEMPTION, EVICTION, SUSPEND)
 # Stopping reasons after which the sandbox continues on a new pod at once.

@@ -19,7 +19,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -52,6 +52,9 @@ log = logging.getLogger("hermit_node")
 _T = TypeVar("_T")
 
 WORKERS = 4
+# Checkpoints at once (each freezes its sandbox until captured, a stopping one until
+# durable): see Jobs.
+FREEZING = 2
 STATUS_ATTEMPTS = 5
 CLAIM_ATTEMPTS = 3  # claims of one Checkpoint per loop (each 409 re-reads it)
 EVENT_CHECKPOINT_FAILED = "CheckpointFailed"
@@ -111,15 +114,19 @@ class _Progress:
     never reaches the upload."""
 
     def __init__(self, kube: Kube, namespace: str, name: str,
-                 write_status: Callable[[str, str, KubeObject], None]) -> None:
+                 write_status: Callable[[str, str, KubeObject], None],
+                 thawed: Callable[[], None] | None = None) -> None:
         self._kube, self._namespace, self._name = kube, namespace, name
         self._write_status = write_status
+        self._thawed = thawed  # a routine checkpoint's sandbox runs again as it uploads
         self._mark = planner.ProgressMark(time.monotonic(), 0.0)
 
     def uploading(self, frozen_ms: int, dump_ms: int) -> None:
         self._write_status(self._namespace, self._name,
                            planner.status_uploading(frozen_ms, dump_ms))
         self._mark = planner.ProgressMark(time.monotonic(), 0.0)
+        if self._thawed is not None:
+            self._thawed()  # its upload needs no freezing slot: a notice's checkpoints go on
 
     def __call__(self, progress: UploadProgress) -> None:
         fraction, now = planner.upload_fraction(progress), time.monotonic()
@@ -134,39 +141,111 @@ class _Progress:
                       self._name, exc)
 
 
+# Job priorities, most urgent first: a stopping checkpoint (a notice or a drain: the node
+# is going away), a restore (a sandbox waits for it), a routine checkpoint (it can wait).
+URGENT, RESTORE, ROUTINE = 0, 1, 2
+
+
+@dataclass(order=True)
+class _Queued:
+    priority: int
+    seq: int  # first come, first served within a priority
+    key: tuple[str, str] = field(compare=False)
+    fn: Callable[[], None] = field(compare=False)
+    freezes: bool = field(compare=False)
+
+
 class Jobs:
-    """A small thread pool that runs at most one job per key (a sandbox) at a time."""
+    """A few worker threads that run at most one job per key (a sandbox) at a time, the
+    most urgent queued job first (``URGENT``, ``RESTORE``, ``ROUTINE``; in submission order
+    within one), and at most ``freezing`` jobs that freeze a sandbox (checkpoints) at once.
 
-    def __init__(self, workers: int = WORKERS) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hermit-job")
+    A job only freezes its sandbox once it runs, so a sandbox never stays frozen while it
+    waits for a worker; and a stopping checkpoint keeps its sandbox frozen until durable, so
+    fewer of them at once on a node of few cores makes each one durable, and its sandbox
+    free, sooner (``FREEZING``) and makes no more durable by a notice's deadline with more
+    of them sharing the node than with fewer. Routine work queued when a notice comes waits
+    behind every stopping checkpoint.
+    """
+
+    def __init__(self, workers: int = WORKERS, freezing: int = FREEZING) -> None:
+        self._freezing_limit = max(1, min(freezing, workers))
+        self._cond = threading.Condition()
+        self._queue: list[_Queued] = []
         self._busy: set[tuple[str, str]] = set()
-        self._lock = threading.Lock()
+        self._freezing = 0
+        self._seq = 0
+        self._closed = False
+        self._local = threading.local()  # the job a worker thread runs
+        self._threads = [threading.Thread(target=self._work, name=f"hermit-job-{i}",
+                                          daemon=True) for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
 
-    def submit(self, key: tuple[str, str], fn: Callable[[], None]) -> bool:
-        """Start ``fn`` unless a job for ``key`` runs; True when started."""
-        with self._lock:
-            if key in self._busy:
+    def submit(self, key: tuple[str, str], fn: Callable[[], None], *,
+               priority: int = ROUTINE, freezes: bool = False) -> bool:
+        """Queue ``fn`` unless a job for ``key`` is queued or runs; True when queued."""
+        with self._cond:
+            if key in self._busy or self._closed:
                 return False
             self._busy.add(key)
-
-        def run() -> None:
-            try:
-                fn()
-            except Exception:  # a bug in a job must not take the agent down
-                log.exception("job for %s/%s crashed", *key)
-            finally:
-                with self._lock:
-                    self._busy.discard(key)
-
-        self._pool.submit(run)
+            self._seq += 1
+            self._queue.append(_Queued(priority, self._seq, key, fn, freezes))
+            self._queue.sort()
+            self._cond.notify()
         return True
 
+    def _next(self) -> _Queued | None:
+        """The most urgent queued job that may start now (under the condition's lock)."""
+        for job in self._queue:
+            if not job.freezes or self._freezing < self._freezing_limit:
+                self._queue.remove(job)
+                self._freezing += job.freezes
+                return job
+        return None
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while (job := self._next()) is None:
+                    if self._closed and not self._queue:
+                        return
+                    self._cond.wait()
+            self._local.job = job
+            try:
+                job.fn()
+            except Exception:  # a bug in a job must not take the agent down
+                log.exception("job for %s/%s crashed", *job.key)
+            finally:
+                self._local.job = None
+                with self._cond:
+                    self._busy.discard(job.key)
+                    self._freezing -= job.freezes
+                    self._cond.notify_all()
+
+    def unfrozen(self) -> None:
+        """Called by a job once its checkpoint is durable (its sandbox thawed, or about to
+        be ended): its freezing slot goes to the next checkpoint while it cleans up (the
+        removal of its staging directory took 3-5 s on a loaded node)."""
+        job = getattr(self._local, "job", None)
+        if job is None or not job.freezes:
+            return
+        with self._cond:
+            job.freezes = False
+            self._freezing -= 1
+            self._cond.notify_all()
+
     def busy(self) -> set[tuple[str, str]]:
-        with self._lock:
+        with self._cond:
             return set(self._busy)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Run what is queued, then stop the workers; nothing is queued after this."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
 
 
 class NodeAgent:
@@ -199,6 +278,9 @@ class NodeAgent:
         self._proc_root = proc_root
         self._clock = clock
         self._notice: Notice | None = None
+        # An advisory notice (rebalance recommendation) whose early checkpoints are not all
+        # requested yet: set once per notice the watcher yields, cleared once they are.
+        self._advised: Notice | None = None
         self._tainted = False
         self._recovered = False  # every checkpoint an earlier run left behind is decided
         self._settled = False  # frozen trees and cut-short restores were dealt with
@@ -214,6 +296,15 @@ class NodeAgent:
     def on_notice(self, notice: Notice) -> None:
         metrics.record_notice(notice.provider, notice.kind)
         left = notice.seconds_left(self._clock())
+        if notice.asks_early_checkpoint:
+            with self._lock:
+                moot = self._notice is not None
+                self._advised = None if moot else notice
+            log.warning("advisory notice on %s (%s, %s): %s", self.node, notice.provider,
+                        notice.kind, "nothing to do after the interruption notice" if moot
+                        else "an early checkpoint of every sandbox, which keeps running")
+            self.reconcile_once()
+            return
         if not notice.is_interruption:
             log.info("advisory notice on %s (%s, %s): nothing to do", self.node,
                      notice.provider, notice.kind)
@@ -252,6 +343,39 @@ class NodeAgent:
                     sp.sandbox, name, reason, sp.incarnation, node=self.node), sp.namespace))
             except KubeError as exc:
                 log.warning("cannot request checkpoint %s/%s yet: %s", sp.namespace, name, exc)
+                continue
+            # Its job starts now, not once all the node's requests are made (thirty of
+            # them took 3 s of a 120 s notice).
+            self._serve(made[-1:], pods)
+        return made
+
+    def _early(self, pods: list[SandboxPod],
+               checkpoints: list[KubeObject] | None) -> list[KubeObject]:
+        """After a rebalance recommendation: an early routine (``Rebalance``) checkpoint
+        request for every sandbox on the node (``planner.early_requests``), made once; the
+        requests that could not be made are tried again on the next loop. Nothing once an
+        interruption notice came: its stopping checkpoints do the work."""
+        with self._lock:
+            advised, notice = self._advised, self._notice
+        if advised is None or checkpoints is None:
+            return []
+        made: list[KubeObject] = []
+        done = notice is not None
+        if not done:
+            done = True
+            for sp, name in planner.early_requests(pods, checkpoints):
+                try:
+                    made.append(self._kube.create_checkpoint(protocol.checkpoint_object(
+                        sp.sandbox, name, protocol.REBALANCE, sp.incarnation, node=self.node),
+                        sp.namespace))
+                except KubeError as exc:
+                    done = False
+                    log.warning("cannot request checkpoint %s/%s yet: %s", sp.namespace,
+                                name, exc)
+        if done:
+            with self._lock:
+                if self._advised is advised:
+                    self._advised = None
         return made
 
     # -- the reconcile loop -------------------------------------------------------------
@@ -273,15 +397,22 @@ class NodeAgent:
         checkpoints = self._read(self._view.checkpoints_now)
         if not self._recovered and checkpoints is not None:
             self._recovered = self._recover(checkpoints, pods)
-        made = self._drain(node, pods, checkpoints)
+        made = [*self._drain(node, pods, checkpoints), *self._early(pods, checkpoints)]
         if checkpoints is not None:
             self._forget_finished(checkpoints, pods)
             checkpoints = [*checkpoints, *made]
-            for ckpt, sp in planner.checkpoints_to_serve(checkpoints, pods):
-                uid = str((ckpt.get("metadata") or {}).get("uid") or "")
-                self._start(uid, sp.key, functools.partial(self.run_checkpoint, ckpt, sp))
+            self._serve(checkpoints, pods)
         for sp in planner.pods_to_restore(pods, checkpoints):
-            self._start(sp.uid, sp.key, functools.partial(self.run_restore, sp))
+            self._start(sp.uid, sp.key, functools.partial(self.run_restore, sp),
+                        priority=RESTORE)
+
+    def _serve(self, checkpoints: list[KubeObject], pods: list[SandboxPod]) -> None:
+        """Queue a job for each request to serve now (stopping ones first)."""
+        for ckpt, sp in planner.checkpoints_to_serve(checkpoints, pods):
+            uid = str((ckpt.get("metadata") or {}).get("uid") or "")
+            urgent = protocol.is_stopping(protocol.reason_of(ckpt))
+            self._start(uid, sp.key, functools.partial(self.run_checkpoint, ckpt, sp),
+                        priority=URGENT if urgent else ROUTINE, freezes=True)
 
     @staticmethod
     def _read(read: Callable[[], _T]) -> _T | None:
@@ -298,7 +429,8 @@ class NodeAgent:
         with self._lock:
             self._taken = {uid for uid in self._taken if uid in waiting or uid in self._running}
 
-    def _start(self, uid: str, key: tuple[str, str], fn: Callable[[], None]) -> None:
+    def _start(self, uid: str, key: tuple[str, str], fn: Callable[[], None], *,
+               priority: int, freezes: bool = False) -> None:
         with self._lock:
             if uid in self._taken:
                 return
@@ -312,7 +444,7 @@ class NodeAgent:
                 with self._lock:
                     self._running.discard(uid)
 
-        if not self._jobs.submit(key, job):
+        if not self._jobs.submit(key, job, priority=priority, freezes=freezes):
             with self._lock:
                 self._taken.discard(uid)  # busy with another job: next loop
                 self._running.discard(uid)
@@ -421,6 +553,9 @@ class NodeAgent:
                                                         seconds=time.monotonic() - began),
                                forever=True)
             recorded.set()
+            # Durable and recorded: the engine ends a stopping checkpoint's tree right after
+            # this; what is left (removing the staging directory) needs no freezing slot.
+            self._jobs.unfrozen()
 
         try:
             result = self._take(ckpt, sp, stop, record, store)
@@ -512,7 +647,8 @@ class NodeAgent:
         if sp.container_id is None:
             raise HermitError(f"pod {sp.namespace}/{sp.pod} has no container id")
         pid = locate.find_init_pid(sp.container_id, self._proc_root)
-        progress = _Progress(self._kube, namespace, name, self._write_status)
+        progress = _Progress(self._kube, namespace, name, self._write_status,
+                             None if stop else self._jobs.unfrozen)
         return self._checkpointer.checkpoint(CheckpointTarget(
             namespace=namespace, sandbox=sp.sandbox, sandbox_uid=sp.sandbox_uid,
             checkpoint=name, init_pid=pid, workspace_path=sp.workspace_path,
@@ -732,10 +868,24 @@ def build_agent(settings: NodeSettings, stop: threading.Event,
                      routine_upload_seconds=settings.routine_upload_seconds), view
 
 
+# Libraries whose DEBUG log is about their own machinery: botocore writes some 60 lines
+# (event hooks, request signing) per S3 request, thousands a second while a node uploads,
+# all of it formatted and written under the logging lock by the upload threads.
+QUIET_LIBRARIES = ("botocore", "boto3", "s3transfer", "urllib3", "kubernetes")
+
+
+def set_log_levels(level: str) -> None:
+    """``HERMIT_LOG_LEVEL`` for Hermit's loggers; the libraries' at INFO at most verbose."""
+    logging.getLogger().setLevel(level)
+    quiet = max(logging.getLevelName(level), logging.INFO)
+    for name in QUIET_LIBRARIES:
+        logging.getLogger(name).setLevel(quiet)
+
+
 def run_agent(environ: Mapping[str, str], *, stop: threading.Event | None = None,
               install_signals: bool = True) -> int:
     settings = NodeSettings.from_env(environ)
-    logging.getLogger().setLevel(settings.log_level)
+    set_log_levels(settings.log_level)
     log.info("starting with settings %s", redacted(settings))
     stop = stop or threading.Event()
     health = agent_health.AgentHealth(

@@ -190,6 +190,36 @@ def pods_to_checkpoint_on_notice(pods: Iterable[SandboxPod]) -> list[SandboxPod]
                   key=lambda sp: (sp.namespace, sp.pod))
 
 
+def early_requests(pods: Iterable[SandboxPod],
+                   checkpoints: Iterable[Mapping[str, Any]] | None
+                   ) -> list[tuple[SandboxPod, str]]:
+    """(pod, Checkpoint name) for each sandbox pod that needs an early routine checkpoint
+    after an advisory notice (an AWS rebalance recommendation): the node may be reclaimed
+    soon, so each sandbox gets a durable base now while it keeps running, and the stopping
+    checkpoint of a later interruption notice uploads only what changed since (chunks are
+    deduplicated per sandbox).
+
+    One ``Rebalance`` request per incarnation, named by it (so a repeated recommendation or a
+    restarted agent makes none twice); none for a sandbox that has a checkpoint in flight
+    (it is being checkpointed anyway, or is stopping) or that turned ``onPreemption`` off.
+    With no list of checkpoints (the API did not answer), none: the caller tries again."""
+    if checkpoints is None:
+        return []
+    names: set[str] = set()
+    busy: set[tuple[str, str]] = set()
+    for c in checkpoints:
+        names.add(protocol.name_of(c))
+        if protocol.phase_of(c) in protocol.IN_FLIGHT:
+            busy.add((str(protocol.meta(c).get("namespace") or "default"),
+                      str(protocol.sandbox_of(c) or "")))
+    out = []
+    for sp in pods_to_checkpoint_on_notice(pods):
+        name = protocol.checkpoint_name(sp.sandbox, sp.incarnation, protocol.REBALANCE)
+        if name not in names and sp.key not in busy:
+            out.append((sp, name))
+    return out
+
+
 def interruption_taint(kind: str) -> KubeObject:
     return {"key": protocol.TAINT_INTERRUPTION, "value": _label_value(kind), "effect": "NoSchedule"}
 

@@ -50,6 +50,7 @@ class E2EConfig:
     sandbox_image: str
     preempt_cmd: str
     add_node_cmd: str
+    rebalance_cmd: str = ""
 
 
 def _e2e_config() -> E2EConfig:
@@ -62,6 +63,8 @@ def _e2e_config() -> E2EConfig:
             f"{REPO}/hack/cluster preempt-node {{node}} --notice {{notice}}",
         ),
         add_node_cmd=env.get("HERMIT_E2E_ADD_NODE_CMD", f"{REPO}/hack/cluster add-node --spot"),
+        rebalance_cmd=env.get("HERMIT_E2E_REBALANCE_CMD",
+                              f"{REPO}/hack/cluster rebalance-node {{node}}"),
     )
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -12,6 +16,7 @@ import pytest
 from hermit_common import api, protocol
 from hermit_common.errors import CheckpointFailed, CheckpointRefused, RestoreFailed
 from hermit_common.store import UploadProgress
+from hermit_node import agent as agent_module
 from hermit_node import planner
 from hermit_node.agent import NodeAgent
 from hermit_node.checkpoint import CheckpointResult
@@ -562,11 +567,91 @@ def test_a_failed_progress_write_does_not_fail_the_checkpoint(
     assert kube.checkpoints["manual"]["status"]["phase"] == "Completed"
 
 
-def test_advisory_notice_does_nothing(tmp_path: Path) -> None:
+def advisory(kind: str = "rebalance-recommendation") -> Notice:
+    return Notice(provider="aws", kind=kind, action="rebalance", deadline=None,
+                  received_at=NOW, event_id="rebalance-recommendation")
+
+
+def test_only_a_rebalance_recommendation_asks_for_an_early_checkpoint() -> None:
+    assert advisory().asks_early_checkpoint and not advisory().is_interruption
+    assert not notice().asks_early_checkpoint
+    assert not advisory("scheduled-maintenance").asks_early_checkpoint
+
+
+def test_early_requests_one_per_incarnation_none_while_one_is_in_flight() -> None:
+    pods = sps(pod("a-1", sandbox="a"), pod("b-2", sandbox="b", incarnation=2),
+               pod("c-1", sandbox="c"), pod("d-1", sandbox="d"),
+               pod("e-1", sandbox="e", annotations={protocol.ANNOTATION_ON_PREEMPTION: "false"}),
+               pod("f-1", sandbox="f", running=False))
+    checkpoints = [
+        ckpt("c-1-rebalance", sandbox="c", reason="Rebalance", status={"phase": "Completed"}),
+        ckpt("d-1-i1", sandbox="d", reason="Interval", status={"phase": "Uploading"}),
+        ckpt("a-1-i1", sandbox="a", reason="Interval", status={"phase": "Completed"}),
+    ]
+    assert [(sp.pod, name) for sp, name in planner.early_requests(pods, checkpoints)] == [
+        ("a-1", "a-1-rebalance"), ("b-2", "b-2-rebalance")]
+    # Not even a failed one is asked for again: the recommendation was acted upon.
+    failed = ckpt("a-1-rebalance", sandbox="a", reason="Rebalance", status={"phase": "Failed"})
+    assert [n for _, n in planner.early_requests(pods[:1], [failed])] == []
+    assert planner.early_requests(pods, None) == []  # cannot tell: the caller retries
+
+
+def test_rebalance_recommendation_checkpoints_every_sandbox_once_and_keeps_it_running(
+        tmp_path: Path) -> None:
+    kube = FakeKube([pod("box-1"), pod("cat-1", sandbox="cat")], [])
+    engine = FakeEngine()
+    agent = make_agent(tmp_path, kube, engine)
+    agent.on_notice(advisory())
+    agent.shutdown()
+    assert kube.node["spec"] == {}  # advisory: no taint, no cordon
+    assert sorted((t.checkpoint, stop) for t, stop in engine.calls) == [
+        ("box-1-rebalance", False), ("cat-1-rebalance", False)]
+    assert {n: c["spec"]["reason"] for n, c in kube.checkpoints.items()} == {
+        "box-1-rebalance": "Rebalance", "cat-1-rebalance": "Rebalance"}
+    assert all(c["status"]["phase"] == "Completed" for c in kube.checkpoints.values())
+    # Once per recommendation: later loops ask for nothing more.
+    kube.checkpoints.clear()
+    agent.reconcile_once()
+    agent.shutdown()
+    assert kube.checkpoints == {} and len(engine.calls) == 2
+
+
+def test_rebalance_requests_that_failed_are_made_on_the_next_loop(tmp_path: Path) -> None:
     kube = FakeKube([pod("box-1")], [])
     engine = FakeEngine()
     agent = make_agent(tmp_path, kube, engine)
-    agent.on_notice(notice("rebalance-recommendation"))
+    create = kube.create_checkpoint
+    failing = [KubeTransient("creating Checkpoint agents/box-1-rebalance failed: HTTP 503")]
+
+    def flaky(body: dict[str, Any], namespace: str) -> dict[str, Any]:
+        if failing:
+            raise failing.pop()
+        return create(body, namespace)
+
+    kube.create_checkpoint = flaky  # type: ignore[method-assign]
+    agent.on_notice(advisory())
+    assert kube.checkpoints == {}
+    agent.reconcile_once()
+    agent.shutdown()
+    assert [t.checkpoint for t, _ in engine.calls] == ["box-1-rebalance"]
+
+
+def test_no_early_checkpoint_once_an_interruption_notice_came(tmp_path: Path) -> None:
+    kube = FakeKube([pod("box-1")], [])
+    engine = FakeEngine()
+    agent = make_agent(tmp_path, kube, engine)
+    agent.on_notice(notice())
+    agent.on_notice(advisory())
+    agent.shutdown()
+    assert sorted(kube.checkpoints) == ["box-1-preempt"]
+
+
+def test_other_advisory_notices_do_nothing(tmp_path: Path) -> None:
+    kube = FakeKube([pod("box-1")], [])
+    engine = FakeEngine()
+    agent = make_agent(tmp_path, kube, engine)
+    agent.on_notice(Notice(provider="aws", kind="scheduled-maintenance", action="migrate",
+                           deadline=None, received_at=NOW, event_id="m1"))
     agent.shutdown()
     assert kube.node["spec"] == {} and engine.calls == [] and kube.checkpoints == {}
 
@@ -902,3 +987,133 @@ def test_a_restore_expects_the_recorded_parent_and_lineage_and_a_fork_inherits_i
         Expected("agents", "box", "box-3", "uid-of-box", "box-2", ("uid-of-box",)), DIGEST,
         store, "agents", "fork", "sbx-uid")]
     assert kube.annotations[-1][1][protocol.ANNOTATION_RESTORE_PHASE] == "Restored"
+
+
+# -- the job queue ------------------------------------------------------------------------
+
+def test_jobs_run_the_most_urgent_first_and_freeze_at_most_two_at_once() -> None:
+    jobs = agent_module.Jobs(workers=3, freezing=2)
+    gate = threading.Event()
+    lock = threading.Lock()
+    order: list[str] = []
+    frozen = [0, 0]  # now, at most
+
+    def job(name: str, freezes: bool) -> Callable[[], None]:
+        def run() -> None:
+            with lock:
+                order.append(name)
+                frozen[0] += freezes
+                frozen[1] = max(frozen[1], frozen[0])
+            gate.wait(10)
+            with lock:
+                frozen[0] -= freezes
+        return run
+
+    # A routine checkpoint occupies a worker and a freezing slot; the rest queue behind it.
+    assert jobs.submit(("ns", "r1"), job("r1", True), priority=agent_module.ROUTINE,
+                       freezes=True)
+    wait_for(lambda: order == ["r1"])
+    assert jobs.submit(("ns", "r2"), job("r2", True), priority=agent_module.ROUTINE,
+                       freezes=True)
+    assert jobs.submit(("ns", "s1"), job("s1", True), priority=agent_module.URGENT,
+                       freezes=True)
+    assert jobs.submit(("ns", "s2"), job("s2", True), priority=agent_module.URGENT,
+                       freezes=True)
+    assert jobs.submit(("ns", "x1"), job("x1", False), priority=agent_module.RESTORE)
+    # One job per sandbox: a second one for a queued sandbox is refused.
+    assert not jobs.submit(("ns", "s2"), job("s2-again", True), priority=agent_module.URGENT)
+    # The urgent one takes the free freezing slot; the restore (no freezing) the last worker.
+    wait_for(lambda: sorted(order) == ["r1", "s1", "x1"])
+    gate.set()
+    jobs.shutdown()
+    assert sorted(order[3:]) == ["r2", "s2"]
+    assert frozen[1] == 2
+    assert not jobs.submit(("ns", "late"), job("late", False))  # shut down
+
+
+def test_jobs_queue_in_priority_then_submission_order() -> None:
+    jobs = agent_module.Jobs(workers=1, freezing=1)
+    gate = threading.Event()
+    order: list[str] = []
+
+    def first() -> None:
+        order.append("first")
+        gate.wait(10)
+
+    jobs.submit(("ns", "first"), first)
+    wait_for(lambda: order == ["first"])
+    for name, priority in (("routine-1", agent_module.ROUTINE),
+                           ("restore", agent_module.RESTORE), ("stop-1", agent_module.URGENT),
+                           ("routine-2", agent_module.ROUTINE), ("stop-2", agent_module.URGENT)):
+        jobs.submit(("ns", name), functools.partial(order.append, name), priority=priority,
+                    freezes=True)
+    gate.set()
+    jobs.shutdown()
+    assert order == ["first", "stop-1", "stop-2", "restore", "routine-1", "routine-2"]
+
+
+def wait_for(probe: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not probe():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_library_loggers_stay_at_info_when_hermit_logs_debug() -> None:
+    try:
+        agent_module.set_log_levels("DEBUG")
+        assert logging.getLogger("hermit_node").getEffectiveLevel() == logging.DEBUG
+        assert logging.getLogger("botocore.hooks").getEffectiveLevel() == logging.INFO
+        agent_module.set_log_levels("WARNING")
+        assert logging.getLogger("urllib3.connectionpool").getEffectiveLevel() == logging.WARNING
+    finally:
+        agent_module.set_log_levels("INFO")
+
+
+def test_a_durable_checkpoint_frees_its_freezing_slot_before_its_job_ends() -> None:
+    jobs = agent_module.Jobs(workers=2, freezing=1)
+    cleaning, started = threading.Event(), threading.Event()
+
+    def first() -> None:
+        jobs.unfrozen()  # durable: only the cleanup is left
+        cleaning.wait(10)
+
+    jobs.submit(("ns", "a"), first, priority=agent_module.URGENT, freezes=True)
+    jobs.submit(("ns", "b"), started.set, priority=agent_module.URGENT, freezes=True)
+    assert started.wait(10)  # while the first one still cleans up
+    cleaning.set()
+    jobs.shutdown()
+    jobs.unfrozen()  # outside a job: nothing
+
+
+class BlockingEngine(FakeEngine):
+    """Blocks a routine checkpoint in its upload (after on_uploading) until released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.uploading, self.release = threading.Event(), threading.Event()
+
+    def checkpoint(self, target: Any, *, stop: bool = False, **kwargs: Any) -> CheckpointResult:
+        if not stop:
+            on_uploading = kwargs.pop("on_uploading")
+            on_uploading(5, 4)
+            self.uploading.set()
+            self.release.wait(10)
+        return super().checkpoint(target, stop=stop, **kwargs)
+
+
+def test_a_routine_upload_leaves_its_slot_to_a_notices_checkpoint(tmp_path: Path) -> None:
+    kube = FakeKube([pod("box-1"), pod("cat-1", sandbox="cat")],
+                    [ckpt("manual", sandbox="cat")])
+    engine = BlockingEngine()
+    agent = NodeAgent(NODE, kube, engine, engine,  # type: ignore[arg-type]
+                      view=kube, proc_root=fake_proc(tmp_path), clock=lambda: NOW,
+                      jobs=agent_module.Jobs(workers=2, freezing=1))
+    agent.reconcile_once()
+    assert engine.uploading.wait(10)
+    agent.on_notice(notice())  # box-1's Preemption checkpoint takes the only slot
+    wait_for(lambda: (kube.checkpoints.get("box-1-preempt") or {}).get(
+        "status", {}).get("phase") == "Completed")
+    engine.release.set()
+    agent.shutdown()
+    assert kube.checkpoints["manual"]["status"]["phase"] == "Completed"

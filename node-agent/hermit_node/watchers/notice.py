@@ -50,6 +50,12 @@ class Notice:
             self.kind == SCHEDULED_MAINTENANCE and self.action not in ("migrate", "freeze")
         )
 
+    @property
+    def asks_early_checkpoint(self) -> bool:
+        """An advisory notice that the node is at elevated risk of interruption (an AWS
+        rebalance recommendation): worth an early routine checkpoint of every sandbox."""
+        return self.kind == REBALANCE_RECOMMENDATION
+
     def seconds_left(self, now: datetime) -> float:
         """Seconds from ``now`` to the deadline (negative once passed, inf without one)."""
         if self.deadline is None:

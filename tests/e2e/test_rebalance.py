@@ -1,0 +1,86 @@
+"""An AWS rebalance recommendation: an early checkpoint while the sandbox runs on.
+
+The recommendation is advisory (no deadline, nothing is terminated): the node-agent
+takes one routine ``Rebalance`` checkpoint of each sandbox on the node and leaves the
+sandboxes running. When the interruption notice follows, the stopping checkpoint finds
+most of the sandbox's chunks in the store already and uploads only what changed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hermit_common import protocol
+from tests.e2e import sandboxes as sb
+from tests.e2e.conftest import E2EConfig, Kube, run_cluster_command, wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+NOTICE_SECONDS = 30
+
+
+def _rebalance_checkpoints(ns: str, name: str) -> list[sb.Obj]:
+    return [c for c in sb.checkpoints(ns) if c["spec"]["reason"] == protocol.REBALANCE
+            and c["spec"]["sandboxRef"]["name"] == name]
+
+
+def test_rebalance_recommendation_checkpoints_early_and_the_notice_uploads_little(
+    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
+) -> None:
+    name, where = sb.start_on_spot(kube, e2e_config, hermit_release, namespace)
+    advise = run_cluster_command(e2e_config.rebalance_cmd, node=where.node)
+    out, _ = advise.communicate(timeout=60)
+    assert advise.returncode == 0, f"rebalance command failed: {out}"
+    preempted = False
+    try:
+        early = _early_checkpoint(kube, namespace, name, where)
+        sb.wait_agent_ready(kube, hermit_release, where.node)
+        preempted = True
+        ckpt = _preempt(kube, e2e_config, namespace, name, where)
+    finally:
+        if not preempted:  # the node keeps advising: no other test may use it
+            run_cluster_command(e2e_config.preempt_cmd, node=where.node,
+                                notice="0").communicate(timeout=180)
+    st, pst = early["status"], ckpt["status"]
+    print(f"Rebalance checkpoint: {st['uploadedBytes']} bytes uploaded of "
+          f"{st['storedBytes']} stored, frozen {st['frozenMs']} ms; Preemption checkpoint: "
+          f"{pst['uploadedBytes']} bytes uploaded of {pst['storedBytes']} stored, frozen "
+          f"{pst['frozenMs']} ms")
+    # The stopping checkpoint reused most of the early one's chunks.
+    assert pst["uploadedBytes"] < pst["storedBytes"] / 2, pst
+    # One early checkpoint per recommendation, however many times it was polled.
+    assert [c["metadata"]["name"] for c in _rebalance_checkpoints(namespace, name)] == [
+        early["metadata"]["name"]]
+
+
+def _early_checkpoint(kube: Kube, ns: str, name: str, where: sb.Running) -> sb.Obj:
+    """The Completed Rebalance checkpoint, the sandbox still running in the same pod."""
+    early = wait_until("a Completed Rebalance checkpoint", 120, sb.completed_checkpoint(
+        ns, protocol.REBALANCE, sandbox_name=name), 0.5)
+    st = early["status"]
+    assert "kept running" in st["message"], st
+    at = sb.ticks(kube, ns, where.pod)
+    wait_until("the sandbox ticking after its Rebalance checkpoint", 30,
+               lambda: len(sb.ticks(kube, ns, where.pod)) > len(at))
+    status = sb.status(ns, name)
+    assert (status.get("phase"), status.get("podName")) == ("Running", where.pod), status
+    # Its first checkpoint: every chunk was new.
+    assert st["uploadedBytes"] >= st["storedBytes"] > 0, st
+    return early
+
+
+def _preempt(kube: Kube, cfg: E2EConfig, ns: str, name: str, where: sb.Running) -> sb.Obj:
+    """A spot notice: the Completed Preemption checkpoint, the sandbox continued elsewhere."""
+    preempt = run_cluster_command(cfg.preempt_cmd, node=where.node, notice=str(NOTICE_SECONDS))
+    try:
+        ckpt = wait_until("a Completed Preemption checkpoint", NOTICE_SECONDS,
+                          sb.completed_checkpoint(ns, protocol.PREEMPTION,
+                                                  sandbox_name=name), 0.2)
+        last = sb.ticks(kube, ns, where.pod)
+        after = sb.wait_running(kube, ns, name, restores=1, avoid=where.node,
+                                timeout=180, min_ticks=1)
+        sb.assert_continues(kube, ns, after.pod, last[-1] if last else 0, exact=bool(last))
+    finally:
+        out, _ = preempt.communicate(timeout=NOTICE_SECONDS + 180)
+    assert preempt.returncode == 0, f"preempt command failed: {out}"
+    return ckpt
