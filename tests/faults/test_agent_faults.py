@@ -41,7 +41,7 @@ def test_node_agent_killed_at_random_points_of_the_checkpoint_upload(
     random = inject.rng("agent killed during the upload")
     name, where = inject.start(kube, e2e_config, hermit_release, namespace, mem_mb=BIG)
     kills: list[str] = []
-    with inject.preempting(kube, e2e_config, hermit_release, name, where.node, 150) as watch:
+    with inject.preempting(kube, e2e_config, hermit_release, name, where.node, 120) as watch:
         _kill_during_uploads(kube, namespace, name, hermit_release, where.node,
                              random, kills)
         ckpt, last = inject.durable_then_last_tick(kube, namespace, name, where.pod, 120)
