@@ -84,9 +84,9 @@ def test_s3_stopped_during_the_upload(
     random = inject.rng("S3 stopped during the upload")
     name, where = inject.start(kube, e2e_config, hermit_release, namespace, mem_mb=BIG)
     stopped = False
-    with inject.preempting(kube, e2e_config, hermit_release, name, where.node, 120) as watch:
+    with inject.preempting(kube, e2e_config, hermit_release, name, where.node, 90) as watch:
         try:
-            first = wait_until("the Preemption checkpoint uploading", 90, lambda: inject.
+            first = wait_until("the Preemption checkpoint uploading", 60, lambda: inject.
                                preemption_checkpoint(namespace, name, ("Uploading",)),
                                0.05)
             s3_for_pods.stop()
@@ -153,8 +153,8 @@ def test_api_server_restarted_during_a_migration(
     and the sandbox moves once, with nothing lost."""
     random = inject.rng("API server restarted")
     name, where = inject.start(kube, e2e_config, hermit_release, namespace, mem_mb=BIG)
-    with inject.preempting(kube, e2e_config, hermit_release, name, where.node, 90) as watch:
-        wait_until("the Preemption checkpoint under way", 60, lambda: inject.
+    with inject.preempting(kube, e2e_config, hermit_release, name, where.node, 60) as watch:
+        wait_until("the Preemption checkpoint under way", 45, lambda: inject.
                    preemption_checkpoint(namespace, name, (*inject.IN_FLIGHT,
                                                            "Completed")), 0.05)
         delay = random.uniform(0, 2.0)
