@@ -183,7 +183,7 @@ def test_sandbox_pod_force_deleted_while_its_node_lives(
     while its processes may still run on the node until its kubelet ends them. The
     operator replaces the pod from the last Interval checkpoint; at no sample may the
     old tree and the restored one both be alive."""
-    interval = 20
+    interval = 30  # the CRD minimum
     name, where = inject.start(kube, e2e_config, hermit_release, namespace,
                          checkpoint={"intervalSeconds": interval})
     ckpt = wait_until("a Completed Interval checkpoint", interval + 60,
