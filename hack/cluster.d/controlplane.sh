@@ -38,6 +38,32 @@ apiserver_ready() {
     "$APISERVER_URL/readyz" >/dev/null
 }
 
+# apiserver_up: starts kube-apiserver (a no-op when it runs) and waits for /readyz.
+apiserver_up() {
+  local logs="$CLUSTER_DIR/logs"
+  start_daemon kube-apiserver "$logs/kube-apiserver.log" "$HERMIT_BIN/kube-apiserver" \
+    --etcd-servers "http://127.0.0.1:$ETCD_CLIENT_PORT" \
+    --bind-address "$BRIDGE_IP" --advertise-address "$BRIDGE_IP" --secure-port "$APISERVER_PORT" \
+    --tls-cert-file "$PKI/apiserver.crt" --tls-private-key-file "$PKI/apiserver.key" \
+    --client-ca-file "$PKI/ca.crt" \
+    --kubelet-client-certificate "$PKI/apiserver-kubelet-client.crt" \
+    --kubelet-client-key "$PKI/apiserver-kubelet-client.key" \
+    --kubelet-preferred-address-types InternalIP \
+    --service-account-key-file "$PKI/sa.pub" --service-account-signing-key-file "$PKI/sa.key" \
+    --service-account-issuer https://kubernetes.default.svc.cluster.local \
+    --service-cluster-ip-range "$SERVICE_CIDR" \
+    --authorization-mode Node,RBAC --enable-admission-plugins NodeRestriction \
+    --allow-privileged=true --profiling=false --v=1
+  wait_for "kube-apiserver /readyz" 90 apiserver_ready
+}
+
+# apiserver_restart: stops kube-apiserver (SIGTERM, its graceful shutdown) and starts it
+# again; etcd, the nodes and their pods keep running (a control-plane upgrade or crash).
+apiserver_restart() {
+  stop_daemon kube-apiserver
+  apiserver_up
+}
+
 control_plane_up() {
   net_up
   pki_control_plane
@@ -54,20 +80,7 @@ control_plane_up() {
     --unsafe-no-fsync --log-level warn
   wait_for "etcd" 30 curl -sf "http://127.0.0.1:$ETCD_CLIENT_PORT/health"
 
-  start_daemon kube-apiserver "$logs/kube-apiserver.log" "$HERMIT_BIN/kube-apiserver" \
-    --etcd-servers "http://127.0.0.1:$ETCD_CLIENT_PORT" \
-    --bind-address "$BRIDGE_IP" --advertise-address "$BRIDGE_IP" --secure-port "$APISERVER_PORT" \
-    --tls-cert-file "$PKI/apiserver.crt" --tls-private-key-file "$PKI/apiserver.key" \
-    --client-ca-file "$PKI/ca.crt" \
-    --kubelet-client-certificate "$PKI/apiserver-kubelet-client.crt" \
-    --kubelet-client-key "$PKI/apiserver-kubelet-client.key" \
-    --kubelet-preferred-address-types InternalIP \
-    --service-account-key-file "$PKI/sa.pub" --service-account-signing-key-file "$PKI/sa.key" \
-    --service-account-issuer https://kubernetes.default.svc.cluster.local \
-    --service-cluster-ip-range "$SERVICE_CIDR" \
-    --authorization-mode Node,RBAC --enable-admission-plugins NodeRestriction \
-    --allow-privileged=true --profiling=false --v=1
-  wait_for "kube-apiserver /readyz" 90 apiserver_ready
+  apiserver_up
 
   start_daemon kube-controller-manager "$logs/kube-controller-manager.log" \
     "$HERMIT_BIN/kube-controller-manager" \
