@@ -27,6 +27,7 @@ with ``accept_plain``; a store without a ``Sealing`` refuses sealed checkpoints.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -261,8 +262,31 @@ def _scan_sections(sections: Mapping[str, Path]) -> dict[str, list[Entry]]:
     return scanned
 
 
+Layouts = Mapping[str, Mapping[str, tuple[int, ...]]]  # section -> file path -> chunk lengths
+
+
+def _layouts_used(scanned: Mapping[str, list[Entry]], layouts: Layouts | None,
+                  ) -> dict[tuple[str, int], tuple[int, ...]]:
+    """(section, entry index) -> chosen chunk lengths, for the files ``layouts`` cuts
+    whose lengths cover their size (never a hardlink or a file with hardlinks: those
+    share their chunks with another entry)."""
+    used: dict[tuple[str, int], tuple[int, ...]] = {}
+    for name, entries in scanned.items():
+        wanted = (layouts or {}).get(name) or {}
+        if not wanted:
+            continue
+        linked = {e.link for e in entries if e.link is not None}
+        for index, entry in enumerate(entries):
+            lengths = wanted.get(entry.path)
+            if lengths and entry.kind == KIND_FILE and entry.link is None \
+                    and entry.path not in linked and sum(lengths) == entry.size:
+                used[(name, index)] = tuple(lengths)
+    return used
+
+
 def _chunk_tasks(sections: Mapping[str, Path], scanned: Mapping[str, list[Entry]],
-                 chunk_size: int) -> tuple[list[_ChunkTask], int]:
+                 chunk_size: int, cuts: Mapping[tuple[str, int], tuple[int, ...]],
+                 ) -> tuple[list[_ChunkTask], int]:
     """One task per chunk of every regular file, and the files' total size in bytes."""
     tasks: list[_ChunkTask] = []
     image_bytes = 0
@@ -273,16 +297,18 @@ def _chunk_tasks(sections: Mapping[str, Path], scanned: Mapping[str, list[Entry]
                 continue
             image_bytes += entry.size
             path = os.path.join(top, entry.path)
-            for ci, offset in enumerate(range(0, entry.size, chunk_size)):
-                tasks.append(_ChunkTask(name, index, ci, path, offset,
-                                        min(chunk_size, entry.size - offset)))
+            cut = dataclasses.replace(entry, chunk_lengths=cuts.get((name, index), ()))
+            for ci, (offset, length) in enumerate(cut.chunk_spans(chunk_size)):
+                tasks.append(_ChunkTask(name, index, ci, path, offset, length))
     return tasks, image_bytes
 
 
 def _with_chunks(scanned: Mapping[str, list[Entry]],
                  digests: Mapping[tuple[str, int], list[str]],
+                 cuts: Mapping[tuple[str, int], tuple[int, ...]],
                  ) -> tuple[dict[str, tuple[Entry, ...]], set[str], int]:
-    """The manifest's sections: each file entry with its chunk digests.
+    """The manifest's sections: each file entry with its chunk digests (and lengths,
+    when the file was cut at chosen places).
 
     Also returns the distinct digests referenced and the number of files.
     """
@@ -296,7 +322,8 @@ def _with_chunks(scanned: Mapping[str, list[Entry]],
                 files += 1
                 chunks = tuple(digests.get((name, index), []))
                 referenced.update(chunks)
-                entry = dataclasses.replace(entry, chunks=chunks)
+                entry = dataclasses.replace(entry, chunks=chunks,
+                                            chunk_lengths=cuts.get((name, index), ()))
             out.append(entry)
         final[name] = tuple(out)
     return final, referenced, files
@@ -356,6 +383,28 @@ def _read_exact(path: str, offset: int, length: int) -> bytes:
         raise CheckpointFailed(f"cannot read {path}: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
+
+
+# Zero chunks (untouched pages CRIU dumps, sparse files) skip hashing and compression:
+# their digest and compressed form depend on their length only (a few lengths a run).
+def _is_zero(data: bytes) -> bool:
+    """All zero bytes: the ends first (most chunks fail there), then one memcmp."""
+    return data[:1] == b"\0" and data[-1:] == b"\0" and data == _zeros(len(data))
+
+
+@functools.lru_cache(maxsize=4)
+def _zeros(length: int) -> bytes:
+    return bytes(length)
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_digest(length: int) -> str:
+    return hashlib.sha256(_zeros(length)).hexdigest()
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_body(length: int) -> bytes:
+    return zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(_zeros(length))
 
 
 def _write_all(path: str, offset: int, data: bytes) -> None:
@@ -766,8 +815,13 @@ class CheckpointStore:
 
     def upload(self, binding: Binding, sections: Mapping[str, Path],
                restore: Mapping[str, Any], *, on_progress: ProgressCallback | None = None,
-               deadline: float | None = None, parent: str = "") -> UploadResult:
+               deadline: float | None = None, parent: str = "",
+               layouts: Layouts | None = None) -> UploadResult:
         """Uploads the directory trees ``sections`` as checkpoint ``binding.checkpoint``.
+
+        ``layouts``: where to cut some files into chunks (section -> path -> chunk
+        lengths, each at most the chunk size), e.g. CRIU page images cut so memory
+        shared by two processes makes the same chunks; other files get fixed-size ones.
 
         ``parent``: the checkpoint the sandbox was restored from ("": none), which a
         sealed manifest is signed for. ``deadline`` is a ``time.monotonic()`` value after
@@ -779,14 +833,15 @@ class CheckpointStore:
         manifest_key = self.manifest_key(ns, sandbox, binding.checkpoint)
         chunk_size = self.settings.chunk_size_bytes
         scanned = _scan_sections(sections)
-        tasks, image_bytes = _chunk_tasks(sections, scanned, chunk_size)
+        cuts = _layouts_used(scanned, layouts)
+        tasks, image_bytes = _chunk_tasks(sections, scanned, chunk_size, cuts)
         context = Context(ns, sandbox, binding.sandbox_uid, binding.checkpoint, parent)
         keys = self._sandbox_dek(context, deadline) if self._sealing is not None else None
         state = self._upload_state(ns, sandbox, keys)
         tally = _Tally(len(tasks), image_bytes, on_progress)
         self._run_upload(tasks, state, ns, sandbox, deadline, tally.record)
 
-        final, referenced, files = _with_chunks(scanned, tally.digests)
+        final, referenced, files = _with_chunks(scanned, tally.digests, cuts)
         stored_bytes = sum(state.sizes[_object_name(state.cipher, d)] for d in referenced)
         lineage = keys.lineage if keys is not None else ()
         manifest = Manifest(
@@ -849,7 +904,8 @@ class CheckpointStore:
         if state.stop.is_set():
             raise CheckpointFailed("upload aborted")
         data = _read_exact(task.path, task.offset, task.length)
-        digest = hashlib.sha256(data).hexdigest()
+        zero = _is_zero(data)
+        digest = _zero_digest(len(data)) if zero else hashlib.sha256(data).hexdigest()
         name = _object_name(state.cipher, digest)
         with state.lock:
             if name in state.claimed:
@@ -859,7 +915,7 @@ class CheckpointStore:
             with state.lock:
                 state.sizes[name] = state.source_chunks[name]
             return _ChunkDone(task, digest, 0, copied=True)
-        body = self._compressor().compress(data)
+        body = _zero_body(len(data)) if zero else self._compressor().compress(data)
         if state.cipher is not None:
             body = state.cipher.seal(name, body)
         self._put(self.chunk_key(ns, sandbox, name), body,
@@ -950,9 +1006,9 @@ class CheckpointStore:
                         os.ftruncate(fd, entry.size)
                     finally:
                         os.close(fd)
-                    for ci, digest in enumerate(entry.chunks):
-                        offset = ci * chunk_size
-                        length = min(chunk_size, entry.size - offset)
+                    for digest, (offset, length) in zip(entry.chunks,
+                                                        entry.chunk_spans(chunk_size),
+                                                        strict=True):
                         locations.setdefault(digest, []).append(
                             _Location(full, offset, length, f"{name}/{entry.path}"))
         self._fetch_chunks(locations, chunk_size, where)

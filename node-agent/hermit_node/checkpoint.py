@@ -28,7 +28,7 @@ from typing import Any
 from hermit_common.errors import CheckpointFailed, HermitError
 from hermit_common.manifest import Binding
 from hermit_common.store import CheckpointStore, ProgressCallback, UploadResult
-from hermit_node import container, freezer, locate, staging, sysinfo
+from hermit_node import container, freezer, locate, pagemap, staging, sysinfo
 from hermit_node.criu import Criu, DumpRequest
 
 log = logging.getLogger(__name__)
@@ -256,9 +256,13 @@ class CheckpointEngine:
         if on_uploading is not None:
             on_uploading(_ms(cap.frozen_at), cap.dump_ms)
         started = time.monotonic()
+        # Page images cut where their memory is aligned: a child's copy-on-write copy of
+        # its parent's pages makes the same chunks, stored once (pagemap.py).
+        layouts = {SECTION_IMAGES: pagemap.image_layout(
+            cap.sections[SECTION_IMAGES], plan.store.settings.chunk_size_bytes)}
         uploaded = plan.store.upload(plan.binding, cap.sections, plan.restore,
                                      on_progress=on_progress, deadline=deadline,
-                                     parent=target.parent)
+                                     parent=target.parent, layouts=layouts)
         result = _result(plan, cap, uploaded, upload_ms=_ms(started),
                          frozen_ms=frozen_ms if not stop else _ms(cap.frozen_at))
         if on_durable is not None:
