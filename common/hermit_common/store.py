@@ -89,7 +89,7 @@ from hermit_common.tree import (
 )
 
 __all__ = ["CheckpointNotFound", "CheckpointStore", "CollectResult", "ObjectExists",
-           "UploadProgress", "UploadResult", "make_s3_client"]
+           "UploadProgress", "UploadResult", "UploadSession", "make_s3_client"]
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,7 @@ class UploadResult:
     duration: float  # seconds
     chunks_copied: int = 0  # copied in the store from a fork's source, not uploaded
     lineage: tuple[str, ...] = ()  # the uid lineage a sealed manifest is signed for
+    chunks_staged: int = 0  # hashed (and PUT when new) while their file was being written
 
 
 ProgressCallback = Callable[[UploadProgress], None]
@@ -221,6 +222,9 @@ class _UploadState:
         # copied inside the store instead of uploaded.
         self.source = source
         self.source_chunks: Mapping[str, int] = source_chunks or {}
+        # Chunks PUT by UploadSession.stage: (path, offset, length) -> digest, and counts.
+        self.staged: dict[tuple[str, int, int], str] = {}
+        self.staged_new = self.staged_uploaded = 0
 
 
 class _Tally:
@@ -828,16 +832,43 @@ class CheckpointStore:
         which the upload gives up. Any failure raises StoreUnavailable or CheckpointFailed
         and leaves no manifest (chunks already PUT stay for reuse or garbage collection).
         """
+        return self.begin_upload(binding, deadline=deadline, parent=parent).finish(
+            sections, restore, on_progress=on_progress, layouts=layouts)
+
+    def begin_upload(self, binding: Binding, *, deadline: float | None = None,
+                     parent: str = "") -> UploadSession:
+        """An upload of checkpoint ``binding.checkpoint`` that may PUT chunks of files
+        still being written (``UploadSession.stage``) before ``finish`` writes the rest
+        and the manifest. Same arguments and failures as ``upload``."""
         started = time.monotonic()
+        context = Context(binding.namespace, binding.sandbox, binding.sandbox_uid,
+                          binding.checkpoint, parent)
+        keys = self._sandbox_dek(context, deadline) if self._sealing is not None else None
+        state = self._upload_state(binding.namespace, binding.sandbox, keys)
+        return UploadSession(self, binding, context, keys, state, deadline, started)
+
+    def _stage(self, session: UploadSession, path: str, offset: int, length: int) -> None:
+        """PUTs one chunk of a file ahead of ``finish`` (see ``UploadSession.stage``)."""
+        b, state = session.binding, session.state
+        task = _ChunkTask("", 0, 0, path, offset, length)
+        done = self._upload_chunk(task, state, b.namespace, b.sandbox, session.deadline)
+        with state.lock:
+            state.staged[(path, offset, length)] = done.digest
+            if done.uploaded_bytes:
+                state.staged_new += 1
+                state.staged_uploaded += done.uploaded_bytes
+
+    def _finish(self, session: UploadSession, sections: Mapping[str, Path],
+                restore: Mapping[str, Any], on_progress: ProgressCallback | None,
+                layouts: Layouts | None) -> UploadResult:
+        binding, state, keys, deadline = (session.binding, session.state, session.keys,
+                                          session.deadline)
         ns, sandbox = binding.namespace, binding.sandbox
         manifest_key = self.manifest_key(ns, sandbox, binding.checkpoint)
         chunk_size = self.settings.chunk_size_bytes
         scanned = _scan_sections(sections)
         cuts = _layouts_used(scanned, layouts)
         tasks, image_bytes = _chunk_tasks(sections, scanned, chunk_size, cuts)
-        context = Context(ns, sandbox, binding.sandbox_uid, binding.checkpoint, parent)
-        keys = self._sandbox_dek(context, deadline) if self._sealing is not None else None
-        state = self._upload_state(ns, sandbox, keys)
         tally = _Tally(len(tasks), image_bytes, on_progress)
         self._run_upload(tasks, state, ns, sandbox, deadline, tally.record)
 
@@ -854,18 +885,21 @@ class CheckpointStore:
         if keys is not None:
             assert self._sealing is not None
             raw = seal_manifest(self._sealing.wrapper, keys.dek, keys.wrapped,
-                                dataclasses.replace(context, lineage=lineage), raw)
+                                dataclasses.replace(session.context, lineage=lineage), raw)
         self._put_manifest(manifest_key, raw, deadline)
+        with state.lock:
+            new, uploaded = tally.new + state.staged_new, tally.uploaded + state.staged_uploaded
         result = UploadResult(
             manifest_uri=f"s3://{self.settings.bucket}/{manifest_key}",
             manifest_digest=digest_bytes(raw), manifest=manifest, image_bytes=image_bytes,
-            uploaded_bytes=tally.uploaded + len(raw), stored_bytes=stored_bytes,
-            chunks_total=len(tasks), chunks_uploaded=tally.new,
-            duration=time.monotonic() - started, chunks_copied=tally.copied, lineage=lineage,
+            uploaded_bytes=uploaded + len(raw), stored_bytes=stored_bytes,
+            chunks_total=len(tasks), chunks_uploaded=new,
+            duration=time.monotonic() - session.started, chunks_copied=tally.copied,
+            lineage=lineage, chunks_staged=len(state.staged),
         )
-        log.info("checkpoint %s/%s/%s uploaded: %d bytes, %d/%d chunks new, %d copied, "
-                 "%.2fs", ns, sandbox, binding.checkpoint, image_bytes, tally.new, len(tasks),
-                 tally.copied, result.duration)
+        log.info("checkpoint %s/%s/%s uploaded: %d bytes, %d/%d chunks new (%d staged while "
+                 "written), %d copied, %.2fs", ns, sandbox, binding.checkpoint, image_bytes,
+                 new, len(tasks), len(state.staged), tally.copied, result.duration)
         return result
 
     def _put_manifest(self, key: str, raw: bytes, deadline: float | None) -> None:
@@ -903,6 +937,10 @@ class CheckpointStore:
                       deadline: float | None) -> _ChunkDone:
         if state.stop.is_set():
             raise CheckpointFailed("upload aborted")
+        with state.lock:
+            staged = state.staged.get((task.path, task.offset, task.length))
+        if staged is not None:  # PUT (or found present) while the file was written
+            return _ChunkDone(task, staged, 0)
         data = _read_exact(task.path, task.offset, task.length)
         zero = _is_zero(data)
         digest = _zero_digest(len(data)) if zero else hashlib.sha256(data).hexdigest()
@@ -1073,6 +1111,32 @@ class CheckpointStore:
                     f"checkpoint {ns}/{checkpoint}: chunk {digest} of {loc.label} has "
                     f"{len(data)} bytes, the manifest expects {loc.length}")
             _write_all(loc.path, loc.offset, data)
+
+
+class UploadSession:
+    """One upload under way (``CheckpointStore.begin_upload``): chunks of files still being
+    written may be PUT ahead (``stage``) while their writer goes on; ``finish`` uploads
+    everything else, then the manifest, exactly as ``upload`` does. Until ``finish``
+    has written the manifest nothing is a checkpoint: staged chunks are just chunks."""
+
+    def __init__(self, store: CheckpointStore, binding: Binding, context: Context,
+                 keys: _DataKey | None, state: _UploadState, deadline: float | None,
+                 started: float) -> None:
+        self.store, self.binding, self.context = store, binding, context
+        self.keys, self.state, self.deadline, self.started = keys, state, deadline, started
+
+    def stage(self, path: str, offset: int, length: int) -> None:
+        """Hashes and (unless the store has it) PUTs bytes ``offset..offset+length`` of
+        the file at ``path`` as one chunk; thread-safe. The caller promises those bytes
+        are final (an append-only file written past them): ``finish`` uses the digest
+        for a chunk with that path, offset and length without reading it again."""
+        self.store._stage(self, path, offset, length)
+
+    def finish(self, sections: Mapping[str, Path], restore: Mapping[str, Any], *,
+               on_progress: ProgressCallback | None = None,
+               layouts: Layouts | None = None) -> UploadResult:
+        """Uploads the rest of ``sections`` and writes the manifest (``upload``)."""
+        return self.store._finish(self, sections, restore, on_progress, layouts)
 
 
 @dataclass(frozen=True)

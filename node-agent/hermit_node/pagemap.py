@@ -79,43 +79,47 @@ def _fields(message: bytes) -> dict[int, int]:
     return out
 
 
-def _messages(raw: bytes) -> Iterator[bytes]:
-    """The entries of a CRIU protobuf image: two magics, then (u32 size, message)*."""
+def _messages(raw: bytes, partial: bool) -> Iterator[bytes]:
+    """The entries of a CRIU protobuf image: two magics, then (u32 size, message)*.
+    ``partial``: the image is still being written; a cut-off last entry ends it."""
     if len(raw) < 8 or struct.unpack_from("<II", raw) != (IMG_COMMON_MAGIC, PAGEMAP_MAGIC):
         raise PagemapError("not a pagemap image")
     pos = 8
     while pos < len(raw):
-        if pos + 4 > len(raw):
-            raise PagemapError("truncated entry size")
-        (size,) = struct.unpack_from("<I", raw, pos)
+        (size,) = struct.unpack_from("<I", raw, pos) if pos + 4 <= len(raw) else (-1,)
         pos += 4
-        if pos + size > len(raw):
+        if size < 0 or pos + size > len(raw):
+            if partial:
+                return
             raise PagemapError("truncated entry")
         yield raw[pos:pos + size]
         pos += size
 
 
-def parse_pagemap(raw: bytes) -> tuple[int, list[Run]]:
+def parse_pagemap(raw: bytes, *, partial: bool = False) -> tuple[int, list[Run]]:
     """The pages image id of a pagemap image and the runs of pages that image holds.
+    ``partial``: the image is still being written (its complete entries are read).
 
-    pagemap_head: pages_id = 1. pagemap_entry: vaddr = 1, nr_pages = 2, in_parent = 3,
-    flags = 4; an entry's pages are in the pages image when it is present and not in a
-    parent image (images without flags: when not in_parent).
+    pagemap_head: pages_id = 1. pagemap_entry: vaddr = 1, compat_nr_pages = 2 (the page
+    count of images before CRIU 3.17; 0 since), in_parent = 3, flags = 4, nr_pages = 5;
+    an entry's pages are in the pages image when it is present and not in a parent
+    image (images without flags: when not in_parent).
     """
-    messages = _messages(raw)
+    messages = _messages(raw, partial)
     head = _fields(next(messages, b""))
     if 1 not in head:
         raise PagemapError("pagemap head has no pages_id")
     runs: list[Run] = []
     for message in messages:
         entry = _fields(message)
-        if 1 not in entry or 2 not in entry:
+        pages = entry.get(5) or entry.get(2)
+        if 1 not in entry or pages is None:
             raise PagemapError("pagemap entry without vaddr or nr_pages")
         flags = entry.get(4)
         held = (flags & PE_PRESENT and not flags & PE_PARENT) if flags is not None \
             else not entry.get(3, 0)
-        if held and entry[2]:
-            runs.append((entry[1], entry[2] * PAGE_SIZE))
+        if held and pages:
+            runs.append((entry[1], pages * PAGE_SIZE))
     return head[1], runs
 
 

@@ -51,8 +51,9 @@ def test_parse_keeps_the_pages_the_image_holds() -> None:
         _msg((1, 0x600000), (2, 1), (4, PE_LAZY)),  # lazy, not here
         _msg((1, 0x700000), (2, 1)),  # old images: no flags, not in_parent
         _msg((1, 0x800000), (2, 1), (3, 1)),  # old images: in_parent
+        _msg((1, 0x900000), (2, 0), (4, PE_PRESENT), (5, 4)),  # CRIU >= 3.17: nr_pages = 5
     )
-    assert parse_pagemap(raw) == (7, [(0x400000, 3 * P), (0x700000, P)])
+    assert parse_pagemap(raw) == (7, [(0x400000, 3 * P), (0x700000, P), (0x900000, 4 * P)])
 
 
 @pytest.mark.parametrize("raw", [b"", b"\x00" * 8, _image(1)[:-1],
