@@ -9,6 +9,8 @@ carries about 1 GiB, not 2.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -16,6 +18,8 @@ from tests.e2e import sandboxes as sb
 from tests.e2e.conftest import RELEASE_NS, E2EConfig, Kube, run_cluster_command, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+Obj = dict[str, Any]
 
 NOTICE_SECONDS = 15
 MEM_MB = 1024
@@ -32,8 +36,7 @@ def test_one_gib_sandbox_is_durable_within_a_15_second_notice(
                                   notice=str(NOTICE_SECONDS))
     try:
         ckpt = wait_until("a Completed Preemption checkpoint", NOTICE_SECONDS + 30,
-                          sb.completed_checkpoint(namespace, "Preemption", sandbox_name=name),
-                          0.1)
+                          _completed_or_print(namespace, name, started), 0.1)
         durable = sb.since(started)
         last = sb.ticks(kube, namespace, where.pod)
         after = sb.wait_running(kube, namespace, name, restores=1, avoid=where.node,
@@ -55,3 +58,22 @@ def test_one_gib_sandbox_is_durable_within_a_15_second_notice(
     assert durable < NOTICE_SECONDS, f"durable {durable} s after a {NOTICE_SECONDS} s notice"
     # The child's copy-on-write copy of the 1 GiB is stored once, not twice.
     assert st["storedBytes"] < 0.75 * st["imageBytes"], st
+
+
+def _completed_or_print(ns: str, name: str, started: float) -> Callable[[], Obj | None]:
+    """The Completed Preemption checkpoint; while waiting, where it is (phase, dump ms,
+    upload progress) each time that changes, so a miss says which part took the time."""
+    probe = sb.completed_checkpoint(ns, "Preemption", sandbox_name=name)
+    seen: list[str] = []
+
+    def check() -> Obj | None:
+        for c in sb.checkpoints(ns):
+            st = c.get("status") or {}
+            line = (f"{c['spec']['reason']}: {st.get('phase')} dumpMs={st.get('dumpMs')} "
+                    f"{st.get('progress', '')} {st.get('message', '')}".strip())
+            if not seen or seen[-1] != line:
+                seen.append(line)
+                print(f"  +{sb.since(started)} s: {line}")
+        return probe()
+
+    return check
