@@ -870,6 +870,7 @@ class CheckpointStore:
         cuts = _layouts_used(scanned, layouts)
         tasks, image_bytes = _chunk_tasks(sections, scanned, chunk_size, cuts)
         tally = _Tally(len(tasks), image_bytes, on_progress)
+        _settle_staged(state)
         self._run_upload(tasks, state, ns, sandbox, deadline, tally.record)
 
         final, referenced, files = _with_chunks(scanned, tally.digests, cuts)
@@ -1113,6 +1114,16 @@ class CheckpointStore:
             _write_all(loc.path, loc.offset, data)
 
 
+def _settle_staged(state: _UploadState) -> None:
+    """Before ``finish`` uploads the rest (staging is over): only chunks the store holds
+    count as there. A staged PUT that failed left its name claimed, and a chunk staged
+    meanwhile with the same content took it for uploaded: both are uploaded again."""
+    with state.lock:
+        state.claimed = set(state.sizes)
+        state.staged = {key: digest for key, digest in state.staged.items()
+                        if _object_name(state.cipher, digest) in state.sizes}
+
+
 class UploadSession:
     """One upload under way (``CheckpointStore.begin_upload``): chunks of files still being
     written may be PUT ahead (``stage``) while their writer goes on; ``finish`` uploads
@@ -1129,7 +1140,9 @@ class UploadSession:
         """Hashes and (unless the store has it) PUTs bytes ``offset..offset+length`` of
         the file at ``path`` as one chunk; thread-safe. The caller promises those bytes
         are final (an append-only file written past them): ``finish`` uses the digest
-        for a chunk with that path, offset and length without reading it again."""
+        for a chunk with that path, offset and length without reading it again. Every
+        ``stage`` call must have returned before ``finish``; a failed one only means
+        ``finish`` uploads that chunk itself."""
         self.store._stage(self, path, offset, length)
 
     def finish(self, sections: Mapping[str, Path], restore: Mapping[str, Any], *,

@@ -79,8 +79,12 @@ class ImageStreamer:
         if self._thread.is_alive():
             self._thread.join()
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self.staged = sum(1 for f in self._futures
-                          if f.done() and not f.cancelled() and f.exception() is None)
+        finished = [f for f in self._futures if f.done() and not f.cancelled()]
+        failed = [f.exception() for f in finished if f.exception() is not None]
+        self.staged = len(finished) - len(failed)
+        if failed:
+            log.warning("%d chunks of %s could not be uploaded during the dump (the upload "
+                        "after it sends them): %s", len(failed), self._images, failed[0])
 
     def _follow(self) -> None:
         while not self._stopping.is_set():

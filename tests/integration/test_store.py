@@ -172,6 +172,28 @@ def test_files_cut_at_chosen_places_share_their_chunks(store: CheckpointStore,
         assert (out / "criu" / name).read_bytes() == (criu / name).read_bytes(), name
 
 
+def test_chunks_staged_while_the_file_is_written_are_the_manifests(
+        store: CheckpointStore, tmp_path: Path) -> None:
+    """A session stages the first chunks of a page image (as ImageStreamer does during
+    the dump), then finishes: nothing is uploaded twice, every byte comes back."""
+    rng = random.Random(9)
+    criu = tmp_path / "src" / "criu"
+    criu.mkdir(parents=True)
+    pages = criu / "pages-1.img"
+    pages.write_bytes(rng.randbytes(3 * CHUNK + 5))
+    session = store.begin_upload(_binding("c1"))
+    session.stage(os.fspath(pages), 0, CHUNK)
+    session.stage(os.fspath(pages), CHUNK, CHUNK)
+    assert store.list_checkpoints(NS, BOX) == []  # staged chunks are no checkpoint yet
+    result = session.finish({"criu": criu}, {})
+    assert result.chunks_staged == 2
+    assert result.chunks_uploaded == 4 and len(store.list_chunks(NS, BOX)) == 4
+    assert result.uploaded_bytes == result.stored_bytes + len(result.manifest.to_json())
+    out = tmp_path / "out"
+    store.download(NS, BOX, "c1", out, expect_uid=UID, expect_digest=result.manifest_digest)
+    assert (out / "criu" / "pages-1.img").read_bytes() == pages.read_bytes()
+
+
 def test_tampered_chunk_is_refused(store: CheckpointStore, tmp_path: Path) -> None:
     sections = _make_tree(tmp_path / "src")
     result = store.upload(_binding("c1"), sections, {})

@@ -66,3 +66,17 @@ def test_the_streamer_stages_final_chunks_as_the_dump_writes_them(tmp_path: Path
         {(0, 2 * P)} | {(2 * P + i * CHUNK, CHUNK) for i in range(5)}
     for name, offset, length, data in recorder.staged:
         assert name == "pages-3.img" and data == final[offset:offset + length]
+
+
+def test_a_failed_staged_put_is_uploaded_again_by_finish() -> None:
+    """Chunk a's PUT failed after claiming its name; b (same content) took it for
+    uploaded. Settling before finish forgets both, so finish uploads that content."""
+    from hermit_common.store import _settle_staged, _UploadState
+
+    state = _UploadState({"old": 10}, None)
+    state.claimed |= {"x", "y"}
+    state.sizes["y"] = 7  # y's PUT succeeded, x's failed
+    state.staged = {("p", 0, 4): "x", ("p", 4, 4): "x", ("p", 8, 4): "y"}
+    _settle_staged(state)
+    assert state.claimed == {"old", "y"}
+    assert state.staged == {("p", 8, 4): "y"}
