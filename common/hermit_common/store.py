@@ -270,10 +270,10 @@ Layouts = Mapping[str, Mapping[str, tuple[int, ...]]]  # section -> file path ->
 
 
 def _layouts_used(scanned: Mapping[str, list[Entry]], layouts: Layouts | None,
-                  ) -> dict[tuple[str, int], tuple[int, ...]]:
+                  chunk_size: int) -> dict[tuple[str, int], tuple[int, ...]]:
     """(section, entry index) -> chosen chunk lengths, for the files ``layouts`` cuts
-    whose lengths cover their size (never a hardlink or a file with hardlinks: those
-    share their chunks with another entry)."""
+    into chunks of 1 to ``chunk_size`` bytes covering their size (never a hardlink or a
+    file with hardlinks: those share their chunks with another entry)."""
     used: dict[tuple[str, int], tuple[int, ...]] = {}
     for name, entries in scanned.items():
         wanted = (layouts or {}).get(name) or {}
@@ -283,7 +283,8 @@ def _layouts_used(scanned: Mapping[str, list[Entry]], layouts: Layouts | None,
         for index, entry in enumerate(entries):
             lengths = wanted.get(entry.path)
             if lengths and entry.kind == KIND_FILE and entry.link is None \
-                    and entry.path not in linked and sum(lengths) == entry.size:
+                    and entry.path not in linked and sum(lengths) == entry.size \
+                    and 0 < min(lengths) and max(lengths) <= chunk_size:
                 used[(name, index)] = tuple(lengths)
     return used
 
@@ -867,7 +868,7 @@ class CheckpointStore:
         manifest_key = self.manifest_key(ns, sandbox, binding.checkpoint)
         chunk_size = self.settings.chunk_size_bytes
         scanned = _scan_sections(sections)
-        cuts = _layouts_used(scanned, layouts)
+        cuts = _layouts_used(scanned, layouts, chunk_size)
         tasks, image_bytes = _chunk_tasks(sections, scanned, chunk_size, cuts)
         tally = _Tally(len(tasks), image_bytes, on_progress)
         _settle_staged(state)

@@ -357,7 +357,6 @@ class CheckpointEngine:
                    else "CRIU thawed the container")
             raise CheckpointFailed(f"{why} before its files were captured")
 
-
     @staticmethod
     def _streaming(plan: _Plan, cap: _Capture, images: Path, *,
                    stream: bool) -> contextlib.AbstractContextManager[object]:

@@ -159,6 +159,7 @@ def test_files_cut_at_chosen_places_share_their_chunks(store: CheckpointStore,
     (criu / "pages-3.img").write_bytes(region)  # no layout: fixed-size chunks
     layouts = {"criu": {"pages-1.img": (100,) + (CHUNK,) * 4,
                         "pages-2.img": (3000,) + (CHUNK,) * 4 + (7,),
+                        "pages-3.img": (2 * CHUNK, 2 * CHUNK),  # past the chunk size: ignored
                         "core-9.img": (1,)}}  # no such file: ignored
     result = store.upload(_binding("c1"), {"criu": criu}, {}, layouts=layouts)
     assert result.chunks_total == 5 + 6 + 4
