@@ -284,7 +284,7 @@ def _layouts_used(scanned: Mapping[str, list[Entry]], layouts: Layouts | None,
             lengths = wanted.get(entry.path)
             if lengths and entry.kind == KIND_FILE and entry.link is None \
                     and entry.path not in linked and sum(lengths) == entry.size \
-                    and 0 < min(lengths) and max(lengths) <= chunk_size:
+                    and min(lengths) > 0 and max(lengths) <= chunk_size:
                 used[(name, index)] = tuple(lengths)
     return used
 
