@@ -4,10 +4,16 @@ GKE gives non-system pods 15 s of a 30 s preemption notice. The workload's memor
 patterned (incompressible) and shared copy-on-write with its child, which CRIU dumps
 twice: the store keeps it once (node-agent/hermit_node/pagemap.py), so the upload
 carries about 1 GiB, not 2.
+
+What bounds it is the S3: the memory does not compress, so about 1.08 GB must be
+stored. The local cluster's MinIO, on a virtual disk shared by other sessions, stored
+about 75 MB/s when this was written, and the test then fails at the deadline (see
+docs/criu.md, "Measured"). HERMIT_E2E_SPEED_MEM_MB sets the size for a diagnostic run.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +28,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 Obj = dict[str, Any]
 
 NOTICE_SECONDS = 15
-MEM_MB = 1024
+MEM_MB = int(os.environ.get("HERMIT_E2E_SPEED_MEM_MB", "1024"))
 
 
 def test_one_gib_sandbox_is_durable_within_a_15_second_notice(
@@ -49,7 +55,7 @@ def test_one_gib_sandbox_is_durable_within_a_15_second_notice(
     assert preempt.returncode == 0, f"preempt command failed: {out}"
     st = ckpt["status"]
     mb = 1e6
-    print(f"1 GiB sandbox, {NOTICE_SECONDS} s notice: notice->durable {durable} s, "
+    print(f"{MEM_MB} MiB sandbox, {NOTICE_SECONDS} s notice: notice->durable {durable} s, "
           f"notice->running {running} s on {after.node} (tick {seen[0]}); frozen "
           f"{st.get('frozenMs')} ms = dump {st.get('dumpMs')} ms + upload "
           f"{st.get('uploadMs')} ms (+ file copy); images {st.get('imageBytes', 0) / mb:.0f} "
