@@ -5,7 +5,9 @@
 For each workload size (MiB of patterned, verified memory held by the stateful
 workload) it takes, on one sandbox: a routine checkpoint (the sandbox keeps
 running), a second one a few ticks later (only changed chunks upload), and a
-migrating one (frozen until durable), then restores on a second node. It prints
+migrating one (frozen until durable; into a sandbox prefix of its own, so no chunk is
+reused: its frozen time is notice -> durable with nothing uploaded before), then
+restores on a second node. It prints
 the figures and the ratios: frozen time vs raw CRIU dump time, bytes uploaded by
 the second checkpoint vs a full per-turn dump, and frozen time vs the whole cost.
 """
@@ -57,8 +59,8 @@ def measure(base: Path, mem_mb: int, criu: Criu, store: CheckpointStore,
     source.wait_ticks(10, timeout=300)
     engine_a = CheckpointEngine(criu, store, node_a.work_dir)
 
-    def target(ckpt: str) -> CheckpointTarget:
-        return CheckpointTarget(namespace="bench", sandbox=name, sandbox_uid=uid,
+    def target(ckpt: str, sandbox: str = name) -> CheckpointTarget:
+        return CheckpointTarget(namespace="bench", sandbox=sandbox, sandbox_uid=uid,
                                 checkpoint=ckpt, init_pid=source.init_pid,
                                 image_digest=node_a.image_digest())
 
@@ -66,7 +68,9 @@ def measure(base: Path, mem_mb: int, criu: Criu, store: CheckpointStore,
     source.wait_ticks(source.ticks()[-1] + 5)
     second = engine_a.checkpoint(target("c2"))
     source.wait_ticks(source.ticks()[-1] + 5)
-    migrate = engine_a.checkpoint(target("c3"), stop=True)
+    # Into a sandbox prefix with no chunks yet: notice -> durable with nothing to reuse.
+    moved = f"{name}-moved"
+    migrate = engine_a.checkpoint(target("c3", moved), stop=True)
     source.container.wait_exit(60)
     at_checkpoint = source.ticks()[-1]
     destroy_sandbox(source, network)
@@ -74,7 +78,7 @@ def measure(base: Path, mem_mb: int, criu: Criu, store: CheckpointStore,
 
     restored_box = start_sandbox(node_b, network, name, restore=True, env=env)
     restored = RestoreEngine(criu, store, node_b.work_dir).restore(RestoreTarget(
-        namespace="bench", sandbox=name, sandbox_uid=uid, checkpoint="c3",
+        namespace="bench", sandbox=moved, sandbox_uid=uid, checkpoint="c3",
         init_pid=restored_box.init_pid, image_digest=node_b.image_digest()))
     ticks = restored_box.wait_ticks(at_checkpoint + 3, timeout=120)
     continued = ticks == list(range(1, len(ticks) + 1)) and restored_box.container.alive()
@@ -100,6 +104,10 @@ def report(rows: list[Row]) -> None:
         frozen_vs_dump = r.first.frozen_ms / max(r.first.dump_ms, 1)
         delta_vs_full = r.second.uploaded_bytes / max(r.second.image_bytes, 1)
         hidden = r.first.frozen_ms / max(r.first.frozen_ms + r.first.upload_ms, 1)
+        m = r.migrate
+        print(f"{r.mem_mb:>5} MiB: migrating checkpoint durable in {m.frozen_ms} ms frozen = "
+              f"dump {m.dump_ms} ms (with {m.chunks_staged} of {m.chunks_total} chunks "
+              f"uploaded during it) + {m.upload_ms} ms upload after it")
         print(f"{r.mem_mb:>5} MiB: frozen/raw dump = {frozen_vs_dump:.2f}x; "
               f"2nd checkpoint uploads {delta_vs_full:.4f} of a full dump "
               f"({r.second.uploaded_bytes / mb:.2f} of {r.second.image_bytes / mb:.1f} MB); "

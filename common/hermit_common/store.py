@@ -27,6 +27,7 @@ with ``accept_plain``; a store without a ``Sealing`` refuses sealed checkpoints.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -88,7 +89,7 @@ from hermit_common.tree import (
 )
 
 __all__ = ["CheckpointNotFound", "CheckpointStore", "CollectResult", "ObjectExists",
-           "UploadProgress", "UploadResult", "make_s3_client"]
+           "UploadProgress", "UploadResult", "UploadSession", "make_s3_client"]
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ class UploadResult:
     duration: float  # seconds
     chunks_copied: int = 0  # copied in the store from a fork's source, not uploaded
     lineage: tuple[str, ...] = ()  # the uid lineage a sealed manifest is signed for
+    chunks_staged: int = 0  # hashed (and PUT when new) while their file was being written
 
 
 ProgressCallback = Callable[[UploadProgress], None]
@@ -220,6 +222,9 @@ class _UploadState:
         # copied inside the store instead of uploaded.
         self.source = source
         self.source_chunks: Mapping[str, int] = source_chunks or {}
+        # Chunks PUT by UploadSession.stage: (path, offset, length) -> digest, and counts.
+        self.staged: dict[tuple[str, int, int], str] = {}
+        self.staged_new = self.staged_uploaded = 0
 
 
 class _Tally:
@@ -261,8 +266,32 @@ def _scan_sections(sections: Mapping[str, Path]) -> dict[str, list[Entry]]:
     return scanned
 
 
+Layouts = Mapping[str, Mapping[str, tuple[int, ...]]]  # section -> file path -> chunk lengths
+
+
+def _layouts_used(scanned: Mapping[str, list[Entry]], layouts: Layouts | None,
+                  chunk_size: int) -> dict[tuple[str, int], tuple[int, ...]]:
+    """(section, entry index) -> chosen chunk lengths, for the files ``layouts`` cuts
+    into chunks of 1 to ``chunk_size`` bytes covering their size (never a hardlink or a
+    file with hardlinks: those share their chunks with another entry)."""
+    used: dict[tuple[str, int], tuple[int, ...]] = {}
+    for name, entries in scanned.items():
+        wanted = (layouts or {}).get(name) or {}
+        if not wanted:
+            continue
+        linked = {e.link for e in entries if e.link is not None}
+        for index, entry in enumerate(entries):
+            lengths = wanted.get(entry.path)
+            if lengths and entry.kind == KIND_FILE and entry.link is None \
+                    and entry.path not in linked and sum(lengths) == entry.size \
+                    and min(lengths) > 0 and max(lengths) <= chunk_size:
+                used[(name, index)] = tuple(lengths)
+    return used
+
+
 def _chunk_tasks(sections: Mapping[str, Path], scanned: Mapping[str, list[Entry]],
-                 chunk_size: int) -> tuple[list[_ChunkTask], int]:
+                 chunk_size: int, cuts: Mapping[tuple[str, int], tuple[int, ...]],
+                 ) -> tuple[list[_ChunkTask], int]:
     """One task per chunk of every regular file, and the files' total size in bytes."""
     tasks: list[_ChunkTask] = []
     image_bytes = 0
@@ -273,16 +302,18 @@ def _chunk_tasks(sections: Mapping[str, Path], scanned: Mapping[str, list[Entry]
                 continue
             image_bytes += entry.size
             path = os.path.join(top, entry.path)
-            for ci, offset in enumerate(range(0, entry.size, chunk_size)):
-                tasks.append(_ChunkTask(name, index, ci, path, offset,
-                                        min(chunk_size, entry.size - offset)))
+            cut = dataclasses.replace(entry, chunk_lengths=cuts.get((name, index), ()))
+            for ci, (offset, length) in enumerate(cut.chunk_spans(chunk_size)):
+                tasks.append(_ChunkTask(name, index, ci, path, offset, length))
     return tasks, image_bytes
 
 
 def _with_chunks(scanned: Mapping[str, list[Entry]],
                  digests: Mapping[tuple[str, int], list[str]],
+                 cuts: Mapping[tuple[str, int], tuple[int, ...]],
                  ) -> tuple[dict[str, tuple[Entry, ...]], set[str], int]:
-    """The manifest's sections: each file entry with its chunk digests.
+    """The manifest's sections: each file entry with its chunk digests (and lengths,
+    when the file was cut at chosen places).
 
     Also returns the distinct digests referenced and the number of files.
     """
@@ -296,7 +327,8 @@ def _with_chunks(scanned: Mapping[str, list[Entry]],
                 files += 1
                 chunks = tuple(digests.get((name, index), []))
                 referenced.update(chunks)
-                entry = dataclasses.replace(entry, chunks=chunks)
+                entry = dataclasses.replace(entry, chunks=chunks,
+                                            chunk_lengths=cuts.get((name, index), ()))
             out.append(entry)
         final[name] = tuple(out)
     return final, referenced, files
@@ -356,6 +388,28 @@ def _read_exact(path: str, offset: int, length: int) -> bytes:
         raise CheckpointFailed(f"cannot read {path}: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
+
+
+# Zero chunks (untouched pages CRIU dumps, sparse files) skip hashing and compression:
+# their digest and compressed form depend on their length only (a few lengths a run).
+def _is_zero(data: bytes) -> bool:
+    """All zero bytes: the ends first (most chunks fail there), then one memcmp."""
+    return data[:1] == b"\0" and data[-1:] == b"\0" and data == _zeros(len(data))
+
+
+@functools.lru_cache(maxsize=4)
+def _zeros(length: int) -> bytes:
+    return bytes(length)
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_digest(length: int) -> str:
+    return hashlib.sha256(_zeros(length)).hexdigest()
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_body(length: int) -> bytes:
+    return zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(_zeros(length))
 
 
 def _write_all(path: str, offset: int, data: bytes) -> None:
@@ -766,27 +820,61 @@ class CheckpointStore:
 
     def upload(self, binding: Binding, sections: Mapping[str, Path],
                restore: Mapping[str, Any], *, on_progress: ProgressCallback | None = None,
-               deadline: float | None = None, parent: str = "") -> UploadResult:
+               deadline: float | None = None, parent: str = "",
+               layouts: Layouts | None = None) -> UploadResult:
         """Uploads the directory trees ``sections`` as checkpoint ``binding.checkpoint``.
+
+        ``layouts``: where to cut some files into chunks (section -> path -> chunk
+        lengths, each at most the chunk size), e.g. CRIU page images cut so memory
+        shared by two processes makes the same chunks; other files get fixed-size ones.
 
         ``parent``: the checkpoint the sandbox was restored from ("": none), which a
         sealed manifest is signed for. ``deadline`` is a ``time.monotonic()`` value after
         which the upload gives up. Any failure raises StoreUnavailable or CheckpointFailed
         and leaves no manifest (chunks already PUT stay for reuse or garbage collection).
         """
+        return self.begin_upload(binding, deadline=deadline, parent=parent).finish(
+            sections, restore, on_progress=on_progress, layouts=layouts)
+
+    def begin_upload(self, binding: Binding, *, deadline: float | None = None,
+                     parent: str = "") -> UploadSession:
+        """An upload of checkpoint ``binding.checkpoint`` that may PUT chunks of files
+        still being written (``UploadSession.stage``) before ``finish`` writes the rest
+        and the manifest. Same arguments and failures as ``upload``."""
         started = time.monotonic()
+        context = Context(binding.namespace, binding.sandbox, binding.sandbox_uid,
+                          binding.checkpoint, parent)
+        keys = self._sandbox_dek(context, deadline) if self._sealing is not None else None
+        state = self._upload_state(binding.namespace, binding.sandbox, keys)
+        return UploadSession(self, binding, context, keys, state, deadline, started)
+
+    def _stage(self, session: UploadSession, path: str, offset: int, length: int) -> None:
+        """PUTs one chunk of a file ahead of ``finish`` (see ``UploadSession.stage``)."""
+        b, state = session.binding, session.state
+        task = _ChunkTask("", 0, 0, path, offset, length)
+        done = self._upload_chunk(task, state, b.namespace, b.sandbox, session.deadline)
+        with state.lock:
+            state.staged[(path, offset, length)] = done.digest
+            if done.uploaded_bytes:
+                state.staged_new += 1
+                state.staged_uploaded += done.uploaded_bytes
+
+    def _finish(self, session: UploadSession, sections: Mapping[str, Path],
+                restore: Mapping[str, Any], on_progress: ProgressCallback | None,
+                layouts: Layouts | None) -> UploadResult:
+        binding, state, keys, deadline = (session.binding, session.state, session.keys,
+                                          session.deadline)
         ns, sandbox = binding.namespace, binding.sandbox
         manifest_key = self.manifest_key(ns, sandbox, binding.checkpoint)
         chunk_size = self.settings.chunk_size_bytes
         scanned = _scan_sections(sections)
-        tasks, image_bytes = _chunk_tasks(sections, scanned, chunk_size)
-        context = Context(ns, sandbox, binding.sandbox_uid, binding.checkpoint, parent)
-        keys = self._sandbox_dek(context, deadline) if self._sealing is not None else None
-        state = self._upload_state(ns, sandbox, keys)
+        cuts = _layouts_used(scanned, layouts, chunk_size)
+        tasks, image_bytes = _chunk_tasks(sections, scanned, chunk_size, cuts)
         tally = _Tally(len(tasks), image_bytes, on_progress)
+        _settle_staged(state)
         self._run_upload(tasks, state, ns, sandbox, deadline, tally.record)
 
-        final, referenced, files = _with_chunks(scanned, tally.digests)
+        final, referenced, files = _with_chunks(scanned, tally.digests, cuts)
         stored_bytes = sum(state.sizes[_object_name(state.cipher, d)] for d in referenced)
         lineage = keys.lineage if keys is not None else ()
         manifest = Manifest(
@@ -799,18 +887,21 @@ class CheckpointStore:
         if keys is not None:
             assert self._sealing is not None
             raw = seal_manifest(self._sealing.wrapper, keys.dek, keys.wrapped,
-                                dataclasses.replace(context, lineage=lineage), raw)
+                                dataclasses.replace(session.context, lineage=lineage), raw)
         self._put_manifest(manifest_key, raw, deadline)
+        with state.lock:
+            new, uploaded = tally.new + state.staged_new, tally.uploaded + state.staged_uploaded
         result = UploadResult(
             manifest_uri=f"s3://{self.settings.bucket}/{manifest_key}",
             manifest_digest=digest_bytes(raw), manifest=manifest, image_bytes=image_bytes,
-            uploaded_bytes=tally.uploaded + len(raw), stored_bytes=stored_bytes,
-            chunks_total=len(tasks), chunks_uploaded=tally.new,
-            duration=time.monotonic() - started, chunks_copied=tally.copied, lineage=lineage,
+            uploaded_bytes=uploaded + len(raw), stored_bytes=stored_bytes,
+            chunks_total=len(tasks), chunks_uploaded=new,
+            duration=time.monotonic() - session.started, chunks_copied=tally.copied,
+            lineage=lineage, chunks_staged=len(state.staged),
         )
-        log.info("checkpoint %s/%s/%s uploaded: %d bytes, %d/%d chunks new, %d copied, "
-                 "%.2fs", ns, sandbox, binding.checkpoint, image_bytes, tally.new, len(tasks),
-                 tally.copied, result.duration)
+        log.info("checkpoint %s/%s/%s uploaded: %d bytes, %d/%d chunks new (%d staged while "
+                 "written), %d copied, %.2fs", ns, sandbox, binding.checkpoint, image_bytes,
+                 new, len(tasks), len(state.staged), tally.copied, result.duration)
         return result
 
     def _put_manifest(self, key: str, raw: bytes, deadline: float | None) -> None:
@@ -848,8 +939,13 @@ class CheckpointStore:
                       deadline: float | None) -> _ChunkDone:
         if state.stop.is_set():
             raise CheckpointFailed("upload aborted")
+        with state.lock:
+            staged = state.staged.get((task.path, task.offset, task.length))
+        if staged is not None:  # PUT (or found present) while the file was written
+            return _ChunkDone(task, staged, 0)
         data = _read_exact(task.path, task.offset, task.length)
-        digest = hashlib.sha256(data).hexdigest()
+        zero = _is_zero(data)
+        digest = _zero_digest(len(data)) if zero else hashlib.sha256(data).hexdigest()
         name = _object_name(state.cipher, digest)
         with state.lock:
             if name in state.claimed:
@@ -859,7 +955,7 @@ class CheckpointStore:
             with state.lock:
                 state.sizes[name] = state.source_chunks[name]
             return _ChunkDone(task, digest, 0, copied=True)
-        body = self._compressor().compress(data)
+        body = _zero_body(len(data)) if zero else self._compressor().compress(data)
         if state.cipher is not None:
             body = state.cipher.seal(name, body)
         self._put(self.chunk_key(ns, sandbox, name), body,
@@ -971,9 +1067,9 @@ class CheckpointStore:
                         os.close(fd)
                     into = later if defer is not None and defer(name, entry.path) \
                         else locations
-                    for ci, digest in enumerate(entry.chunks):
-                        offset = ci * chunk_size
-                        length = min(chunk_size, entry.size - offset)
+                    for digest, (offset, length) in zip(entry.chunks,
+                                                        entry.chunk_spans(chunk_size),
+                                                        strict=True):
                         into.setdefault(digest, []).append(
                             _Location(full, offset, length, f"{name}/{entry.path}"))
         self._fetch_chunks(locations, chunk_size, where)
@@ -1128,6 +1224,44 @@ class Deferred:
             thread.join()
         if errors:
             raise errors[0]
+
+
+def _settle_staged(state: _UploadState) -> None:
+    """Before ``finish`` uploads the rest (staging is over): only chunks the store holds
+    count as there. A staged PUT that failed left its name claimed, and a chunk staged
+    meanwhile with the same content took it for uploaded: both are uploaded again."""
+    with state.lock:
+        state.claimed = set(state.sizes)
+        state.staged = {key: digest for key, digest in state.staged.items()
+                        if _object_name(state.cipher, digest) in state.sizes}
+
+
+class UploadSession:
+    """One upload under way (``CheckpointStore.begin_upload``): chunks of files still being
+    written may be PUT ahead (``stage``) while their writer goes on; ``finish`` uploads
+    everything else, then the manifest, exactly as ``upload`` does. Until ``finish``
+    has written the manifest nothing is a checkpoint: staged chunks are just chunks."""
+
+    def __init__(self, store: CheckpointStore, binding: Binding, context: Context,
+                 keys: _DataKey | None, state: _UploadState, deadline: float | None,
+                 started: float) -> None:
+        self.store, self.binding, self.context = store, binding, context
+        self.keys, self.state, self.deadline, self.started = keys, state, deadline, started
+
+    def stage(self, path: str, offset: int, length: int) -> None:
+        """Hashes and (unless the store has it) PUTs bytes ``offset..offset+length`` of
+        the file at ``path`` as one chunk; thread-safe. The caller promises those bytes
+        are final (an append-only file written past them): ``finish`` uses the digest
+        for a chunk with that path, offset and length without reading it again. Every
+        ``stage`` call must have returned before ``finish``; a failed one only means
+        ``finish`` uploads that chunk itself."""
+        self.store._stage(self, path, offset, length)
+
+    def finish(self, sections: Mapping[str, Path], restore: Mapping[str, Any], *,
+               on_progress: ProgressCallback | None = None,
+               layouts: Layouts | None = None) -> UploadResult:
+        """Uploads the rest of ``sections`` and writes the manifest (``upload``)."""
+        return self.store._finish(self, sections, restore, on_progress, layouts)
 
 
 @dataclass(frozen=True)

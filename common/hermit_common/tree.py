@@ -141,6 +141,10 @@ def check_xattrs(xattrs: Xattrs, what: str) -> Xattrs:
 class Entry:
     """One path of a tree. ``chunks`` (sha256 of each uncompressed chunk) is set by the store.
 
+    ``chunk_lengths`` (files only): the byte length of each chunk, when the store cut the
+    file at chosen places (CRIU page images, cut where the memory they hold is
+    aligned, so pages shared by two processes make the same chunks); empty: every
+    chunk is the manifest's ``chunk_size`` but the last (``chunk_spans``).
     ``link`` (files only): an earlier file entry of the same tree this path is a
     hardlink of. ``xattrs``: (name, value) pairs sorted by name; in JSON an object
     of base64 values, left out when there are none (and for whiteouts).
@@ -158,6 +162,18 @@ class Entry:
     chunks: tuple[str, ...] = field(default=())
     link: str | None = None  # file only: hardlink of this earlier path
     xattrs: Xattrs = field(default=())  # not whiteout
+    chunk_lengths: tuple[int, ...] = field(default=())  # file only; empty: fixed size
+
+    def chunk_spans(self, chunk_size: int) -> list[tuple[int, int]]:
+        """(offset, length) of each chunk of this file, in order."""
+        if self.chunk_lengths:
+            spans, offset = [], 0
+            for length in self.chunk_lengths:
+                spans.append((offset, length))
+                offset += length
+            return spans
+        return [(offset, min(chunk_size, self.size - offset))
+                for offset in range(0, self.size, chunk_size)]
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form: only the fields that mean something for this kind."""
@@ -167,6 +183,8 @@ class Entry:
         out.update(mode=self.mode, uid=self.uid, gid=self.gid, mtime_ns=self.mtime_ns)
         if self.kind == KIND_FILE:
             out.update(size=self.size, chunks=list(self.chunks))
+            if self.chunk_lengths:
+                out["chunk_lengths"] = list(self.chunk_lengths)
         elif self.kind == KIND_SYMLINK:
             out["target"] = self.target
         elif self.kind == KIND_DIR and self.opaque:
@@ -202,7 +220,7 @@ class Entry:
             chunks = _file_chunks(data, path)
             link = _file_link(data, path)
             return cls(path, kind, mode, uid, gid, mtime_ns, size=size, chunks=chunks,
-                       link=link, xattrs=xattrs)
+                       link=link, xattrs=xattrs, chunk_lengths=_chunk_lengths(data, path))
         if kind == KIND_SYMLINK:
             target = _symlink_target(data, path)
             return cls(path, kind, mode, uid, gid, mtime_ns, target=target, xattrs=xattrs)
@@ -218,7 +236,7 @@ def _allowed_fields(kind: str) -> set[str]:
     if kind != KIND_WHITEOUT:
         allowed |= {"mode", "uid", "gid", "mtime_ns", "xattrs"}
     if kind == KIND_FILE:
-        allowed |= {"size", "chunks", "link"}
+        allowed |= {"size", "chunks", "link", "chunk_lengths"}
     elif kind == KIND_SYMLINK:
         allowed.add("target")
     elif kind == KIND_DIR:
@@ -242,6 +260,19 @@ def _file_chunks(data: Mapping[str, object], path: str) -> tuple[str, ...]:
     if not isinstance(raw_chunks, list):
         raise ManifestError(f"entry {path!r} field 'chunks' is missing or not a list")
     return tuple(check_digest(c, f"chunk digest of {path!r}") for c in raw_chunks)
+
+
+def _chunk_lengths(data: Mapping[str, object], path: str) -> tuple[int, ...]:
+    """A file entry's ``chunk_lengths``: absent, or a non-empty list of positive integers
+    (``check_entries`` checks them against the size and the chunk size)."""
+    if "chunk_lengths" not in data:
+        return ()
+    raw = data["chunk_lengths"]
+    if not isinstance(raw, list) or not raw or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in raw):
+        raise ManifestError(f"entry {path!r} field 'chunk_lengths' is not a non-empty list "
+                            "of positive integers")
+    return tuple(raw)
 
 
 def _file_link(data: Mapping[str, object], path: str) -> str | None:
@@ -321,12 +352,28 @@ def check_entries(entries: Sequence[Entry], chunk_size: int, section: str) -> No
     for entry in entries:
         check_xattrs(entry.xattrs, f"entry {section}/{entry.path}")
         if entry.kind == KIND_FILE:
-            expected = -(-entry.size // chunk_size)
-            if len(entry.chunks) != expected:
-                raise ManifestError(
-                    f"file {section}/{entry.path} of {entry.size} bytes lists "
-                    f"{len(entry.chunks)} chunks, expected {expected}")
+            _check_file_chunks(entry, chunk_size, section)
     check_links(entries, section)
+
+
+def _check_file_chunks(entry: Entry, chunk_size: int, section: str) -> None:
+    """A file's chunk count matches its size; chosen chunk lengths cover exactly its
+    size, none longer than the chunk size."""
+    where = f"file {section}/{entry.path} of {entry.size} bytes"
+    if entry.chunk_lengths:
+        if len(entry.chunk_lengths) != len(entry.chunks) \
+                or sum(entry.chunk_lengths) != entry.size \
+                or max(entry.chunk_lengths) > chunk_size:
+            raise ManifestError(
+                f"{where} lists {len(entry.chunks)} chunks whose lengths "
+                f"({len(entry.chunk_lengths)} of them, {sum(entry.chunk_lengths)} bytes, "
+                f"up to {max(entry.chunk_lengths)}) do not cut it into chunks of at most "
+                f"{chunk_size} bytes")
+        return
+    expected = -(-entry.size // chunk_size)
+    if len(entry.chunks) != expected:
+        raise ManifestError(
+            f"{where} lists {len(entry.chunks)} chunks, expected {expected}")
 
 
 def check_links(entries: Sequence[Entry], section: str) -> None:

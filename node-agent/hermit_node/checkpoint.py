@@ -27,9 +27,10 @@ from typing import Any
 
 from hermit_common.errors import CheckpointFailed, HermitError
 from hermit_common.manifest import Binding
-from hermit_common.store import CheckpointStore, ProgressCallback, UploadResult
-from hermit_node import container, freezer, locate, staging, sysinfo
+from hermit_common.store import CheckpointStore, ProgressCallback, UploadResult, UploadSession
+from hermit_node import container, freezer, locate, pagemap, staging, sysinfo
 from hermit_node.criu import Criu, DumpRequest
+from hermit_node.streaming import ImageStreamer
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class CheckpointResult:
     chunks_total: int = 0  # chunk references of the manifest
     chunks_uploaded: int = 0  # chunks the store did not have yet
     lineage: tuple[str, ...] = ()  # the sandbox uid lineage a sealed manifest is signed for
+    chunks_staged: int = 0  # uploaded while CRIU was still writing (streaming.py)
 
 
 def restore_info(view: container.ContainerView, workspace_path: str | None,
@@ -186,6 +188,7 @@ class _Capture:
     capture_ms: int = 0
     sections: dict[str, Path] = field(default_factory=dict)
     thawed: bool = False
+    session: UploadSession | None = None  # begun before the freeze
 
 
 class CheckpointEngine:
@@ -221,6 +224,9 @@ class CheckpointEngine:
         cap = _Capture(frozen_at=time.monotonic())
         kept = False
         try:
+            # Before the freeze: the store's chunk listing (and a sealed store's data key).
+            cap.session = plan.store.begin_upload(plan.binding, deadline=deadline,
+                                                  parent=target.parent)
             freezer.freeze(plan.cgroup)
             result = self._capture_and_upload(target, plan, cap, stop=stop, deadline=deadline,
                                               on_uploading=on_uploading,
@@ -235,9 +241,10 @@ class CheckpointEngine:
                 freezer.thaw(plan.cgroup)
             if not kept:  # whatever happened: nothing stays staged on the node
                 shutil.rmtree(plan.local, ignore_errors=True)
-        log.info("checkpoint %s/%s: frozen %d ms, dump %d ms, upload %d ms, %d bytes stored",
-                 target.namespace, target.checkpoint, result.frozen_ms, result.dump_ms,
-                 result.upload_ms, result.stored_bytes)
+        log.info("checkpoint %s/%s: frozen %d ms, dump %d ms, upload %d ms after it (%d "
+                 "chunks uploaded during the dump), %d bytes stored", target.namespace,
+                 target.checkpoint, result.frozen_ms, result.dump_ms, result.upload_ms,
+                 result.chunks_staged, result.stored_bytes)
         return result
 
     def _capture_and_upload(self, target: CheckpointTarget, plan: _Plan, cap: _Capture, *,
@@ -256,9 +263,13 @@ class CheckpointEngine:
         if on_uploading is not None:
             on_uploading(_ms(cap.frozen_at), cap.dump_ms)
         started = time.monotonic()
-        uploaded = plan.store.upload(plan.binding, cap.sections, plan.restore,
-                                     on_progress=on_progress, deadline=deadline,
-                                     parent=target.parent)
+        # Page images cut where their memory is aligned: a child's copy-on-write copy of
+        # its parent's pages makes the same chunks, stored once (pagemap.py).
+        layouts = {SECTION_IMAGES: pagemap.image_layout(
+            cap.sections[SECTION_IMAGES], plan.store.settings.chunk_size_bytes)}
+        assert cap.session is not None
+        uploaded = cap.session.finish(cap.sections, plan.restore, on_progress=on_progress,
+                                      layouts=layouts)
         result = _result(plan, cap, uploaded, upload_ms=_ms(started),
                          frozen_ms=frozen_ms if not stop else _ms(cap.frozen_at))
         if on_durable is not None:
@@ -322,11 +333,12 @@ class CheckpointEngine:
             wait_stdio_drained(plan.view)
             started = time.monotonic()
             images = plan.local / SECTION_IMAGES
-            self._criu.dump(DumpRequest(
-                pid=plan.root_pid, images_dir=images, externals=plan.externals,
-                leave_running=True, freeze_cgroup=plan.cgroup,
-            ))
-            cap.dump_ms = _ms(started)
+            with self._streaming(plan, cap, images, stream=not routine):
+                self._criu.dump(DumpRequest(
+                    pid=plan.root_pid, images_dir=images, externals=plan.externals,
+                    leave_running=True, freeze_cgroup=plan.cgroup,
+                ))
+                cap.dump_ms = _ms(started)
             started = time.monotonic()
             cap.sections[SECTION_IMAGES] = images
             if plan.view.upperdir is not None:
@@ -345,6 +357,18 @@ class CheckpointEngine:
                    else "CRIU thawed the container")
             raise CheckpointFailed(f"{why} before its files were captured")
 
+    @staticmethod
+    def _streaming(plan: _Plan, cap: _Capture, images: Path, *,
+                   stream: bool) -> contextlib.AbstractContextManager[object]:
+        """A migrating checkpoint uploads the page images while CRIU writes them (the
+        sandbox is frozen until durable anyway); a routine one leaves CRIU both cores,
+        as its frozen time is what the workload feels."""
+        if not stream or cap.session is None:
+            return contextlib.nullcontext()
+        settings = plan.store.settings
+        return ImageStreamer(cap.session, images, settings.chunk_size_bytes,
+                             settings.transfer_concurrency)
+
 
 def _result(plan: _Plan, cap: _Capture, uploaded: UploadResult, *, upload_ms: int,
             frozen_ms: int) -> CheckpointResult:
@@ -356,4 +380,5 @@ def _result(plan: _Plan, cap: _Capture, uploaded: UploadResult, *, upload_ms: in
         criu_version=plan.binding.criu_version, kernel=plan.binding.kernel,
         cpu_flags=plan.binding.cpu_flags, chunks_total=uploaded.chunks_total,
         chunks_uploaded=uploaded.chunks_uploaded, lineage=uploaded.lineage,
+        chunks_staged=uploaded.chunks_staged,
     )

@@ -145,6 +145,56 @@ def test_unchanged_tree_uploads_only_the_manifest(store: CheckpointStore, tmp_pa
     assert (out / "criu" / "pages-1.img").read_bytes() == pages.read_bytes()
 
 
+def test_files_cut_at_chosen_places_share_their_chunks(store: CheckpointStore,
+                                                       tmp_path: Path) -> None:
+    """Two page images holding the same region at different offsets (a parent and its
+    copy-on-write child): cut where the region starts, they store it once, and a
+    download puts every byte back where it was."""
+    rng = random.Random(5)
+    region = rng.randbytes(4 * CHUNK)
+    criu = tmp_path / "src" / "criu"
+    criu.mkdir(parents=True)
+    (criu / "pages-1.img").write_bytes(rng.randbytes(100) + region)
+    (criu / "pages-2.img").write_bytes(rng.randbytes(3000) + region + rng.randbytes(7))
+    (criu / "pages-3.img").write_bytes(region)  # no layout: fixed-size chunks
+    layouts = {"criu": {"pages-1.img": (100,) + (CHUNK,) * 4,
+                        "pages-2.img": (3000,) + (CHUNK,) * 4 + (7,),
+                        "pages-3.img": (2 * CHUNK, 2 * CHUNK),  # past the chunk size: ignored
+                        "core-9.img": (1,)}}  # no such file: ignored
+    result = store.upload(_binding("c1"), {"criu": criu}, {}, layouts=layouts)
+    assert result.chunks_total == 5 + 6 + 4
+    assert result.chunks_uploaded == 4 + 3  # the region once (pages-3 too), two heads, a tail
+    entries = {e.path: e for e in result.manifest.sections["criu"]}
+    assert entries["pages-2.img"].chunk_lengths == (3000,) + (CHUNK,) * 4 + (7,)
+    assert entries["pages-3.img"].chunk_lengths == ()
+    out = tmp_path / "out"
+    store.download(NS, BOX, "c1", out, expect_uid=UID, expect_digest=result.manifest_digest)
+    for name in ("pages-1.img", "pages-2.img", "pages-3.img"):
+        assert (out / "criu" / name).read_bytes() == (criu / name).read_bytes(), name
+
+
+def test_chunks_staged_while_the_file_is_written_are_the_manifests(
+        store: CheckpointStore, tmp_path: Path) -> None:
+    """A session stages the first chunks of a page image (as ImageStreamer does during
+    the dump), then finishes: nothing is uploaded twice, every byte comes back."""
+    rng = random.Random(9)
+    criu = tmp_path / "src" / "criu"
+    criu.mkdir(parents=True)
+    pages = criu / "pages-1.img"
+    pages.write_bytes(rng.randbytes(3 * CHUNK + 5))
+    session = store.begin_upload(_binding("c1"))
+    session.stage(os.fspath(pages), 0, CHUNK)
+    session.stage(os.fspath(pages), CHUNK, CHUNK)
+    assert store.list_checkpoints(NS, BOX) == []  # staged chunks are no checkpoint yet
+    result = session.finish({"criu": criu}, {})
+    assert result.chunks_staged == 2
+    assert result.chunks_uploaded == 4 and len(store.list_chunks(NS, BOX)) == 4
+    assert result.uploaded_bytes == result.stored_bytes + len(result.manifest.to_json())
+    out = tmp_path / "out"
+    store.download(NS, BOX, "c1", out, expect_uid=UID, expect_digest=result.manifest_digest)
+    assert (out / "criu" / "pages-1.img").read_bytes() == pages.read_bytes()
+
+
 def test_tampered_chunk_is_refused(store: CheckpointStore, tmp_path: Path) -> None:
     sections = _make_tree(tmp_path / "src")
     result = store.upload(_binding("c1"), sections, {})

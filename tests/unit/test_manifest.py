@@ -169,3 +169,35 @@ def test_unsound_links_and_xattrs_are_refused(change: dict[str, Any], match: str
     data["sections"]["rootfs"][2].update(change)
     with pytest.raises(ManifestError, match=match):
         Manifest.from_json(json.dumps(data).encode())
+
+
+def test_chosen_chunk_lengths_round_trip_and_give_the_spans() -> None:
+    entry = Entry("pages-1.img", "file", 0o600, size=7, chunks=(DIGEST, DIGEST, DIGEST),
+                  chunk_lengths=(2, 4, 1))
+    m = _manifest(sections={"criu": (entry,)})
+    raw = m.to_json()
+    assert json.loads(raw)["sections"]["criu"][0]["chunk_lengths"] == [2, 4, 1]
+    assert Manifest.from_json(raw) == m
+    assert entry.chunk_spans(4) == [(0, 2), (2, 4), (6, 1)]
+    fixed = Entry("p", "file", size=6, chunks=(DIGEST, DIGEST))
+    assert fixed.chunk_spans(4) == [(0, 4), (4, 2)]
+    assert "chunk_lengths" not in json.loads(_manifest().to_json())["sections"]["criu"][0]
+
+
+@pytest.mark.parametrize("lengths,match", [
+    ((2, 4), "do not cut it"),  # one length short
+    ((2, 4, 2), "do not cut it"),  # longer than the file
+    ((1, 5, 1), "do not cut it"),  # a chunk past the chunk size
+])
+def test_chunk_lengths_must_cut_the_file_exactly(lengths: tuple[int, ...], match: str) -> None:
+    with pytest.raises(ManifestError, match=match):
+        _manifest(sections={"criu": (Entry("p", "file", size=7, chunks=(DIGEST,) * 3,
+                                           chunk_lengths=lengths),)})
+
+
+@pytest.mark.parametrize("value", [[], [0, 7], ["7"], [True], 7])
+def test_malformed_chunk_lengths_are_refused(value: object) -> None:
+    data = json.loads(_manifest().to_json())
+    data["sections"]["criu"][0]["chunk_lengths"] = value
+    with pytest.raises(ManifestError, match="chunk_lengths"):
+        Manifest.from_json(json.dumps(data).encode())

@@ -1,0 +1,85 @@
+"""Fast enough for a 15-second notice: a sandbox holding 1 GiB moves with nothing lost.
+
+GKE gives non-system pods 15 s of a 30 s preemption notice. The workload's memory is
+patterned (incompressible) and shared copy-on-write with its child, which CRIU dumps
+twice: the store keeps it once (node-agent/hermit_node/pagemap.py), so the upload
+carries about 1 GiB, not 2.
+
+What bounds it is the S3: the memory does not compress, so about 1.08 GB must be
+stored. The local cluster's MinIO, on a virtual disk shared by other sessions, stored
+about 75 MB/s when this was written, and the test then fails at the deadline (see
+docs/criu.md, "Measured"). HERMIT_E2E_SPEED_MEM_MB sets the size for a diagnostic run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.e2e import sandboxes as sb
+from tests.e2e.conftest import RELEASE_NS, E2EConfig, Kube, run_cluster_command, wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+Obj = dict[str, Any]
+
+NOTICE_SECONDS = 15
+MEM_MB = int(os.environ.get("HERMIT_E2E_SPEED_MEM_MB", "1024"))
+
+
+def test_one_gib_sandbox_is_durable_within_a_15_second_notice(
+    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
+) -> None:
+    name, where = sb.start_on_spot(kube, e2e_config, hermit_release, namespace,
+                                   mem_mb=MEM_MB)
+    sb.wait_agent_ready(kube, RELEASE_NS, where.node)
+    started = time.monotonic()
+    preempt = run_cluster_command(e2e_config.preempt_cmd, node=where.node,
+                                  notice=str(NOTICE_SECONDS))
+    try:
+        ckpt = wait_until("a Completed Preemption checkpoint", NOTICE_SECONDS + 30,
+                          _completed_or_print(namespace, name, started), 0.1)
+        durable = sb.since(started)
+        last = sb.ticks(kube, namespace, where.pod)
+        after = sb.wait_running(kube, namespace, name, restores=1, avoid=where.node,
+                                timeout=240, min_ticks=1)
+        running = sb.since(started)
+        seen = sb.assert_continues(kube, namespace, after.pod, last[-1] if last else 0,
+                                   exact=bool(last))
+    finally:
+        out, _ = preempt.communicate(timeout=NOTICE_SECONDS + 180)
+    assert preempt.returncode == 0, f"preempt command failed: {out}"
+    st = ckpt["status"]
+    mb = 1e6
+    print(f"{MEM_MB} MiB sandbox, {NOTICE_SECONDS} s notice: notice->durable {durable} s, "
+          f"notice->running {running} s on {after.node} (tick {seen[0]}); frozen "
+          f"{st.get('frozenMs')} ms = dump {st.get('dumpMs')} ms + upload "
+          f"{st.get('uploadMs')} ms (+ file copy); images {st.get('imageBytes', 0) / mb:.0f} "
+          f"MB, uploaded {st.get('uploadedBytes', 0) / mb:.0f} MB, stored "
+          f"{st.get('storedBytes', 0) / mb:.0f} MB")
+    assert durable < NOTICE_SECONDS, f"durable {durable} s after a {NOTICE_SECONDS} s notice"
+    # The child's copy-on-write copy of the 1 GiB is stored once, not twice.
+    assert st["storedBytes"] < 0.75 * st["imageBytes"], st
+
+
+def _completed_or_print(ns: str, name: str, started: float) -> Callable[[], Obj | None]:
+    """The Completed Preemption checkpoint; while waiting, where it is (phase, dump ms,
+    upload progress) each time that changes, so a miss says which part took the time."""
+    probe = sb.completed_checkpoint(ns, "Preemption", sandbox_name=name)
+    seen: list[str] = []
+
+    def check() -> Obj | None:
+        for c in sb.checkpoints(ns):
+            st = c.get("status") or {}
+            line = (f"{c['spec']['reason']}: {st.get('phase')} dumpMs={st.get('dumpMs')} "
+                    f"{st.get('progress', '')} {st.get('message', '')}".strip())
+            if not seen or seen[-1] != line:
+                seen.append(line)
+                print(f"  +{sb.since(started)} s: {line}")
+        return probe()
+
+    return check
