@@ -20,6 +20,7 @@ counts the answers given per mode, so a scenario knows the watcher met its fault
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from collections import Counter
@@ -132,10 +133,10 @@ def _handler(state: State) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def do_GET(self) -> None:  # noqa: N802  (http.server's naming)
+        def do_GET(self) -> None:
             self._serve("GET")
 
-        def do_PUT(self) -> None:  # noqa: N802
+        def do_PUT(self) -> None:
             self._serve("PUT")
 
         def _serve(self, method: str) -> None:
@@ -160,12 +161,10 @@ def _handler(state: State) -> type[BaseHTTPRequestHandler]:
             with state.changed:
                 state.changed.wait_for(lambda: state.mode != HANG, HANG_LIMIT_SECONDS)
             self.close_connection = True
-            try:
+            with contextlib.suppress(OSError):
                 self.connection.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        def log_message(self, format: str, *args: object) -> None:
             pass  # quiet: the watcher polls every second
 
     return Handler
