@@ -14,6 +14,7 @@ import requests
 
 from hermit_common.settings import WatcherSettings
 from hermit_node.watchers.aws import INSTANCE_ACTION_PATH, AwsImdsWatcher
+from hermit_node.watchers.notice import Notice
 from hermit_testbed import faulty_imds as fi
 
 TIMEOUT = 0.3
@@ -55,7 +56,7 @@ def test_the_watch_loop_goes_on_after_a_hang(imds: fi.FaultyImds) -> None:
     imds.set(fi.HANG)
     watcher = _watcher(imds)
     stop = threading.Event()
-    seen = []
+    seen: list[Notice] = []
 
     def watch() -> None:
         seen.extend(watcher.watch(stop))
