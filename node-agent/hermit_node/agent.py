@@ -337,7 +337,7 @@ class NodeAgent:
         if reason is None:
             return []
         made = []
-        for sp, name in planner.stop_requests(pods, reason, checkpoints):
+        for sp, name in planner.stop_requests(pods, reason, checkpoints, self._clock()):
             try:
                 made.append(self._kube.create_checkpoint(protocol.checkpoint_object(
                     sp.sandbox, name, reason, sp.incarnation, node=self.node), sp.namespace))

@@ -136,33 +136,53 @@ DISRUPTION_TAINTS: frozenset[str] = frozenset({
     "aws-node-termination-handler/asg-lifecycle-termination",
     "ToBeDeletedByClusterAutoscaler",
 })
-STOP_ATTEMPTS = 3  # stopping requests per pod while its node stays disrupted
+# Stopping requests per pod while its node stays disrupted. A failed one (the store
+# unreachable, say) is made again after a backoff, so a short outage of the store is
+# outlived instead of burning every attempt within a second; the notice's deadline, not
+# this count, is what normally ends the tries.
+STOP_ATTEMPTS = 12
+STOP_BACKOFF_SECONDS = (1.0, 2.0, 4.0, 8.0)  # after the 1st, 2nd, 3rd, later failures
+
+
+def stop_backoff(failures: int) -> float:
+    """Seconds to wait after the ``failures``-th failed stopping request of a pod."""
+    return STOP_BACKOFF_SECONDS[min(failures, len(STOP_BACKOFF_SECONDS)) - 1]
 
 
 def stop_requests(pods: Iterable[SandboxPod], reason: str,
-                  checkpoints: Iterable[Mapping[str, Any]] | None
-                  ) -> list[tuple[SandboxPod, str]]:
+                  checkpoints: Iterable[Mapping[str, Any]] | None,
+                  now: datetime | None = None) -> list[tuple[SandboxPod, str]]:
     """(pod, Checkpoint name) for each sandbox pod that needs a stopping request now.
 
     The first request is named by incarnation; when it Failed (the sandbox was left
-    running) and the node is still going away, another is made, up to STOP_ATTEMPTS.
-    With no list of checkpoints (the API did not answer), only first requests."""
+    running) and the node is still going away, another is made once ``stop_backoff``
+    has passed since it failed (its ``completedAt``; at once when ``now`` is None), up to
+    STOP_ATTEMPTS. With no list of checkpoints (the API did not answer), only first
+    requests."""
     by_name = {str(protocol.meta(c).get("name")): c for c in checkpoints or []}
     out = []
     for sp in pods_to_checkpoint_on_notice(pods):
         names = [protocol.checkpoint_name(sp.sandbox, sp.incarnation, reason,
                                           f"-r{n}" if n > 1 else "")
                  for n in range(1, STOP_ATTEMPTS + 1)]
-        for name in names:
+        for n, name in enumerate(names, start=1):
             existing = by_name.get(name)
             if existing is None:
                 out.append((sp, name))
                 break
-            if protocol.phase_of(existing) != protocol.FAILED:
+            if protocol.phase_of(existing) != protocol.FAILED or checkpoints is None:
                 break  # in flight or done: nothing to add
-            if checkpoints is None:
+            if not _backed_off(existing, n, now):
                 break
     return out
+
+
+def _backed_off(failed: Mapping[str, Any], failures: int, now: datetime | None) -> bool:
+    """The failed request's backoff has passed (or its failure time is unknown)."""
+    at = protocol.parse_time((failed.get("status") or {}).get("completedAt"))
+    if now is None or at is None:
+        return True
+    return (now - at).total_seconds() >= stop_backoff(failures)
 
 
 def node_disruption(node: Mapping[str, Any]) -> str | None:

@@ -928,11 +928,34 @@ def test_a_failed_stopping_request_is_made_again_while_the_node_goes_away() -> N
         "box-1-preempt-r2"]
     running = ckpt("box-1-preempt-r2", reason="Preemption", status={"phase": "Uploading"})
     assert planner.stop_requests(pods, "Preemption", [failed, running]) == []
-    third = ckpt("box-1-preempt-r3", reason="Preemption", status={"phase": "Failed"})
-    again = {**running, "status": {"phase": "Failed"}}
-    assert planner.stop_requests(pods, "Preemption", [failed, again, third]) == []
+    every = [ckpt("box-1-preempt" + (f"-r{n}" if n > 1 else ""), reason="Preemption",
+                  status={"phase": "Failed"}) for n in range(1, planner.STOP_ATTEMPTS + 1)]
+    assert planner.stop_requests(pods, "Preemption", every) == []
     # Without a list (the API did not answer) only the first request is (re)made.
     assert [n for _, n in planner.stop_requests(pods, "Eviction", None)] == ["box-1-evict"]
+
+
+def test_a_failed_stopping_request_is_made_again_only_after_a_growing_backoff() -> None:
+    """An unreachable store fails a request within a second: the retries are spaced
+    (1, 2, 4, then 8 s) so that a short outage is outlived, not every attempt burnt."""
+    pods = sps(pod("box-1"))
+    at = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)
+
+    def failed(name: str) -> dict[str, Any]:
+        return ckpt(name, reason="Preemption",
+                    status={"phase": "Failed", "completedAt": "2026-12-01T12:00:00Z"})
+
+    first = [failed("box-1-preempt")]
+    assert planner.stop_requests(pods, "Preemption", first, at + timedelta(seconds=0.5)) == []
+    assert [n for _, n in planner.stop_requests(pods, "Preemption", first,
+                                                at + timedelta(seconds=1))] == [
+        "box-1-preempt-r2"]
+    four = [failed("box-1-preempt" + (f"-r{n}" if n > 1 else "")) for n in range(1, 5)]
+    assert planner.stop_requests(pods, "Preemption", four, at + timedelta(seconds=7)) == []
+    assert [n for _, n in planner.stop_requests(pods, "Preemption", four,
+                                                at + timedelta(seconds=8))] == [
+        "box-1-preempt-r5"]
+    assert [planner.stop_backoff(n) for n in (1, 2, 3, 4, 9)] == [1.0, 2.0, 4.0, 8.0, 8.0]
 
 
 def test_dumping_status_records_the_checkpoint_the_pod_was_restored_from() -> None:
