@@ -15,7 +15,7 @@ from tests.e2e.conftest import (  # noqa: F401  (fixtures the scenarios use)
     namespace,
     s3_for_pods,
 )
-from tests.faults.ledger import Ledger
+from tests.faults.ledger import Ledger, Row
 
 LEDGER = Ledger()
 
@@ -36,3 +36,17 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(table + "\n")
     terminalreporter.write_line(f"(also written to {out})")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> object:
+    """A scenario that fails before it records its row (a wait timed out) still gets one:
+    its sandbox counts as lost, so the table never hides a failure."""
+    before = len(LEDGER.rows)
+    try:
+        return (yield)
+    except BaseException as exc:
+        if len(LEDGER.rows) == before:
+            LEDGER.record(Row(item.name, 1, 1, 1, 0,
+                              f"failed before it was judged: {str(exc).splitlines()[0]}"[:200]))
+        raise
