@@ -76,9 +76,14 @@ def _unb64(text: object, what: str) -> bytes:
     if not isinstance(text, str):
         raise CheckpointRefused(f"sealed manifest field {what} is not a string")
     try:
-        return base64.b64decode(text, validate=True)
+        data = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise CheckpointRefused(f"sealed manifest field {what} is not base64") from None
+    # Only the one canonical encoding: a changed padding bit decodes to the same bytes,
+    # and a sealed manifest must not take any change without being refused.
+    if _b64(data) != text:
+        raise CheckpointRefused(f"sealed manifest field {what} is not canonical base64")
+    return data
 
 
 def new_dek() -> bytes:

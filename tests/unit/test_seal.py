@@ -94,6 +94,29 @@ def test_any_altered_field_is_refused(field: str) -> None:
         open_manifest(wrapper, json.dumps(envelope).encode(), _location(CTX), "uid-1")
 
 
+def test_a_non_canonical_base64_field_is_refused() -> None:
+    """A changed padding bit decodes to the same bytes: refused all the same, in every
+    field (it was what made the flipped-byte test below fail now and then)."""
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+    wrapper = _Ring("k1", "k1").wrapper()
+    tried = 0
+    for _ in range(20):  # random nonces and keys: not every field ends padded each time
+        raw, _ = _sealed(wrapper)
+        for field, value in json.loads(raw).items():
+            if not (isinstance(value, str) and value.endswith("=")):
+                continue
+            envelope = json.loads(raw)
+            text = value.rstrip("=")
+            odd = text[:-1] + alphabet[alphabet.index(text[-1]) ^ 1] + "=" * (
+                len(value) - len(text))
+            assert base64.b64decode(odd) == base64.b64decode(value)
+            envelope[field] = odd
+            tried += 1
+            with pytest.raises(CheckpointRefused):
+                open_manifest(wrapper, json.dumps(envelope).encode(), _location(CTX), "uid-1")
+    assert tried
+
+
 def test_flipped_byte_anywhere_is_refused() -> None:
     wrapper = _Ring("k1", "k1").wrapper()
     raw, _ = _sealed(wrapper)
