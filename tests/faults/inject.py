@@ -128,11 +128,22 @@ def durable_then_last_tick(kube: Kube, ns: str, name: str, pod: str,
                            timeout: float) -> tuple[Obj, int]:
     """Waits for a Completed Preemption checkpoint of the sandbox (cut-short ones that
     Failed are passed over) and returns it with the last tick its pod printed: the
-    stopping checkpoint froze the tree there."""
-    ckpt = wait_until("a Completed Preemption checkpoint", timeout,
-                      lambda: preemption_checkpoint(ns, name, ("Completed",)), 0.2)
-    last = sb.ticks(kube, ns, pod)
-    return ckpt, last[-1] if last else 0
+    stopping checkpoint froze the tree there. The pod's log is read while that
+    checkpoint is Uploading or Completed (the tree frozen, so every such read is final),
+    because the operator may delete the pod as soon as the checkpoint is durable."""
+    frozen_at: dict[str, int] = {}
+
+    def probe() -> Obj | None:
+        ckpt = preemption_checkpoint(ns, name, ("Uploading", "Completed"))
+        if ckpt is None:
+            return None
+        seen = sb.ticks(kube, ns, pod)
+        if seen:
+            frozen_at[ckpt["metadata"]["name"]] = seen[-1]
+        return ckpt if ckpt["status"]["phase"] == "Completed" else None
+
+    ckpt = wait_until("a Completed Preemption checkpoint", timeout, probe, 0.1)
+    return ckpt, frozen_at.get(ckpt["metadata"]["name"], 0)
 
 
 @contextmanager
