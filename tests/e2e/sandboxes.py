@@ -17,11 +17,13 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.stream import stream
@@ -337,3 +339,28 @@ def kubectl_text(kubectl: str, kubeconfig: str, *args: str) -> str:
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
+
+
+def kubectl_binary() -> str:
+    path = Path(os.environ.get("HERMIT_CACHE", Path.home() / ".cache/hermit")) / "bin/kubectl"
+    if not path.exists():
+        pytest.fail(f"kubectl not found at {path}: run hack/install-k8s")
+    return str(path)
+
+
+@contextmanager
+def draining(cfg: E2EConfig, node: str) -> Iterator[subprocess.Popen[str]]:
+    """``kubectl drain NODE`` running; on the way out it is killed if still running and
+    the node uncordoned."""
+    kubectl = kubectl_binary()
+    drain = subprocess.Popen(
+        [kubectl, "drain", node, "--ignore-daemonsets", "--delete-emptydir-data",
+         "--timeout=180s", "--kubeconfig", cfg.kubeconfig],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        yield drain
+    finally:
+        if drain.poll() is None:
+            drain.kill()
+        subprocess.run([kubectl, "uncordon", node, "--kubeconfig", cfg.kubeconfig],
+                       capture_output=True, check=False)

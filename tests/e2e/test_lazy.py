@@ -7,7 +7,6 @@ import os
 import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -48,14 +47,8 @@ def test_a_drained_sandbox_runs_on_its_new_node_while_its_memory_streams_in(
     kube: Kube, namespace: str, lazy_release: str, e2e_config: E2EConfig,
 ) -> None:
     name, where = sb.start_on_spot(kube, e2e_config, lazy_release, namespace)
-    kubectl = str(Path(os.environ.get("HERMIT_CACHE", Path.home() / ".cache/hermit"))
-                  / "bin/kubectl")
     started = time.monotonic()
-    drain = subprocess.Popen(
-        [kubectl, "drain", where.node, "--ignore-daemonsets", "--delete-emptydir-data",
-         "--timeout=180s", "--kubeconfig", e2e_config.kubeconfig],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with sb.draining(e2e_config, where.node) as drain:
         ckpt = wait_until("a Completed Eviction checkpoint", 120, sb.completed_checkpoint(
             namespace, "Eviction", sandbox_name=name), 0.2)
         last = sb.ticks(kube, namespace, where.pod)
@@ -75,8 +68,3 @@ def test_a_drained_sandbox_runs_on_its_new_node_while_its_memory_streams_in(
         line = next(ln for ln in log.splitlines() if filled in ln)
         print(f"drain of {where.node}: sandbox running on {after.node} {running} s after "
               f"the drain began; {line.split('every page in', 1)[1].strip()}")
-    finally:
-        if drain.poll() is None:
-            drain.kill()
-        subprocess.run([kubectl, "uncordon", where.node, "--kubeconfig",
-                        e2e_config.kubeconfig], capture_output=True, check=False)

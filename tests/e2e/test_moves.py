@@ -10,12 +10,10 @@ forks it.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -111,7 +109,7 @@ def test_three_preemptions_in_a_row_then_suspend_resume_and_fork(
     fork_ticks = sb.assert_continues(kube, namespace, forked.pod, seen[0] - 1)
     assert sb.status(namespace, name)["phase"] == "Running", "the original keeps running"
     print(f"fork {fork} on {forked.node} started at tick {fork_ticks[0]}")
-    kubectl = _kubectl()
+    kubectl = sb.kubectl_binary()
     print("after three moves, a suspend/resume and a fork:")
     print(sb.kubectl_text(kubectl, e2e_config.kubeconfig, "asb,ckpt", "-n", namespace))
     print("moves:")
@@ -146,7 +144,7 @@ def _assert_moves_are_observable(kube: Kube, cfg: E2EConfig, ns: str, name: str,
     status = sb.status(ns, name)
     assert DURATION.match(status.get("lastDowntime", "")), status
     assert SIZE.match((status.get("lastCheckpoint") or {}).get("size", "")), status
-    kubectl = _kubectl()
+    kubectl = sb.kubectl_binary()
     rows = {r["NAME"]: r for r in sb.kubectl_table(kubectl, cfg.kubeconfig, "ckpt", "-n", ns)}
     shown = [rows[m] for m in moves if m in rows]  # retention may have deleted the oldest
     assert shown, f"no Preemption checkpoint in kubectl get ckpt: {sorted(rows)}"
@@ -202,13 +200,8 @@ def test_kubectl_drain_checkpoints_and_moves_the_sandbox(
     kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
 ) -> None:
     name, where = sb.start_on_spot(kube, e2e_config, hermit_release, namespace)
-    kubectl = _kubectl()
     started = time.monotonic()
-    drain = subprocess.Popen(
-        [kubectl, "drain", where.node, "--ignore-daemonsets", "--delete-emptydir-data",
-         "--timeout=180s", "--kubeconfig", e2e_config.kubeconfig],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with sb.draining(e2e_config, where.node) as drain:
         ckpt = wait_until("a Completed Eviction checkpoint", 120, sb.completed_checkpoint(
             namespace, "Eviction", sandbox_name=name), 0.2)
         last = sb.ticks(kube, namespace, where.pod)
@@ -221,15 +214,3 @@ def test_kubectl_drain_checkpoints_and_moves_the_sandbox(
                             exact=bool(last))
         print(f"drain of {where.node}: done in {drained} s; sandbox moved to "
               f"{after.node} from checkpoint {ckpt['metadata']['name']}")
-    finally:
-        if drain.poll() is None:
-            drain.kill()
-        subprocess.run([kubectl, "uncordon", where.node, "--kubeconfig",
-                        e2e_config.kubeconfig], capture_output=True, check=False)
-
-
-def _kubectl() -> str:
-    path = Path(os.environ.get("HERMIT_CACHE", Path.home() / ".cache/hermit")) / "bin/kubectl"
-    if not path.exists():
-        pytest.fail(f"kubectl not found at {path}: run hack/install-k8s")
-    return str(path)
