@@ -61,6 +61,7 @@ class CopyWatch:
     every: float = 0.25
     most: int = 0
     samples: int = 0
+    frozen: FrozenTicks | None = None  # set while a preemption is watched
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
@@ -74,16 +75,55 @@ class CopyWatch:
         return max(0, self.most - 1)
 
 
+@dataclass
+class FrozenTicks:
+    """Per Preemption checkpoint of the sandbox, the last tick its old pod printed, read
+    in a thread whenever that checkpoint is Uploading or Completed (the tree is frozen
+    then, so every such read is final). It runs from the fault onward because the
+    operator deletes the pod, and its log, as soon as the checkpoint is durable, which
+    may be while the scenario still waits for something else."""
+
+    kube: Kube
+    ns: str
+    name: str
+    pod: str
+    every: float = 0.1
+    at: dict[str, int] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._sample()
+            except Exception as e:  # the API server may be down (a fault)
+                print(f"tick sample failed: {e!r}")
+            self._stop.wait(self.every)
+
+    def _sample(self) -> None:
+        ckpt = preemption_checkpoint(self.ns, self.name, ("Uploading", "Completed"))
+        if ckpt is None:
+            return
+        seen = sb.ticks(self.kube, self.ns, self.pod)
+        if seen:
+            self.at[ckpt["metadata"]["name"]] = seen[-1]
+
+
+@contextmanager
+def _in_thread(sampler: CopyWatch | FrozenTicks, label: str) -> Iterator[None]:
+    thread = threading.Thread(target=sampler.run, name=label, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sampler._stop.set()
+        thread.join(timeout=10)
+
+
 @contextmanager
 def watching(name: str) -> Iterator[CopyWatch]:
     watch = CopyWatch(name)
-    thread = threading.Thread(target=watch.run, name=f"copies-{name}", daemon=True)
-    thread.start()
-    try:
+    with _in_thread(watch, f"copies-{name}"):
         yield watch
-    finally:
-        watch._stop.set()
-        thread.join(timeout=10)
 
 
 def record(ledger: Ledger, scenario: str, faults: int, outcome: verdict.Outcome,
@@ -124,38 +164,32 @@ def phase_of(ns: str, ckpt: str) -> str:
     return "Deleted"
 
 
-def durable_then_last_tick(kube: Kube, ns: str, name: str, pod: str,
-                           timeout: float) -> tuple[Obj, int]:
+def durable_then_last_tick(ns: str, name: str, watch: CopyWatch, timeout: float
+                           ) -> tuple[Obj, int]:
     """Waits for a Completed Preemption checkpoint of the sandbox (cut-short ones that
     Failed are passed over) and returns it with the last tick its pod printed: the
-    stopping checkpoint froze the tree there. The pod's log is read while that
-    checkpoint is Uploading or Completed (the tree frozen, so every such read is final),
-    because the operator may delete the pod as soon as the checkpoint is durable."""
-    frozen_at: dict[str, int] = {}
-
-    def probe() -> Obj | None:
-        ckpt = preemption_checkpoint(ns, name, ("Uploading", "Completed"))
-        if ckpt is None:
-            return None
-        seen = sb.ticks(kube, ns, pod)
-        if seen:
-            frozen_at[ckpt["metadata"]["name"]] = seen[-1]
-        return ckpt if ckpt["status"]["phase"] == "Completed" else None
-
-    ckpt = wait_until("a Completed Preemption checkpoint", timeout, probe, 0.1)
-    return ckpt, frozen_at.get(ckpt["metadata"]["name"], 0)
+    stopping checkpoint froze the tree there (0 when no read caught the frozen tree)."""
+    ckpt = wait_until("a Completed Preemption checkpoint", timeout, lambda:
+                      preemption_checkpoint(ns, name, ("Completed",)), 0.1)
+    frozen = watch.frozen
+    assert frozen is not None, "durable_then_last_tick needs a watch from preempting()"
+    if ckpt["metadata"]["name"] not in frozen.at:
+        frozen._sample()  # the pod may still be there
+    return ckpt, frozen.at.get(ckpt["metadata"]["name"], 0)
 
 
 @contextmanager
-def preempting(kube: Kube, cfg: E2EConfig, release_ns: str, name: str, node: str,
-               notice: int) -> Iterator[CopyWatch]:
-    """A spot notice of ``notice`` seconds on ``node`` (the node goes away at its end),
-    with the live copies of sandbox ``name`` watched; on the way out waits for the
-    preempt command and checks it succeeded."""
-    sb.wait_agent_ready(kube, release_ns, node)
-    proc = run_cluster_command(cfg.preempt_cmd, node=node, notice=str(notice))
+def preempting(kube: Kube, cfg: E2EConfig, release_ns: str, ns: str, name: str,
+               where: sb.Running, notice: int) -> Iterator[CopyWatch]:
+    """A spot notice of ``notice`` seconds on the sandbox's node (the node goes away at
+    its end), with the live copies of sandbox ``name`` watched and the ticks of its old
+    pod followed; on the way out waits for the preempt command and checks it succeeded."""
+    sb.wait_agent_ready(kube, release_ns, where.node)
+    proc = run_cluster_command(cfg.preempt_cmd, node=where.node, notice=str(notice))
+    frozen = FrozenTicks(kube, ns, name, where.pod)
     try:
-        with watching(name) as watch:
+        with watching(name) as watch, _in_thread(frozen, f"ticks-{name}"):
+            watch.frozen = frozen
             yield watch
     finally:
         out, _ = proc.communicate(timeout=notice + 240)

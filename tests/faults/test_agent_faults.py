@@ -41,10 +41,10 @@ def test_node_agent_killed_at_random_points_of_the_checkpoint_upload(
     random = inject.rng("agent killed during the upload")
     name, where = inject.start(kube, e2e_config, hermit_release, namespace, mem_mb=BIG)
     kills: list[str] = []
-    with inject.preempting(kube, e2e_config, hermit_release, name, where.node, 120) as watch:
+    with inject.preempting(kube, e2e_config, hermit_release, namespace, name, where, 120) as watch:
         _kill_during_uploads(kube, namespace, name, hermit_release, where.node,
                              random, kills)
-        ckpt, last = inject.durable_then_last_tick(kube, namespace, name, where.pod, 120)
+        ckpt, last = inject.durable_then_last_tick(namespace, name, watch, 120)
         outcome = verdict.judge(kube, namespace, name, last, restores=1,
                                 avoid=where.node, exact=bool(last), timeout=240)
     row = inject.record(ledger, "node-agent SIGKILL during dump/upload", len(kills),
@@ -88,8 +88,8 @@ def test_node_agent_killed_at_random_points_of_the_restore(
     random = inject.rng("agent killed during the restore")
     name, where = inject.start(kube, e2e_config, hermit_release, namespace, mem_mb=BIG)
     kills: list[str] = []
-    with inject.preempting(kube, e2e_config, hermit_release, name, where.node, 40) as watch:
-        ckpt, last = inject.durable_then_last_tick(kube, namespace, name, where.pod, 40)
+    with inject.preempting(kube, e2e_config, hermit_release, namespace, name, where, 40) as watch:
+        ckpt, last = inject.durable_then_last_tick(namespace, name, watch, 40)
         _kill_during_restores(kube, namespace, name, hermit_release, where.pod,
                               random, kills)
         outcome = verdict.judge(kube, namespace, name, last, restores=1,

@@ -46,7 +46,7 @@ def test_operator_killed_during_a_migration_completes_it_once(
             apps.read_namespaced_deployment(deployment, hermit_release).status.ready_replicas
             or 0) >= 2)
         name, where = inject.start(kube, e2e_config, hermit_release, namespace)
-        with inject.preempting(kube, e2e_config, hermit_release, name, where.node,
+        with inject.preempting(kube, e2e_config, hermit_release, namespace, name, where,
                                    NOTICE_SECONDS) as watch:
             wait_until("the Preemption checkpoint under way", NOTICE_SECONDS, lambda:
                        inject.preemption_checkpoint(namespace, name, (
@@ -56,7 +56,7 @@ def test_operator_killed_during_a_migration_completes_it_once(
             lease = coordination.read_namespaced_lease("hermit-operator", hermit_release)
             leader = lease.spec.holder_identity
             kube.api.delete_namespaced_pod(leader, hermit_release, grace_period_seconds=0)
-            _, last = inject.durable_then_last_tick(kube, namespace, name, where.pod,
+            _, last = inject.durable_then_last_tick(namespace, name, watch,
                                                     NOTICE_SECONDS)
             outcome = verdict.judge(kube, namespace, name, last, restores=1,
                                     avoid=where.node, exact=bool(last), timeout=180)
@@ -84,7 +84,7 @@ def test_s3_stopped_during_the_upload(
     random = inject.rng("S3 stopped during the upload")
     name, where = inject.start(kube, e2e_config, hermit_release, namespace, mem_mb=BIG)
     stopped = False
-    with inject.preempting(kube, e2e_config, hermit_release, name, where.node, 90) as watch:
+    with inject.preempting(kube, e2e_config, hermit_release, namespace, name, where, 90) as watch:
         try:
             first = wait_until("the Preemption checkpoint uploading", 60, lambda: inject.
                                preemption_checkpoint(namespace, name, ("Uploading",)),
@@ -99,7 +99,7 @@ def test_s3_stopped_during_the_upload(
         finally:
             if stopped:
                 s3_for_pods.start()
-        ckpt, last = inject.durable_then_last_tick(kube, namespace, name, where.pod, 100)
+        ckpt, last = inject.durable_then_last_tick(namespace, name, watch, 100)
         outcome = verdict.judge(kube, namespace, name, last, restores=1,
                                 avoid=where.node, exact=bool(last), timeout=240)
     row = inject.record(ledger, "S3 stopped during upload", 1, outcome, watch,
@@ -116,10 +116,10 @@ def test_s3_stopped_during_the_restore(
     down (retried with backoff, the sandbox is not Failed) and succeed once it is back."""
     name, where = inject.start(kube, e2e_config, hermit_release, namespace)
     stopped = False
-    with inject.preempting(kube, e2e_config, hermit_release, name, where.node,
+    with inject.preempting(kube, e2e_config, hermit_release, namespace, name, where,
                                NOTICE_SECONDS) as watch:
         try:
-            _, last = inject.durable_then_last_tick(kube, namespace, name, where.pod,
+            _, last = inject.durable_then_last_tick(namespace, name, watch,
                                                     NOTICE_SECONDS)
             s3_for_pods.stop()
             stopped = True
@@ -153,7 +153,7 @@ def test_api_server_restarted_during_a_migration(
     and the sandbox moves once, with nothing lost."""
     random = inject.rng("API server restarted")
     name, where = inject.start(kube, e2e_config, hermit_release, namespace, mem_mb=BIG)
-    with inject.preempting(kube, e2e_config, hermit_release, name, where.node, 60) as watch:
+    with inject.preempting(kube, e2e_config, hermit_release, namespace, name, where, 60) as watch:
         wait_until("the Preemption checkpoint under way", 45, lambda: inject.
                    preemption_checkpoint(namespace, name, (*inject.IN_FLIGHT,
                                                            "Completed")), 0.05)
@@ -165,7 +165,7 @@ def test_api_server_restarted_during_a_migration(
                                  check=False)
         down = sb.since(started)
         assert restart.returncode == 0, restart.stdout + restart.stderr
-        ckpt, last = inject.durable_then_last_tick(kube, namespace, name, where.pod, 60)
+        ckpt, last = inject.durable_then_last_tick(namespace, name, watch, 60)
         outcome = verdict.judge(kube, namespace, name, last, restores=1,
                                 avoid=where.node, exact=bool(last), timeout=240)
     restores = int(sb.status(namespace, name).get("restores") or 0)
