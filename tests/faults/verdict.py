@@ -31,9 +31,32 @@ def spec(image: str, name: str, **extra: Any) -> dict[str, Any]:
 
 
 def live_process_trees(name: str) -> int:
-    """Workload processes of ``name`` on this host whose parent is not one of them."""
-    pids = set(sb.host_pids(b"hermit-stateful", {f"{MARKER}={name}".encode()}))
+    """Live workload processes of ``name`` on this host whose parent is not one of them.
+    A process that is exiting or has a SIGKILL pending never runs the workload again, so
+    it is no copy: a stopped tree dies from its root down (SIGKILL to the pid namespace),
+    and its children, whose parent is gone, would otherwise count as trees of their own."""
+    pids = {pid for pid in sb.host_pids(b"hermit-stateful", {f"{MARKER}={name}".encode()})
+            if _alive(pid)}
     return sum(1 for pid in pids if _parent(pid) not in pids)
+
+
+PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit
+SIGKILL_BIT = 1 << (9 - 1)  # /proc/<pid>/status signal masks: bit n-1 is signal n
+
+
+def _alive(pid: int) -> bool:
+    """Not a zombie, not exiting, and no SIGKILL pending (read from /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    if stat[0] in "ZXx" or int(stat[6]) & PF_EXITING:
+        return False
+    pending = {k: int(v, 16) for k, _, v in (line.partition(":\t") for line in
+                                             status.splitlines())
+               if k in ("SigPnd", "ShdPnd")}
+    return not any(mask & SIGKILL_BIT for mask in pending.values())
 
 
 def _parent(pid: int) -> int:
