@@ -66,7 +66,8 @@ class Checkpointer(Protocol):
                    on_uploading: Callable[[int, int], None] | None = None,
                    on_progress: Callable[[UploadProgress], None] | None = None,
                    on_durable: Callable[[CheckpointResult], None] | None = None,
-                   store: CheckpointStore | None = None) -> CheckpointResult: ...
+                   store: CheckpointStore | None = None,
+                   urgent: bool = False) -> CheckpointResult: ...
 
 
 class Restorer(Protocol):
@@ -656,7 +657,7 @@ class NodeAgent:
             deadline=planner.upload_deadline(self._deadline(), time.monotonic(),
                                              protocol.reason_of(ckpt), self._routine_upload),
             on_uploading=progress.uploading, on_progress=progress, on_durable=record,
-            store=store)
+            store=store, urgent=planner.upload_is_urgent(protocol.reason_of(ckpt)))
 
     def _checkpoint_failed(self, ckpt: KubeObject, exc: Exception, seconds: float) -> None:
         """Failed, with why, on the Checkpoint and in an Event (the sandbox runs on)."""
@@ -841,6 +842,7 @@ def build_agent(settings: NodeSettings, stop: threading.Event,
                 ) -> tuple[NodeAgent, WatchedNode]:
     """Everything built once at start-up; HermitError when a piece cannot be built. The
     watches are not started yet."""
+    from hermit_common.bandwidth import UploadLimiter
     from hermit_common.seal import sealing_from
     from hermit_common.store import CheckpointStore
     from hermit_node.checkpoint import CheckpointEngine
@@ -858,9 +860,14 @@ def build_agent(settings: NodeSettings, stop: threading.Event,
     collector = Collector(kube, min_age_seconds=settings.gc_min_age_seconds,
                           stopping=stop) if settings.gc_enabled else None
     view = WatchedNode(kube, stop)
+    # One for every upload of the node (docs/storage.md#upload-bandwidth).
+    limiter = UploadLimiter(settings.upload_bandwidth_bytes_per_second,
+                            on_wait=metrics.record_upload_wait)
+    metrics.watch_uploads(limiter.active)
     return NodeAgent(settings.node_name, kube,
                      CheckpointEngine(criu, store, work_dir,
-                                      max_frozen_seconds=settings.max_frozen_seconds),
+                                      max_frozen_seconds=settings.max_frozen_seconds,
+                                      limiter=limiter),
                      RestoreEngine(criu, store, work_dir, lazy=settings.lazy_restore),
                      view=view, stores=stores,
                      trees=freezer.Trees(), stopping=stop, health=health,
