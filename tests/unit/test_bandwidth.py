@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from pathlib import Path
+from unittest.mock import Mock
 
 import pytest
 
@@ -225,3 +227,17 @@ def test_limiter_keeps_the_rate_in_real_time() -> None:
     elapsed = time.monotonic() - began
     # 11 chunks: the 11th is granted 10 MiB / 20 MiB/s = 0.5 s after the first.
     assert 0.45 <= elapsed < 1.5
+
+
+def test_the_engine_holds_a_ticket_of_its_class_while_it_uploads(tmp_path: Path) -> None:
+    from hermit_node.checkpoint import CheckpointEngine
+
+    limiter = UploadLimiter(0)
+    engine = CheckpointEngine(Mock(), Mock(), tmp_path, limiter=limiter)
+    for urgent, klass in ((True, URGENT), (False, ROUTINE)):
+        with engine._bandwidth(urgent) as pace:
+            assert limiter.active(klass) == 1 and pace is not None
+            assert pace(MIB, None, None)
+        assert limiter.active(klass) == 0
+    with CheckpointEngine(Mock(), Mock(), tmp_path)._bandwidth(True) as pace:
+        assert pace is None  # no limiter (the CLI): chunk PUTs never wait

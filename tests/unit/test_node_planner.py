@@ -219,6 +219,11 @@ def test_stopping_reasons() -> None:
         "Preemption", "Eviction", "Suspend"]
 
 
+def test_only_a_notice_or_a_drain_uploads_urgently() -> None:
+    assert [r for r in protocol.REASONS if planner.upload_is_urgent(r)] == [
+        "Preemption", "Eviction"]
+
+
 def test_stale_checkpoints_are_this_nodes_unfinished_ones() -> None:
     items = [
         ckpt("mine", status={"phase": "Dumping", "nodeName": NODE}),
@@ -450,15 +455,17 @@ class FakeEngine:
         self.progress = progress or []  # reported after on_uploading, as the store does
         self.calls: list[tuple[Any, bool]] = []
         self.stores: list[Any] = []  # the store each call was given
+        self.urgent: list[bool] = []  # each checkpoint's upload class
 
     def checkpoint(self, target: Any, *, stop: bool = False,
                    keep_local: bool = False, deadline: float | None = None,
                    on_uploading: Callable[[int, int], None] | None = None,
                    on_progress: Callable[[UploadProgress], None] | None = None,
                    on_durable: Callable[[CheckpointResult], None] | None = None,
-                   store: Any = None) -> CheckpointResult:
+                   store: Any = None, urgent: bool = False) -> CheckpointResult:
         self.calls.append((target, stop))
         self.stores.append(store)
+        self.urgent.append(urgent)
         if on_uploading is not None and self.error is None:
             on_uploading(5, 4)
         for step in self.progress:
@@ -511,6 +518,7 @@ def test_notice_taints_cordons_and_checkpoints_with_stop(tmp_path: Path) -> None
     assert kube.node["spec"]["taints"] == [planner.interruption_taint("spot-interruption")]
     [(target, stop)] = engine.calls
     assert stop is True
+    assert engine.urgent == [True]  # ahead of routine uploads on the node's bandwidth
     assert (target.checkpoint, target.init_pid, target.sandbox_uid, target.image_digest) == (
         "box-1-preempt", 420, "sbx-uid", IMAGE_DIGEST)
     assert [(n, s["phase"]) for n, s in kube.statuses] == [
