@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -85,4 +86,4 @@ def record_upload_wait(klass: str, seconds: float) -> None:
 def watch_uploads(active: Callable[[str], int]) -> None:
     """The uploads-open gauge reads ``active(class)`` when scraped."""
     for klass in bandwidth.CLASSES:
-        UPLOADS_ACTIVE.labels(klass).set_function(lambda k=klass: active(k))
+        UPLOADS_ACTIVE.labels(klass).set_function(functools.partial(active, klass))
