@@ -84,6 +84,8 @@ class Schedule:
         return len(self._turns[klass])
 
     def ask(self, upload: int, nbytes: int) -> int:
+        if upload not in self._uploads:
+            raise ValueError(f"upload {upload} is closed: its chunks cannot ask any more")
         rid = next(self._ids)
         self._requests[rid] = (upload, max(0, nbytes))
         self._uploads[upload].waiting.append(rid)

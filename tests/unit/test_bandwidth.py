@@ -176,6 +176,11 @@ def test_bad_arguments() -> None:
         Schedule(-1)
     with pytest.raises(ValueError):
         Schedule(0).open("bulk")
+    schedule = Schedule(0)
+    upload = schedule.open(ROUTINE)
+    schedule.close(upload)
+    with pytest.raises(ValueError, match="is closed"):
+        schedule.ask(upload, 1)
 
 
 # -- the threaded limiter ----------------------------------------------------------------
