@@ -140,8 +140,8 @@ def test_an_urgent_upload_goes_ahead_of_a_routine_one(store: CheckpointStore,
     print(f"\nurgent upload: {urgent.result.uploaded_bytes / MIB:.1f} MiB in "
           f"{urgent_seconds:.2f} s ({urgent.result.uploaded_bytes / urgent_seconds / MIB:.2f} "
           f"MiB/s), ended {urgent.ended - began:.2f} s; routine one ended "
-          f"{routine.ended - began:.2f} s, sent {routine_during_urgent / MIB:.1f} MiB while "
-          "the urgent one ran")
+          f"{routine.ended - began:.2f} s, had sent {routine_at_urgent_start / MIB:.1f} MiB "
+          f"when it began and {routine_during_urgent / MIB:.1f} MiB while it ran")
     # The urgent upload had the whole limit: about SIZE / LIMIT seconds.
     assert urgent_seconds <= SIZE / LIMIT * 1.35
     # The routine one only finished the chunks it was already sending (CONCURRENCY
