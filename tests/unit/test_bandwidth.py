@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from unittest.mock import Mock
 
@@ -185,9 +186,9 @@ def test_bad_arguments() -> None:
 
 # -- the threaded limiter ----------------------------------------------------------------
 
-def _in_thread(target: object) -> tuple[threading.Thread, list[object]]:
+def _in_thread(target: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
     out: list[object] = []
-    thread = threading.Thread(target=lambda: out.append(target()), daemon=True)  # type: ignore[operator]
+    thread = threading.Thread(target=lambda: out.append(target()), daemon=True)
     thread.start()
     return thread, out
 
