@@ -17,6 +17,9 @@ ticket for its bytes first (``Ticket.acquire``). The rules (docs/storage.md#uplo
   bandwidth evenly and none starves.
 - 0 means unlimited (the default: a node has the NIC to itself and S3 takes what it
   gets); only the urgent gate applies then.
+- A routine upload of a sandbox that gets a stopping request while it runs is promoted
+  to urgent (``promote``): the sandbox's stopping checkpoint waits for it (one job per
+  sandbox), so holding it back would make that sandbox the last of the notice.
 
 ``Schedule`` is the pure part (a fake clock drives it in the unit tests);
 ``UploadLimiter`` puts it behind a lock for the upload threads.
@@ -43,6 +46,7 @@ POLL_SECONDS: Final = 0.1
 @dataclass
 class _Upload:
     klass: str
+    key: object = None  # what ``promote`` finds it by (the sandbox)
     waiting: deque[int] = field(default_factory=deque)  # request ids, first come first
 
 
@@ -62,13 +66,26 @@ class Schedule:
         self._ids = itertools.count(1)
         self._next_free = float("-inf")  # when the next chunk may be sent (virtual time)
 
-    def open(self, klass: str) -> int:
+    def open(self, klass: str, key: object = None) -> int:
         if klass not in CLASSES:
             raise ValueError(f"unknown upload class {klass!r}")
         upload = next(self._ids)
-        self._uploads[upload] = _Upload(klass)
+        self._uploads[upload] = _Upload(klass, key)
         self._turns[klass].append(upload)
         return upload
+
+    def promote(self, key: object) -> int:
+        """The open routine uploads of ``key`` become urgent; how many did."""
+        found = [u for u in self._turns[ROUTINE] if self._uploads[u].key == key]
+        for upload in found:
+            self._turns[ROUTINE].remove(upload)
+            self._turns[URGENT].append(upload)
+            self._uploads[upload].klass = URGENT
+        return len(found)
+
+    def class_of(self, upload: int) -> str | None:
+        gone = self._uploads.get(upload)
+        return None if gone is None else gone.klass
 
     def close(self, upload: int) -> None:
         """The upload ended: its waiting requests are dropped."""
@@ -163,10 +180,11 @@ class UploadLimiter:
             return self._schedule.active(klass)
 
     @contextmanager
-    def upload(self, klass: str) -> Iterator[Ticket]:
-        """A ticket for one upload of ``klass``, open while the ``with`` block runs."""
+    def upload(self, klass: str, key: object = None) -> Iterator[Ticket]:
+        """A ticket for one upload of ``klass`` (of sandbox ``key``), open while the
+        ``with`` block runs."""
         with self._cond:
-            upload = self._schedule.open(klass)
+            upload = self._schedule.open(klass, key)
             self._dispatch()
         try:
             yield Ticket(self, upload, klass)
@@ -174,6 +192,15 @@ class UploadLimiter:
             with self._cond:
                 self._schedule.close(upload)
                 self._dispatch()
+
+    def promote(self, key: object) -> int:
+        """Routine uploads of sandbox ``key`` open now become urgent (it got a stopping
+        request while one ran); how many did."""
+        with self._cond:
+            promoted = self._schedule.promote(key)
+            if promoted:
+                self._dispatch()
+            return promoted
 
     def _dispatch(self) -> None:
         """Grants what may go now and wakes the waiting threads (under the lock)."""
@@ -204,7 +231,9 @@ class UploadLimiter:
                 return True
         finally:
             if self._on_wait is not None:
-                self._on_wait(klass, max(0.0, self._clock() - started))
+                with self._cond:
+                    now_class = self._schedule.class_of(upload) or klass
+                self._on_wait(now_class, max(0.0, self._clock() - started))
 
     def _timeout(self, now: float, deadline: float | None) -> float:
         timeout = POLL_SECONDS

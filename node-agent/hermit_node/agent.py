@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from hermit_common import health as http_health
 from hermit_common import protocol
+from hermit_common.bandwidth import UploadLimiter
 from hermit_common.errors import CheckpointFailed, CheckpointRefused, HermitError, RestoreFailed
 from hermit_common.s3errors import CheckpointNotFound
 from hermit_common.seal import Expected
@@ -260,7 +261,8 @@ class NodeAgent:
                  stopping: threading.Event | None = None,
                  health: agent_health.AgentHealth | None = None,
                  collector: Collector | None = None, fence: Fence | None = None,
-                 routine_upload_seconds: float | None = None) -> None:
+                 routine_upload_seconds: float | None = None,
+                 limiter: UploadLimiter | None = None) -> None:
         self.node = node
         self._kube = kube
         self._view = view
@@ -274,6 +276,7 @@ class NodeAgent:
         self._collector = collector  # None: nothing is deleted from S3
         self._fence = fence  # None: restores do not wait for older incarnations (tests)
         self._routine_upload = routine_upload_seconds  # None: routine uploads unbounded
+        self._limiter = limiter  # the node's upload bandwidth, shared with the engine
         self._stopping = stopping or threading.Event()
         self._jobs = jobs or Jobs()
         self._proc_root = proc_root
@@ -449,6 +452,10 @@ class NodeAgent:
             with self._lock:
                 self._taken.discard(uid)  # busy with another job: next loop
                 self._running.discard(uid)
+            if priority == URGENT and self._limiter is not None:
+                # The job in the way (a routine checkpoint) now uploads as a notice's
+                # does: this sandbox's stopping checkpoint waits for it.
+                self._limiter.promote(key)
 
     def _release(self, uid: str) -> None:
         """Forget a job that did not get to write anything, so the next loop retries it."""
@@ -842,7 +849,6 @@ def build_agent(settings: NodeSettings, stop: threading.Event,
                 ) -> tuple[NodeAgent, WatchedNode]:
     """Everything built once at start-up; HermitError when a piece cannot be built. The
     watches are not started yet."""
-    from hermit_common.bandwidth import UploadLimiter
     from hermit_common.seal import sealing_from
     from hermit_common.store import CheckpointStore
     from hermit_node.checkpoint import CheckpointEngine
@@ -872,7 +878,8 @@ def build_agent(settings: NodeSettings, stop: threading.Event,
                      view=view, stores=stores,
                      trees=freezer.Trees(), stopping=stop, health=health,
                      collector=collector, fence=Fence(kube),
-                     routine_upload_seconds=settings.routine_upload_seconds), view
+                     routine_upload_seconds=settings.routine_upload_seconds,
+                     limiter=limiter), view
 
 
 # Libraries whose DEBUG log is about their own machinery: botocore writes some 60 lines

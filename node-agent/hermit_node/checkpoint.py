@@ -236,7 +236,7 @@ class CheckpointEngine:
         cap = _Capture(frozen_at=time.monotonic())
         kept = False
         try:
-            with self._bandwidth(urgent) as pace:
+            with self._bandwidth(urgent, (target.namespace, target.sandbox)) as pace:
                 # Before the freeze: the store's chunk listing (and a sealed store's key).
                 cap.session = plan.store.begin_upload(plan.binding, deadline=deadline,
                                                       parent=target.parent, pace=pace)
@@ -261,12 +261,14 @@ class CheckpointEngine:
         return result
 
     @contextlib.contextmanager
-    def _bandwidth(self, urgent: bool) -> Iterator[Pace | None]:
-        """The upload's ticket on the node's bandwidth while it runs (None: no limiter)."""
+    def _bandwidth(self, urgent: bool, sandbox: tuple[str, str]) -> Iterator[Pace | None]:
+        """The upload's ticket on the node's bandwidth while it runs (None: no limiter);
+        a routine one is promoted if its sandbox gets a stopping request meanwhile."""
         if self._limiter is None:
             yield None
             return
-        with self._limiter.upload(bandwidth.URGENT if urgent else bandwidth.ROUTINE) as ticket:
+        with self._limiter.upload(bandwidth.URGENT if urgent else bandwidth.ROUTINE,
+                                  key=sandbox) as ticket:
             yield ticket.acquire
 
     def _capture_and_upload(self, target: CheckpointTarget, plan: _Plan, cap: _Capture, *,

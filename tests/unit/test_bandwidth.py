@@ -141,6 +141,37 @@ def test_routine_waits_while_an_urgent_upload_is_open_even_unlimited() -> None:
     assert schedule.grant(0.0) == ([waiting], None)
 
 
+def test_a_promoted_routine_upload_goes_with_the_urgent_ones() -> None:
+    schedule = Schedule(0)
+    mine = schedule.open(ROUTINE, ("ns", "a"))
+    other = schedule.open(ROUTINE, ("ns", "b"))
+    schedule.open(URGENT, ("ns", "c"))
+    mine_waits, other_waits = schedule.ask(mine, MIB), schedule.ask(other, MIB)
+    assert schedule.grant(0.0) == ([], None)  # both held back by the urgent upload
+    assert schedule.promote(("ns", "a")) == 1
+    assert schedule.class_of(mine) == URGENT and schedule.class_of(other) == ROUTINE
+    assert schedule.grant(0.0) == ([mine_waits], None)  # only the promoted one
+    assert schedule.promote(("ns", "a")) == 0  # already urgent
+    assert schedule.promote(("ns", "z")) == 0
+    schedule.close(mine)
+    assert schedule.active(URGENT) == 1 and schedule.active(ROUTINE) == 1
+    assert other_waits not in schedule.grant(0.0)[0]
+
+
+def test_limiter_promote_releases_a_held_routine_put() -> None:
+    waits: list[tuple[str, float]] = []
+    limiter = UploadLimiter(0, on_wait=lambda k, s: waits.append((k, s)))
+    with limiter.upload(ROUTINE, key=("ns", "a")) as routine, limiter.upload(URGENT):
+        thread, out = _in_thread(lambda: routine.acquire(MIB))
+        thread.join(0.2)
+        assert thread.is_alive() and not out  # held back
+        assert limiter.promote(("ns", "a")) == 1
+        thread.join(5.0)
+        assert out == [True]
+        assert limiter.active(URGENT) == 2
+    assert waits == [(URGENT, waits[0][1])]  # counted as what it was when granted
+
+
 def test_unlimited_never_waits() -> None:
     schedule = Schedule(0)
     uploads = [schedule.open(ROUTINE) for _ in range(3)]
@@ -241,9 +272,9 @@ def test_the_engine_holds_a_ticket_of_its_class_while_it_uploads(tmp_path: Path)
     limiter = UploadLimiter(0)
     engine = CheckpointEngine(Mock(), Mock(), tmp_path, limiter=limiter)
     for urgent, klass in ((True, URGENT), (False, ROUTINE)):
-        with engine._bandwidth(urgent) as pace:
+        with engine._bandwidth(urgent, ("ns", "sb")) as pace:
             assert limiter.active(klass) == 1 and pace is not None
             assert pace(MIB, None, None)
         assert limiter.active(klass) == 0
-    with CheckpointEngine(Mock(), Mock(), tmp_path)._bandwidth(True) as pace:
+    with CheckpointEngine(Mock(), Mock(), tmp_path)._bandwidth(True, ("ns", "sb")) as pace:
         assert pace is None  # no limiter (the CLI): chunk PUTs never wait

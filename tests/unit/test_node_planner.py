@@ -10,6 +10,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -1148,3 +1149,24 @@ def test_a_routine_upload_leaves_its_slot_to_a_notices_checkpoint(tmp_path: Path
     engine.release.set()
     agent.shutdown()
     assert kube.checkpoints["manual"]["status"]["phase"] == "Completed"
+
+
+def test_a_stopping_request_for_a_busy_sandbox_promotes_its_routine_upload(
+        tmp_path: Path) -> None:
+    """One job per sandbox: its stopping checkpoint waits for the routine one that runs,
+    so that one's upload is promoted to urgent on the node's bandwidth."""
+    from hermit_node import agent as agent_module
+
+    class BusyJobs:
+        def submit(self, key: Any, fn: Any, *, priority: int, freezes: bool = False) -> bool:
+            return False  # a job for the sandbox runs
+
+    limiter = mock.Mock()
+    kube = FakeKube([pod("box-1")], [])
+    agent = NodeAgent(NODE, kube, FakeEngine(), FakeEngine(),  # type: ignore[arg-type]
+                      view=kube, proc_root=fake_proc(tmp_path), clock=lambda: NOW,
+                      jobs=BusyJobs(), limiter=limiter)  # type: ignore[arg-type]
+    agent._start("u1", ("ns", "sb"), lambda: None, priority=agent_module.ROUTINE)
+    limiter.promote.assert_not_called()
+    agent._start("u2", ("ns", "sb"), lambda: None, priority=agent_module.URGENT)
+    limiter.promote.assert_called_once_with(("ns", "sb"))
