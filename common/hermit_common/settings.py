@@ -218,6 +218,10 @@ class NodeSettings:
     # A routine (Interval, Manual, Turn) checkpoint's upload gives up after this long; a
     # notice's deadline bounds the stopping ones.
     routine_upload_seconds: float = 900.0
+    # The node's upload bandwidth for checkpoints, shared by all of them (bandwidth.py;
+    # docs/storage.md#upload-bandwidth); 0: unlimited. Either way a notice's (or a
+    # drain's) stopping upload holds routine ones back while it runs.
+    upload_bandwidth_bytes_per_second: int = 0
     # The turn endpoint (docs/turns.md): its port (0: not served), and the audience a
     # caller's token must carry ("": the API server's own audiences).
     turn_port: int = 9103
@@ -249,10 +253,27 @@ class NodeSettings:
                 "HERMIT_GC_MIN_AGE_SECONDS", 3600.0, minimum=0.0, maximum=30 * 86400.0),
             routine_upload_seconds=env.number(
                 "HERMIT_ROUTINE_UPLOAD_SECONDS", 900.0, minimum=10.0, maximum=86400.0),
+            upload_bandwidth_bytes_per_second=_bandwidth(
+                env, "HERMIT_UPLOAD_BANDWIDTH_BYTES_PER_SECOND"),
             turn_port=env.integer("HERMIT_TURN_PORT", 9103, minimum=0, maximum=65535),
             turn_audience=env.optional_str("HERMIT_TURN_AUDIENCE") or "",
             lazy_restore=env.flag("HERMIT_LAZY_RESTORE", False),
         )
+
+
+# An upload bandwidth below this would take seconds per chunk: a typo, not a choice.
+MIN_UPLOAD_BANDWIDTH = 1024 * 1024
+MAX_UPLOAD_BANDWIDTH = 100 * 1000 ** 3  # 800 Gbit/s
+
+
+def _bandwidth(env: Env, name: str) -> int:
+    """Bytes per second: 0 (unlimited) or between 1 MiB/s and 100 GB/s."""
+    value = env.integer(name, 0, minimum=0, maximum=MAX_UPLOAD_BANDWIDTH)
+    if 0 < value < MIN_UPLOAD_BANDWIDTH:
+        raise SettingsError(
+            f"{name}={value} is below the minimum {MIN_UPLOAD_BANDWIDTH} (1 MiB/s); "
+            "0 means unlimited")
+    return value
 
 
 DEFAULT_HERMIT_IMAGE = "hermit.local/hermit:dev"

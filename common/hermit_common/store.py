@@ -88,7 +88,7 @@ from hermit_common.tree import (
     scan_tree,
 )
 
-__all__ = ["CheckpointNotFound", "CheckpointStore", "CollectResult", "ObjectExists",
+__all__ = ["CheckpointNotFound", "CheckpointStore", "CollectResult", "ObjectExists", "Pace",
            "UploadProgress", "UploadResult", "UploadSession", "make_s3_client"]
 
 log = logging.getLogger(__name__)
@@ -134,6 +134,10 @@ class UploadResult:
 
 
 ProgressCallback = Callable[[UploadProgress], None]
+# Asked before each chunk PUT with its size in bytes, the upload's stop event and deadline:
+# waits until the node's upload bandwidth lets it go (bandwidth.Ticket.acquire); False
+# when it gave up waiting (stopped, or the deadline passed).
+Pace = Callable[[int, threading.Event | None, float | None], bool]
 
 
 def make_s3_client(settings: StoreSettings) -> Any:
@@ -214,6 +218,7 @@ class _UploadState:
     def __init__(self, existing: Mapping[str, int], cipher: ChunkCipher | None,
                  source: str = "", source_chunks: Mapping[str, int] | None = None) -> None:
         self.cipher = cipher  # None: plain chunks, named by their digest
+        self.pace: Pace | None = None  # None: chunk PUTs never wait for bandwidth
         self.lock = threading.Lock()
         self.sizes: dict[str, int] = dict(existing)  # object name -> stored size
         self.claimed: set[str] = set(existing)
@@ -483,17 +488,22 @@ class CheckpointStore:
 
     def _put(self, key: str, body: bytes, content_type: str, action: str,
              stop: threading.Event | None = None, deadline: float | None = None, *,
-             exclusive: bool = False) -> None:
+             exclusive: bool = False, pace: Pace | None = None) -> None:
         """PUT with extra backoff-and-jitter attempts for errors botocore gave up on.
 
         ``exclusive``: a conditional PUT (``If-None-Match: *``) that never replaces an
-        object; ObjectExists when there is one already."""
+        object; ObjectExists when there is one already. ``pace``: asked before each
+        attempt (the node's upload bandwidth, bandwidth.py)."""
         extra: dict[str, str] = {"IfNoneMatch": "*"} if exclusive else {}
         for attempt in range(1, _PUT_ATTEMPTS + 1):
             if stop is not None and stop.is_set():
                 raise CheckpointFailed("upload aborted")
             if deadline is not None and time.monotonic() > deadline:
                 raise CheckpointFailed(f"cannot {action}: the upload deadline passed")
+            if pace is not None and not pace(len(body), stop, deadline):
+                raise CheckpointFailed("upload aborted" if stop is not None and stop.is_set()
+                                       else f"cannot {action}: the upload deadline passed "
+                                       "while it waited for the node's upload bandwidth")
             try:
                 self._client.put_object(Bucket=self.settings.bucket, Key=key, Body=body,
                                         ContentType=content_type, **extra)
@@ -821,7 +831,7 @@ class CheckpointStore:
     def upload(self, binding: Binding, sections: Mapping[str, Path],
                restore: Mapping[str, Any], *, on_progress: ProgressCallback | None = None,
                deadline: float | None = None, parent: str = "",
-               layouts: Layouts | None = None) -> UploadResult:
+               layouts: Layouts | None = None, pace: Pace | None = None) -> UploadResult:
         """Uploads the directory trees ``sections`` as checkpoint ``binding.checkpoint``.
 
         ``layouts``: where to cut some files into chunks (section -> path -> chunk
@@ -832,12 +842,15 @@ class CheckpointStore:
         sealed manifest is signed for. ``deadline`` is a ``time.monotonic()`` value after
         which the upload gives up. Any failure raises StoreUnavailable or CheckpointFailed
         and leaves no manifest (chunks already PUT stay for reuse or garbage collection).
+        ``pace``: asked before each chunk PUT (the node's upload bandwidth, bandwidth.py);
+        the manifest never waits for it (small, and it makes the checkpoint durable).
         """
-        return self.begin_upload(binding, deadline=deadline, parent=parent).finish(
+        return self.begin_upload(binding, deadline=deadline, parent=parent,
+                                 pace=pace).finish(
             sections, restore, on_progress=on_progress, layouts=layouts)
 
     def begin_upload(self, binding: Binding, *, deadline: float | None = None,
-                     parent: str = "") -> UploadSession:
+                     parent: str = "", pace: Pace | None = None) -> UploadSession:
         """An upload of checkpoint ``binding.checkpoint`` that may PUT chunks of files
         still being written (``UploadSession.stage``) before ``finish`` writes the rest
         and the manifest. Same arguments and failures as ``upload``."""
@@ -846,6 +859,7 @@ class CheckpointStore:
                           binding.checkpoint, parent)
         keys = self._sandbox_dek(context, deadline) if self._sealing is not None else None
         state = self._upload_state(binding.namespace, binding.sandbox, keys)
+        state.pace = pace
         return UploadSession(self, binding, context, keys, state, deadline, started)
 
     def _stage(self, session: UploadSession, path: str, offset: int, length: int) -> None:
@@ -960,7 +974,7 @@ class CheckpointStore:
             body = state.cipher.seal(name, body)
         self._put(self.chunk_key(ns, sandbox, name), body,
                   "application/octet-stream" if state.cipher else "application/zstd",
-                  "upload chunk", state.stop, deadline)
+                  "upload chunk", state.stop, deadline, pace=state.pace)
         with state.lock:
             state.sizes[name] = len(body)
         return _ChunkDone(task, digest, len(body))

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from hermit_common import health as http_health
 from hermit_common import protocol
+from hermit_common.bandwidth import UploadLimiter
 from hermit_common.errors import CheckpointFailed, CheckpointRefused, HermitError, RestoreFailed
 from hermit_common.s3errors import CheckpointNotFound
 from hermit_common.seal import Expected
@@ -66,7 +67,8 @@ class Checkpointer(Protocol):
                    on_uploading: Callable[[int, int], None] | None = None,
                    on_progress: Callable[[UploadProgress], None] | None = None,
                    on_durable: Callable[[CheckpointResult], None] | None = None,
-                   store: CheckpointStore | None = None) -> CheckpointResult: ...
+                   store: CheckpointStore | None = None,
+                   urgent: bool = False) -> CheckpointResult: ...
 
 
 class Restorer(Protocol):
@@ -259,7 +261,8 @@ class NodeAgent:
                  stopping: threading.Event | None = None,
                  health: agent_health.AgentHealth | None = None,
                  collector: Collector | None = None, fence: Fence | None = None,
-                 routine_upload_seconds: float | None = None) -> None:
+                 routine_upload_seconds: float | None = None,
+                 limiter: UploadLimiter | None = None) -> None:
         self.node = node
         self._kube = kube
         self._view = view
@@ -273,6 +276,7 @@ class NodeAgent:
         self._collector = collector  # None: nothing is deleted from S3
         self._fence = fence  # None: restores do not wait for older incarnations (tests)
         self._routine_upload = routine_upload_seconds  # None: routine uploads unbounded
+        self._limiter = limiter  # the node's upload bandwidth, shared with the engine
         self._stopping = stopping or threading.Event()
         self._jobs = jobs or Jobs()
         self._proc_root = proc_root
@@ -448,6 +452,10 @@ class NodeAgent:
             with self._lock:
                 self._taken.discard(uid)  # busy with another job: next loop
                 self._running.discard(uid)
+            if priority == URGENT and self._limiter is not None:
+                # The job in the way (a routine checkpoint) now uploads as a notice's
+                # does: this sandbox's stopping checkpoint waits for it.
+                self._limiter.promote(key)
 
     def _release(self, uid: str) -> None:
         """Forget a job that did not get to write anything, so the next loop retries it."""
@@ -656,7 +664,7 @@ class NodeAgent:
             deadline=planner.upload_deadline(self._deadline(), time.monotonic(),
                                              protocol.reason_of(ckpt), self._routine_upload),
             on_uploading=progress.uploading, on_progress=progress, on_durable=record,
-            store=store)
+            store=store, urgent=planner.upload_is_urgent(protocol.reason_of(ckpt)))
 
     def _checkpoint_failed(self, ckpt: KubeObject, exc: Exception, seconds: float) -> None:
         """Failed, with why, on the Checkpoint and in an Event (the sandbox runs on)."""
@@ -858,14 +866,20 @@ def build_agent(settings: NodeSettings, stop: threading.Event,
     collector = Collector(kube, min_age_seconds=settings.gc_min_age_seconds,
                           stopping=stop) if settings.gc_enabled else None
     view = WatchedNode(kube, stop)
+    # One for every upload of the node (docs/storage.md#upload-bandwidth).
+    limiter = UploadLimiter(settings.upload_bandwidth_bytes_per_second,
+                            on_wait=metrics.record_upload_wait)
+    metrics.watch_uploads(limiter.active)
     return NodeAgent(settings.node_name, kube,
                      CheckpointEngine(criu, store, work_dir,
-                                      max_frozen_seconds=settings.max_frozen_seconds),
+                                      max_frozen_seconds=settings.max_frozen_seconds,
+                                      limiter=limiter),
                      RestoreEngine(criu, store, work_dir, lazy=settings.lazy_restore),
                      view=view, stores=stores,
                      trees=freezer.Trees(), stopping=stop, health=health,
                      collector=collector, fence=Fence(kube),
-                     routine_upload_seconds=settings.routine_upload_seconds), view
+                     routine_upload_seconds=settings.routine_upload_seconds,
+                     limiter=limiter), view
 
 
 # Libraries whose DEBUG log is about their own machinery: botocore writes some 60 lines

@@ -20,14 +20,21 @@ import subprocess
 import termios
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hermit_common import bandwidth
 from hermit_common.errors import CheckpointFailed, HermitError
 from hermit_common.manifest import Binding
-from hermit_common.store import CheckpointStore, ProgressCallback, UploadResult, UploadSession
+from hermit_common.store import (
+    CheckpointStore,
+    Pace,
+    ProgressCallback,
+    UploadResult,
+    UploadSession,
+)
 from hermit_node import container, freezer, locate, pagemap, staging, sysinfo
 from hermit_node.criu import Criu, DumpRequest
 from hermit_node.streaming import ImageStreamer
@@ -193,11 +200,13 @@ class _Capture:
 
 class CheckpointEngine:
     def __init__(self, criu: Criu, store: CheckpointStore, work_dir: Path, *,
-                 max_frozen_seconds: float = DEFAULT_MAX_FROZEN_SECONDS) -> None:
+                 max_frozen_seconds: float = DEFAULT_MAX_FROZEN_SECONDS,
+                 limiter: bandwidth.UploadLimiter | None = None) -> None:
         self._criu = criu
         self._store = store
         self._work_dir = work_dir
         self._max_frozen = max_frozen_seconds
+        self._limiter = limiter  # the node's upload bandwidth; None: chunk PUTs never wait
 
     def local_dir(self, t: CheckpointTarget) -> Path:
         return self._work_dir / "checkpoints" / t.namespace / t.sandbox / t.checkpoint
@@ -207,7 +216,8 @@ class CheckpointEngine:
                    on_uploading: Callable[[int, int], None] | None = None,
                    on_progress: ProgressCallback | None = None,
                    on_durable: Callable[[CheckpointResult], None] | None = None,
-                   store: CheckpointStore | None = None) -> CheckpointResult:
+                   store: CheckpointStore | None = None, urgent: bool = False,
+                   ) -> CheckpointResult:
         """Take one checkpoint. ``stop=True``: the sandbox ends once it is durable (migration).
 
         On failure the sandbox is thawed and keeps running; CheckpointFailed says why.
@@ -219,18 +229,21 @@ class CheckpointEngine:
         ``on_durable(result)`` once the manifest is in the store and, with ``stop``,
         before the old tree is killed: it records the checkpoint so nothing can lose it.
         ``store``: where it goes (the sandbox's own storage), else the engine's store.
+        ``urgent``: its upload is a notice's (or a drain's), ahead of routine ones on the
+        node's upload bandwidth from before the freeze until durable (bandwidth.py).
         """
         plan = self._plan(target, store or self._store, strict_room=not stop)
         cap = _Capture(frozen_at=time.monotonic())
         kept = False
         try:
-            # Before the freeze: the store's chunk listing (and a sealed store's data key).
-            cap.session = plan.store.begin_upload(plan.binding, deadline=deadline,
-                                                  parent=target.parent)
-            freezer.freeze(plan.cgroup)
-            result = self._capture_and_upload(target, plan, cap, stop=stop, deadline=deadline,
-                                              on_uploading=on_uploading,
-                                              on_progress=on_progress, on_durable=on_durable)
+            with self._bandwidth(urgent, (target.namespace, target.sandbox)) as pace:
+                # Before the freeze: the store's chunk listing (and a sealed store's key).
+                cap.session = plan.store.begin_upload(plan.binding, deadline=deadline,
+                                                      parent=target.parent, pace=pace)
+                freezer.freeze(plan.cgroup)
+                result = self._capture_and_upload(
+                    target, plan, cap, stop=stop, deadline=deadline, on_uploading=on_uploading,
+                    on_progress=on_progress, on_durable=on_durable)
             kept = keep_local
         except HermitError as exc:
             raise CheckpointFailed(
@@ -246,6 +259,17 @@ class CheckpointEngine:
                  target.checkpoint, result.frozen_ms, result.dump_ms, result.upload_ms,
                  result.chunks_staged, result.stored_bytes)
         return result
+
+    @contextlib.contextmanager
+    def _bandwidth(self, urgent: bool, sandbox: tuple[str, str]) -> Iterator[Pace | None]:
+        """The upload's ticket on the node's bandwidth while it runs (None: no limiter);
+        a routine one is promoted if its sandbox gets a stopping request meanwhile."""
+        if self._limiter is None:
+            yield None
+            return
+        with self._limiter.upload(bandwidth.URGENT if urgent else bandwidth.ROUTINE,
+                                  key=sandbox) as ticket:
+            yield ticket.acquire
 
     def _capture_and_upload(self, target: CheckpointTarget, plan: _Plan, cap: _Capture, *,
                             stop: bool, deadline: float | None,

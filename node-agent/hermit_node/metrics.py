@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 from prometheus_client import Counter, Gauge, Histogram
 
-from hermit_common import metrics
+from hermit_common import bandwidth, metrics
 
 # Checkpoint phases a duration is recorded for, and results.
 PHASES = ("frozen", "dump", "capture", "upload", "total")
@@ -31,6 +34,13 @@ LAZY_FILL_SECONDS = Histogram(
     ["result"], buckets=_BUCKETS)
 
 TURNS = Counter(metrics.NODE_TURNS, "Turns ended, by what the inspector decided", ["decision"])
+
+UPLOAD_WAIT_SECONDS = Counter(
+    metrics.NODE_UPLOAD_WAIT_SECONDS,
+    "Seconds chunk PUTs waited for the node's upload bandwidth, by upload class", ["class"])
+UPLOADS_ACTIVE = Gauge(
+    metrics.NODE_UPLOADS_ACTIVE, "Checkpoint uploads open on this node, by upload class",
+    ["class"])
 
 
 def record_checkpoint(*, frozen_ms: int, dump_ms: int, capture_ms: int, upload_ms: int,
@@ -67,3 +77,13 @@ def record_notice(provider: str, kind: str) -> None:
 
 def record_turn(decision: str) -> None:
     TURNS.labels(decision).inc()
+
+
+def record_upload_wait(klass: str, seconds: float) -> None:
+    UPLOAD_WAIT_SECONDS.labels(klass).inc(seconds)
+
+
+def watch_uploads(active: Callable[[str], int]) -> None:
+    """The uploads-open gauge reads ``active(class)`` when scraped."""
+    for klass in bandwidth.CLASSES:
+        UPLOADS_ACTIVE.labels(klass).set_function(functools.partial(active, klass))

@@ -359,6 +359,15 @@ def upload_deadline(notice_deadline: float | None, now: float, reason: str,
     return now + routine_seconds
 
 
+def upload_is_urgent(reason: str) -> bool:
+    """Whether a checkpoint's upload goes ahead of routine ones on the node's upload
+    bandwidth (bandwidth.py): a notice's or a drain's (Preemption, Eviction: the node is
+    going away). A Suspend (no deadline, the user chose it) is routine there, though the
+    job queue serves it with the stopping ones (agent.Jobs); a Rebalance (early, the
+    sandbox runs on) is routine in both."""
+    return reason in protocol.MIGRATING_REASONS
+
+
 # -- restores -------------------------------------------------------------------------
 
 def pods_to_restore(pods: Iterable[SandboxPod],

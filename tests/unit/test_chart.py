@@ -83,6 +83,12 @@ def test_crds_only_install_needs_no_bucket() -> None:
     ({"nodeAgent": {"awsImdsUrl": "169.254.169.254"}}, "nodeAgent.awsImdsUrl"),
     ({"nodeAgent": {"pollIntervalSeconds": 5}}, "nodeAgent.pollIntervalSeconds"),
     ({"nodeAgent": {"logLevel": "verbose"}}, "nodeAgent.logLevel"),
+    ({"nodeAgent": {"uploadBandwidthBytesPerSecond": 1000}},
+     "nodeAgent.uploadBandwidthBytesPerSecond"),
+    ({"nodeAgent": {"uploadBandwidthBytesPerSecond": -1}},
+     "nodeAgent.uploadBandwidthBytesPerSecond"),
+    ({"nodeAgent": {"uploadBandwidthBytesPerSecond": "1Gbit"}},
+     "nodeAgent.uploadBandwidthBytesPerSecond"),
     ({"nodeAgent": {"hostPaths": {"workDir": "var/lib/hermit"}}}, "nodeAgent.hostPaths.workDir"),
     ({"metrics": {"port": 70000}}, "metrics.port"),
     ({"metrics": {"serviceMonitor": {"enabled": "yes"}}}, "metrics.serviceMonitor.enabled"),
@@ -260,6 +266,16 @@ def test_the_turn_endpoint_is_on_by_default_and_port_0_removes_it_and_its_rights
     rules_off, env_off = _node_agent_parts("nodeAgent.turns.port=0")
     assert not any(r in rules_off for r in REVIEWS)
     assert env_off["HERMIT_TURN_PORT"] == "0"
+
+
+def test_upload_bandwidth_is_unlimited_by_default_and_rendered_as_an_integer() -> None:
+    env = "HERMIT_UPLOAD_BANDWIDTH_BYTES_PER_SECOND"
+    assert _node_agent_parts()[1][env] == "0"
+    # Large numbers from values files reach the template as floats: never 6.25e+07.
+    assert _node_agent_parts(
+        "nodeAgent.uploadBandwidthBytesPerSecond=62500000")[1][env] == "62500000"
+    assert errors(merged(WITH_BUCKET, {"nodeAgent": {
+        "uploadBandwidthBytesPerSecond": 62500000}})) == []
 
 
 def test_lazy_restore_is_off_by_default_and_the_value_turns_it_on() -> None:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -217,6 +218,11 @@ def test_requests_wait_while_the_pod_is_not_live() -> None:
 def test_stopping_reasons() -> None:
     assert [r for r in protocol.REASONS if protocol.is_stopping(r)] == [
         "Preemption", "Eviction", "Suspend"]
+
+
+def test_only_a_notice_or_a_drain_uploads_urgently() -> None:
+    assert [r for r in protocol.REASONS if planner.upload_is_urgent(r)] == [
+        "Preemption", "Eviction"]
 
 
 def test_stale_checkpoints_are_this_nodes_unfinished_ones() -> None:
@@ -450,15 +456,17 @@ class FakeEngine:
         self.progress = progress or []  # reported after on_uploading, as the store does
         self.calls: list[tuple[Any, bool]] = []
         self.stores: list[Any] = []  # the store each call was given
+        self.urgent: list[bool] = []  # each checkpoint's upload class
 
     def checkpoint(self, target: Any, *, stop: bool = False,
                    keep_local: bool = False, deadline: float | None = None,
                    on_uploading: Callable[[int, int], None] | None = None,
                    on_progress: Callable[[UploadProgress], None] | None = None,
                    on_durable: Callable[[CheckpointResult], None] | None = None,
-                   store: Any = None) -> CheckpointResult:
+                   store: Any = None, urgent: bool = False) -> CheckpointResult:
         self.calls.append((target, stop))
         self.stores.append(store)
+        self.urgent.append(urgent)
         if on_uploading is not None and self.error is None:
             on_uploading(5, 4)
         for step in self.progress:
@@ -511,6 +519,7 @@ def test_notice_taints_cordons_and_checkpoints_with_stop(tmp_path: Path) -> None
     assert kube.node["spec"]["taints"] == [planner.interruption_taint("spot-interruption")]
     [(target, stop)] = engine.calls
     assert stop is True
+    assert engine.urgent == [True]  # ahead of routine uploads on the node's bandwidth
     assert (target.checkpoint, target.init_pid, target.sandbox_uid, target.image_digest) == (
         "box-1-preempt", 420, "sbx-uid", IMAGE_DIGEST)
     assert [(n, s["phase"]) for n, s in kube.statuses] == [
@@ -1140,3 +1149,24 @@ def test_a_routine_upload_leaves_its_slot_to_a_notices_checkpoint(tmp_path: Path
     engine.release.set()
     agent.shutdown()
     assert kube.checkpoints["manual"]["status"]["phase"] == "Completed"
+
+
+def test_a_stopping_request_for_a_busy_sandbox_promotes_its_routine_upload(
+        tmp_path: Path) -> None:
+    """One job per sandbox: its stopping checkpoint waits for the routine one that runs,
+    so that one's upload is promoted to urgent on the node's bandwidth."""
+    from hermit_node import agent as agent_module
+
+    class BusyJobs:
+        def submit(self, key: Any, fn: Any, *, priority: int, freezes: bool = False) -> bool:
+            return False  # a job for the sandbox runs
+
+    limiter = mock.Mock()
+    kube = FakeKube([pod("box-1")], [])
+    agent = NodeAgent(NODE, kube, FakeEngine(), FakeEngine(),  # type: ignore[arg-type]
+                      view=kube, proc_root=fake_proc(tmp_path), clock=lambda: NOW,
+                      jobs=BusyJobs(), limiter=limiter)  # type: ignore[arg-type]
+    agent._start("u1", ("ns", "sb"), lambda: None, priority=agent_module.ROUTINE)
+    limiter.promote.assert_not_called()
+    agent._start("u2", ("ns", "sb"), lambda: None, priority=agent_module.URGENT)
+    limiter.promote.assert_called_once_with(("ns", "sb"))

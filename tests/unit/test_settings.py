@@ -25,6 +25,13 @@ def test_defaults() -> None:
         ({**BASE, "HERMIT_CLOUD_PROVIDER": "ibm"}, "HERMIT_CLOUD_PROVIDER='ibm' is not one of"),
         ({**BASE, "HERMIT_POLL_INTERVAL_SECONDS": "5"}, "above the maximum 2.0"),
         ({**BASE, "HERMIT_S3_ACCESS_KEY_ID": "a"}, "must be set together"),
+        ({**BASE, "HERMIT_UPLOAD_BANDWIDTH_BYTES_PER_SECOND": "-1"},
+         "HERMIT_UPLOAD_BANDWIDTH_BYTES_PER_SECOND=-1 is below the minimum 0"),
+        ({**BASE, "HERMIT_UPLOAD_BANDWIDTH_BYTES_PER_SECOND": "50MB"},
+         "HERMIT_UPLOAD_BANDWIDTH_BYTES_PER_SECOND='50MB' is not an integer"),
+        ({**BASE, "HERMIT_UPLOAD_BANDWIDTH_BYTES_PER_SECOND": "1000"},
+         "HERMIT_UPLOAD_BANDWIDTH_BYTES_PER_SECOND=1000 is below the minimum 1048576"),
+        ({**BASE, "HERMIT_UPLOAD_BANDWIDTH_BYTES_PER_SECOND": str(10**12)}, "above the maximum"),
     ],
 )
 def test_errors_name_the_variable(env: dict[str, str], message: str) -> None:
@@ -51,6 +58,14 @@ def test_per_sandbox_storage_is_off_unless_turned_on() -> None:
     assert on.per_sandbox_storage is True
     with pytest.raises(SettingsError, match="HERMIT_PER_SANDBOX_STORAGE='maybe' is not a "):
         NodeSettings.from_env({**BASE, "HERMIT_PER_SANDBOX_STORAGE": "maybe"})
+
+
+def test_upload_bandwidth_is_unlimited_unless_set() -> None:
+    assert NodeSettings.from_env(BASE).upload_bandwidth_bytes_per_second == 0
+    env = {**BASE, "HERMIT_UPLOAD_BANDWIDTH_BYTES_PER_SECOND": "125000000"}  # 1 Gbit/s
+    assert NodeSettings.from_env(env).upload_bandwidth_bytes_per_second == 125_000_000
+    env["HERMIT_UPLOAD_BANDWIDTH_BYTES_PER_SECOND"] = "0"
+    assert NodeSettings.from_env(env).upload_bandwidth_bytes_per_second == 0
 
 
 def test_lazy_restore_is_off_unless_turned_on() -> None:
