@@ -52,6 +52,7 @@ class Check:
     lazy: bool = False  # restored lazily (restore_ms: to running; all_pages_ms: every page in)
     restore_ms: int | None = None  # restore -> running (full: every page is in by then)
     all_pages_ms: int | None = None  # restore -> every page in (None: not all came in)
+    phases: str = ""  # where restore -> running went (download, apply, CRIU)
     ok: bool = False
     fingerprint: str = ""  # of the restored files
     details: list[str] = field(default_factory=list)
@@ -137,6 +138,8 @@ def _restore(env: Env, policy: Policy, name: str, box: Box, check: Check) -> Non
                       image_digest=env.nodes[1].image_digest()),
         on_filled=on_filled)
     check.restore_ms = result.total_ms
+    check.phases = (f"download {result.download_ms} ms, apply {result.apply_ms} ms, "
+                    f"criu {result.restore_ms} ms")
     if not result.lazy:
         check.all_pages_ms = result.total_ms
         return
