@@ -79,9 +79,19 @@ def _measure(env: Env, args: argparse.Namespace, base: trace.Trace,
             for i, d in enumerate(outcomes[name].decisions):
                 print(f"  turn {i} ({t.turns[i].kind}): {d.decision}: {'; '.join(d.reasons)}",
                       file=sys.stderr, flush=True)
+            _print_restores(outcomes[name])
         off = outcomes.get("off")
         rows += [report.figures(o, off) for o in outcomes.values()]
     return rows
+
+
+def _print_restores(out: Outcome) -> None:
+    """Where each restore's time to running went, on stderr."""
+    for kind, check in (("full", out.notice_restore), ("lazy", out.lazy_restore),
+                        ("crash", out.crash)):
+        if check is not None and check.phases:
+            print(f"  {kind} restore of {check.checkpoint}: {check.phases}", file=sys.stderr,
+                  flush=True)
 
 
 def _setup(base: Path, minio: MinioServer) -> tuple[CheckpointStore, CheckpointStore, Path]:

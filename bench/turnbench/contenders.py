@@ -30,8 +30,14 @@ from typing import Any
 
 from bench.turnbench.sandbox import WORKSPACE, Box
 from hermit_common import protocol
-from hermit_common.manifest import Binding, Manifest, Totals, utc_now
-from hermit_common.store import CheckpointStore, ProgressCallback, UploadResult
+from hermit_common.manifest import Manifest, Totals, utc_now
+from hermit_common.store import (
+    CheckpointStore,
+    Layouts,
+    ProgressCallback,
+    UploadResult,
+    UploadSession,
+)
 from hermit_node import inspector, snapshot
 from hermit_node.checkpoint import CheckpointEngine, CheckpointResult, CheckpointTarget
 from hermit_node.inspector import Snapshot
@@ -41,12 +47,18 @@ CONTENDERS = ("full-dump", "interval", "turn-aware", "off")
 
 
 class FullDumpStore(CheckpointStore):
-    """The naive upload: every section in one gzip tarball, one PUT, nothing reused."""
+    """The naive upload: every section in one gzip tarball, one PUT, nothing reused. The
+    engine uploads through an ``UploadSession`` (``begin_upload``, then ``finish``), so
+    this overrides what the session calls: nothing is staged while CRIU writes, and the
+    finish is the tarball."""
 
-    def upload(self, binding: Binding, sections: Mapping[str, Path],
-               restore: Mapping[str, Any], *, on_progress: ProgressCallback | None = None,
-               deadline: float | None = None, parent: str = "") -> UploadResult:
-        started = time.monotonic()
+    def _stage(self, session: UploadSession, path: str, offset: int, length: int) -> None:
+        pass  # the naive upload starts once everything is written
+
+    def _finish(self, session: UploadSession, sections: Mapping[str, Path],
+                restore: Mapping[str, Any], on_progress: ProgressCallback | None,
+                layouts: Layouts | None) -> UploadResult:
+        started, binding = time.monotonic(), session.binding
         first = next(iter(sections.values()))
         tarball = first.parent / "full-dump.tar.gz"
         raw = 0

@@ -2,13 +2,16 @@
 
 After the trace: the queued checkpoints finish, then a spot notice arrives and the final
 checkpoint is taken with ``stop=True`` (frozen until durable, as on a notice); it is
-restored on the second node and checked. Then the checkpoint that a crash at the chosen
+restored on the second node and checked, first fully (every page in before the tree
+runs), then again lazily (the tree runs while CRIU's lazy-pages daemon copies its memory
+in; checked once every page is in). Then the checkpoint that a crash at the chosen
 turn would have left (the newest durable one at the end of that turn's model wait) is
 restored and checked against what the sandbox held at the end of the turn it covers.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -21,7 +24,8 @@ from hermit_common.store import CheckpointStore
 from hermit_node.checkpoint import CheckpointEngine, CheckpointResult
 from hermit_node.criu import Criu
 from hermit_node.inspector import Decision
-from hermit_node.restore import RestoreEngine, RestoreTarget
+from hermit_node.lazypages import Filled
+from hermit_node.restore import LAZY_FILL_TIMEOUT_SECONDS, RestoreEngine, RestoreTarget
 from hermit_testbed.cni import CniNetwork
 from hermit_testbed.scenario import Node
 
@@ -45,7 +49,10 @@ class Check:
     checkpoint: str
     covered_turn: int
     mid_turn: bool = False
-    restore_ms: int = 0
+    lazy: bool = False  # restored lazily (restore_ms: to running; all_pages_ms: every page in)
+    restore_ms: int | None = None  # restore -> running (full: every page is in by then)
+    all_pages_ms: int | None = None  # restore -> every page in (None: not all came in)
+    phases: str = ""  # where restore -> running went (download, apply, CRIU)
     ok: bool = False
     fingerprint: str = ""  # of the restored files
     details: list[str] = field(default_factory=list)
@@ -63,6 +70,7 @@ class Outcome:
     notice: CheckpointResult | None = None
     notice_ms: int = 0  # notice -> durable
     notice_restore: Check | None = None
+    lazy_restore: Check | None = None  # the notice checkpoint again, restored lazily
     crash_turn: int = -1
     crash: Check | None = None
     prints: list[str] = field(default_factory=list)  # files at the end of each turn
@@ -90,24 +98,58 @@ def replay(policy: Policy, trace: Trace, crash_turn: int,
 
 
 def _check(env: Env, policy: Policy, name: str, turn: int, mid_turn: bool,
-           prints: list[str], trace: Trace, mem_mb: int) -> Check:
-    """Restore ``name`` on the second node; the holder's memory, the server (when the
-    trace had started it by then) and the files (unless taken mid-turn) must hold."""
-    check = Check(name, turn, mid_turn)
+           prints: list[str], trace: Trace, mem_mb: int, *, lazy: bool = False) -> Check:
+    """Restore ``name`` on the second node (``lazy``: with lazy restore, checked once every
+    page is in); the holder's memory, the server (when the trace had started it by then)
+    and the files (unless taken mid-turn) must hold."""
+    check = Check(name, turn, mid_turn, lazy=lazy)
     box = sandbox.start_box(env.nodes[1], env.network, mem_mb, restore=True)
     try:
-        result = RestoreEngine(env.criu, env.store, env.nodes[1].work_dir).restore(
-            RestoreTarget(namespace=NAMESPACE, sandbox=policy.box_name, sandbox_uid=policy.uid,
-                          checkpoint=name, init_pid=box.container.init_pid,
-                          image_digest=env.nodes[1].image_digest()))
-        check.restore_ms = result.total_ms
-        _verify(box, check, turn, mid_turn, prints, trace)
+        _restore(env, policy, name, box, check)
+        if not check.details:
+            _verify(box, check, turn, mid_turn, prints, trace)
     except Exception as exc:  # a failed restore is a failed recovery, shown as such
         check.details.append(f"restore failed: {exc}")
     finally:
         sandbox.destroy_box(box, env.network)
     check.ok = not check.details
     return check
+
+
+def _restore(env: Env, policy: Policy, name: str, box: Box, check: Check) -> None:
+    """Restores into ``box``; fills ``check``'s times. A lazy restore returns once every
+    page is in (or the fill failed, then named in ``check.details``)."""
+    engine = RestoreEngine(env.criu, env.store, env.nodes[1].work_dir, lazy=check.lazy)
+    if check.lazy and not engine.lazy:
+        check.details.append("this node cannot restore lazily (criu check --feature "
+                             "uffd-noncoop fails)")
+        return
+    filled: list[Filled] = []
+    ended = threading.Event()
+
+    def on_filled(f: Filled) -> None:
+        filled.append(f)
+        ended.set()
+
+    began = time.monotonic()
+    result = engine.restore(
+        RestoreTarget(namespace=NAMESPACE, sandbox=policy.box_name, sandbox_uid=policy.uid,
+                      checkpoint=name, init_pid=box.container.init_pid,
+                      image_digest=env.nodes[1].image_digest()),
+        on_filled=on_filled)
+    check.restore_ms = result.total_ms
+    check.phases = (f"download {result.download_ms} ms, apply {result.apply_ms} ms, "
+                    f"criu {result.restore_ms} ms")
+    if not result.lazy:
+        check.all_pages_ms = result.total_ms
+        return
+    if not ended.wait(LAZY_FILL_TIMEOUT_SECONDS + 60):
+        check.details.append("the lazy-pages daemon never ended")
+        return
+    if filled[0].ok:
+        check.all_pages_ms = int((filled[0].ended_at - began) * 1000)
+    else:
+        check.details.append(f"lazy fill failed: {filled[0].message}")
 
 
 def _verify(box: Box, check: Check, turn: int, mid_turn: bool, prints: list[str],
@@ -154,6 +196,8 @@ def run_contender(env: Env, contender: str, mem_mb: int, trace: Trace,
         return out  # its tarballs are not something Hermit restores
     last = len(trace.turns) - 1
     out.notice_restore = _check(env, policy, "notice", last, False, prints, trace, mem_mb)
+    out.lazy_restore = _check(env, policy, "notice", last, False, prints, trace, mem_mb,
+                              lazy=True)
     if pick is not None:
         out.crash = _check(env, policy, pick.name, pick.turn, pick.mid_turn, prints, trace,
                            mem_mb)

@@ -60,6 +60,7 @@ class Filled:
     ok: bool
     seconds: float  # from the daemon's start
     message: str
+    ended_at: float  # time.monotonic() when the daemon ended (or was stopped)
 
 
 class LazyPages:
@@ -110,12 +111,14 @@ class LazyPages:
             code = self._proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.stop()
-            return Filled(False, time.monotonic() - self._began,
-                          f"not every page was in after {timeout:.0f} s")
-        seconds = time.monotonic() - self._began
+            now = time.monotonic()
+            return Filled(False, now - self._began,
+                          f"not every page was in after {timeout:.0f} s", now)
+        now = time.monotonic()
         if code == 0:
-            return Filled(True, seconds, "every page is in")
-        return Filled(False, seconds, f"criu lazy-pages failed: {self._errors()}")
+            return Filled(True, now - self._began, "every page is in", now)
+        return Filled(False, now - self._began, f"criu lazy-pages failed: {self._errors()}",
+                      now)
 
     def stop(self) -> None:
         """Ends the daemon (a restore that failed before the tree ran)."""

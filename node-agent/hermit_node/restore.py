@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -196,9 +196,13 @@ class RestoreEngine:
         return reason is None
 
     def restore(self, target: RestoreTarget, *, timeout: float = 120.0,
-                store: CheckpointStore | None = None) -> RestoreResult:
+                store: CheckpointStore | None = None,
+                on_filled: Callable[[lazypages.Filled], None] | None = None) -> RestoreResult:
         """Restore ``target``'s checkpoint, read from ``store`` (where it was written),
-        else from the engine's store."""
+        else from the engine's store. For a lazy restore (``RestoreResult.lazy``),
+        ``on_filled`` is called from a thread once the lazy-pages daemon has ended (every
+        page in, or failed and the tree killed) and the staging dir is cleaned up; it is
+        not called for a full restore."""
         began = time.monotonic()
         view = container.inspect(target.init_pid, target.bundle)
         local = self._work_dir / "restores" / target.namespace / target.sandbox / target.checkpoint
@@ -231,7 +235,7 @@ class RestoreEngine:
             shutil.rmtree(local, ignore_errors=True)
         else:
             streamed.bulk.set()  # the tree runs: fetch the rest of its memory
-            _fill_in_background(streamed, target, local)
+            _fill_in_background(streamed, target, local, on_filled)
         log.info("restored %s/%s into pid %d: %s", target.namespace, target.checkpoint,
                  target.init_pid, result)
         return result
@@ -319,24 +323,29 @@ def _pages_images(section: str, path: str) -> bool:
     return section == SECTION_IMAGES and pagesource.PAGES_IMAGE.fullmatch(path) is not None
 
 
-def _fill_in_background(streamed: lazypages.Streamed, target: RestoreTarget,
-                        local: Path) -> None:
+def _fill_in_background(streamed: lazypages.Streamed, target: RestoreTarget, local: Path,
+                        on_filled: Callable[[lazypages.Filled], None] | None = None) -> None:
     """Waits in a thread until the daemon has copied the tree's memory in, then removes
-    the staging dir (the fetch writes and the daemon reads its pages images until then).
-    A daemon that fails takes the tree down with it (lazypages.watch)."""
+    the staging dir (the fetch writes and the daemon reads its pages images until then)
+    and calls ``on_filled``. A daemon that fails takes the tree down with it
+    (lazypages.watch)."""
 
     def done(filled: lazypages.Filled) -> None:
         metrics.record_lazy_fill(filled.seconds, ok=filled.ok)
-        if not filled.ok:
-            streamed.deferred.stop.set()
-            streamed.arrivals.fail("the lazy-pages daemon ended")
-        streamed.fetcher.join()
-        if filled.ok:
-            log.info("lazy restore of %s/%s: every page in after %.0f ms", target.namespace,
-                     target.checkpoint, filled.seconds * 1000)
-            shutil.rmtree(local, ignore_errors=True)
-        else:
-            staging.discard(local, local / SECTION_IMAGES / lazypages.LOG_FILE)
+        try:
+            if not filled.ok:
+                streamed.deferred.stop.set()
+                streamed.arrivals.fail("the lazy-pages daemon ended")
+            streamed.fetcher.join()
+            if filled.ok:
+                log.info("lazy restore of %s/%s: every page in after %.0f ms",
+                         target.namespace, target.checkpoint, filled.seconds * 1000)
+                shutil.rmtree(local, ignore_errors=True)
+            else:
+                staging.discard(local, local / SECTION_IMAGES / lazypages.LOG_FILE)
+        finally:
+            if on_filled is not None:
+                on_filled(filled)
 
     lazypages.watch(streamed.daemon, tree_root=lambda: _first_child(target.init_pid),
                     timeout=LAZY_FILL_TIMEOUT_SECONDS, done=done)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from hermit_common.store import CheckpointStore
-from hermit_node import lazypages
+from hermit_common.store import CheckpointStore, Deferred
+from hermit_node import lazypages, pagesource, restore
 from hermit_node.criu import Criu, CriuError
-from hermit_node.restore import RestoreEngine
+from hermit_node.restore import RestoreEngine, RestoreTarget
 
 
 def fake_criu(tmp_path: Path, script: str) -> str:
@@ -102,3 +102,39 @@ def test_a_daemon_that_finishes_leaves_the_tree_running(tmp_path: Path) -> None:
     finally:
         tree.kill()
         tree.wait()
+
+
+def _streamed(tmp_path: Path, script: str) -> lazypages.Streamed:
+    fetcher = threading.Thread(target=lambda: None)
+    fetcher.start()
+    deferred = Deferred(lambda *_: None, {}, 1)
+    return lazypages.Streamed(_daemon(tmp_path, script), pagesource.Arrivals(), deferred,
+                              fetcher, threading.Event())
+
+
+@pytest.mark.parametrize(("script", "ok"), [("exit 0", True), ("exit 3", False)])
+def test_on_filled_hears_when_the_fill_ends_after_the_staging_dir_is_gone(
+        tmp_path: Path, script: str, ok: bool) -> None:
+    """What a caller (the turn benchmark, a status report) waits on for "every page in"."""
+    local = tmp_path / "staging"
+    (local / "images").mkdir(parents=True)
+    init = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    heard: list[tuple[lazypages.Filled, bool]] = []
+    finished = threading.Event()
+
+    def on_filled(filled: lazypages.Filled) -> None:
+        heard.append((filled, local.exists()))
+        finished.set()
+
+    try:
+        began = time.monotonic()
+        target = RestoreTarget(namespace="ns", sandbox="sb", sandbox_uid="u", checkpoint="c",
+                               init_pid=init.pid)
+        restore._fill_in_background(_streamed(tmp_path, script), target, local, on_filled)
+        assert finished.wait(30), "on_filled was never called"
+    finally:
+        init.kill()
+        init.wait()
+    ((filled, staging_left),) = heard
+    assert filled.ok is ok and not staging_left
+    assert began <= filled.ended_at <= time.monotonic()
