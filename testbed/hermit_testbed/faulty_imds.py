@@ -78,12 +78,20 @@ def answer(mode: str, method: str, path: str, notice_time: datetime | None) -> A
     return Answer(404, b"Not Found")
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """A client that gives up on a hanging or broken answer resets its connection; that
+    is the fault at work, not an error worth a traceback."""
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass
+
+
 class FaultyImds:
     """The server, in threads of this process: ``start()``, ``set(mode)``, ``stop()``."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.state = State()
-        self._server = ThreadingHTTPServer((host, port), _handler(self.state))
+        self._server = _QuietServer((host, port), _handler(self.state))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         name="faulty-imds", daemon=True)

@@ -92,11 +92,15 @@ class FrozenTicks:
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
+        failing = False
         while not self._stop.is_set():
             try:
                 self._sample()
+                failing = False
             except Exception as e:  # the API server may be down (a fault)
-                print(f"tick sample failed: {e!r}")
+                if not failing:  # once per spell, not every 0.1 s
+                    print(f"tick sample failed (until it works again): {e!r}")
+                failing = True
             self._stop.wait(self.every)
 
     def _sample(self) -> None:
