@@ -19,6 +19,11 @@ NODE_TURNS: Final = "hermit_node_turns_total"  # labels: decision (protocol.TURN
 # 1: restores on this node are lazy (HERMIT_LAZY_RESTORE and userfaultfd works); 0: full.
 NODE_LAZY_RESTORE: Final = "hermit_node_lazy_restore_enabled"
 NODE_LAZY_FILL_SECONDS: Final = "hermit_node_lazy_restore_fill_seconds"  # labels: result
+# The node-local chunk cache (docs/storage.md, "Prefetch and the chunk cache"): chunks a
+# restore found in it or fetched from S3, and bytes a prefetch put into it.
+NODE_CHUNK_CACHE_HITS: Final = "hermit_node_chunk_cache_hits_total"
+NODE_CHUNK_CACHE_MISSES: Final = "hermit_node_chunk_cache_misses_total"
+NODE_PREFETCH_BYTES: Final = "hermit_node_prefetch_bytes_total"
 
 # -- operator -------------------------------------------------------------------------------
 OPERATOR_RECONCILES: Final = "hermit_operator_reconciles_total"  # labels: result
@@ -42,6 +47,7 @@ DOWNTIME_BUCKETS: Final = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90
 
 ALL: Final = (NODE_NOTICES, NODE_CHECKPOINT_SECONDS, NODE_CHECKPOINT_BYTES,
               NODE_RESTORE_SECONDS, NODE_TURNS, NODE_LAZY_RESTORE, NODE_LAZY_FILL_SECONDS,
+              NODE_CHUNK_CACHE_HITS, NODE_CHUNK_CACHE_MISSES, NODE_PREFETCH_BYTES,
               OPERATOR_RECONCILES, OPERATOR_RECONCILE_SECONDS,
               OPERATOR_PODS_CREATED, OPERATOR_CHECKPOINTS_DELETED, OPERATOR_DOWNTIME,
               OPERATOR_RESYNCS)
