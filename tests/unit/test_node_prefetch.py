@@ -121,8 +121,12 @@ def test_one_prefetch_at_a_time_and_other_work_passes_it() -> None:
     assert first_running.wait(5)
     jobs.submit(("ns", "p2"), lambda: prefetch("p2"), priority=agent_module.PREFETCH)
     restored = threading.Event()
-    jobs.submit(("ns", "r"), lambda: (order.append("r"), restored.set()),
-                priority=agent_module.RESTORE)
+
+    def restore() -> None:
+        order.append("r")
+        restored.set()
+
+    jobs.submit(("ns", "r"), restore, priority=agent_module.RESTORE)
     assert restored.wait(5), "a restore waited behind a prefetch"
     time.sleep(0.1)
     assert order == ["p1", "r"], "a second prefetch ran beside the first"
