@@ -4,6 +4,7 @@ a corrupted cache entry is fetched again (docs/storage.md, "Prefetch and the chu
 
 from __future__ import annotations
 
+import base64
 import os
 import random
 import re
@@ -17,6 +18,7 @@ import pytest
 from hermit_common.chunkcache import CacheTally, ChunkCache
 from hermit_common.errors import CheckpointRefused
 from hermit_common.manifest import Binding, Manifest
+from hermit_common.seal import Keyring, KeyringWrapper, Sealing
 from hermit_common.store import CheckpointStore
 from tests.support.minio import MinioServer
 
@@ -153,3 +155,34 @@ def test_a_prefetch_opens_the_manifest_as_a_restore_does_and_stops_when_told(
     stop.set()
     assert reader.prefetch(NS, BOX, "a", expect_uid=UID, stop=stop) == 0
     assert len(cache) == 0 and counting.chunk_gets() == Counter()
+
+
+def test_a_sealed_store_caches_sealed_objects_and_verifies_them(
+        minio_server: MinioServer, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Sealed: the cache holds the objects as stored (sealed, named by HMAC); a download
+    unseals and checks each one, and a prefetch opens the manifest with its signature."""
+    secret = {"k1": base64.b64encode(os.urandom(32)).decode(), "current": "k1"}
+    sealing = Sealing(KeyringWrapper(lambda: Keyring.from_mapping(secret, "test Secret")))
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
+    settings = minio_server.settings(f"s-{name}-{os.getpid()}", chunk_size_bytes=CHUNK)
+    writer = CheckpointStore(settings, sealing=sealing)
+    writer.ensure_bucket()
+    counting = CountingClient(writer.client)
+    reader = CheckpointStore(settings, counting, sealing=sealing,
+                             cache=ChunkCache(tmp_path / "chunk-cache", 64 * CHUNK))
+    a = writer.upload(_binding("a"), _tree(tmp_path / "a"), {})
+    b = writer.upload(_binding("b"), _tree(tmp_path / "b", changed=5), {})
+    assert reader.prefetch(NS, BOX, "a", expect_uid=UID, stop=threading.Event(),
+                           expect_digest=a.manifest_digest) > 0
+    cache = reader.cache
+    assert cache is not None
+    pages = (tmp_path / "a" / "criu" / "pages-1.img").read_bytes()
+    for entry in os.listdir(cache.root):  # what is cached is sealed, not plain
+        assert pages[:64] not in (cache.root / entry).read_bytes()
+    counting.gets.clear()
+    tally = CacheTally()
+    reader.download_deferred(NS, BOX, "b", tmp_path / "restored", expect_uid=UID,
+                             expect_digest=b.manifest_digest, tally=tally)
+    assert len(counting.chunk_gets()) == 2 and tally.misses == 2 and tally.hits > 0
+    assert (tmp_path / "restored" / "criu" / "pages-1.img").read_bytes() == \
+        (tmp_path / "b" / "criu" / "pages-1.img").read_bytes()
