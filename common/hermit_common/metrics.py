@@ -23,6 +23,11 @@ NODE_LAZY_FILL_SECONDS: Final = "hermit_node_lazy_restore_fill_seconds"  # label
 # uploads open; labels: class (bandwidth.CLASSES: urgent, routine).
 NODE_UPLOAD_WAIT_SECONDS: Final = "hermit_node_upload_wait_seconds_total"
 NODE_UPLOADS_ACTIVE: Final = "hermit_node_uploads_active"
+# The node-local chunk cache (docs/storage.md, "Prefetch and the chunk cache"): chunks a
+# restore found in it or fetched from S3, and bytes a prefetch put into it.
+NODE_CHUNK_CACHE_HITS: Final = "hermit_node_chunk_cache_hits_total"
+NODE_CHUNK_CACHE_MISSES: Final = "hermit_node_chunk_cache_misses_total"
+NODE_PREFETCH_BYTES: Final = "hermit_node_prefetch_bytes_total"
 
 # -- operator -------------------------------------------------------------------------------
 OPERATOR_RECONCILES: Final = "hermit_operator_reconciles_total"  # labels: result
@@ -47,6 +52,7 @@ DOWNTIME_BUCKETS: Final = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90
 ALL: Final = (NODE_NOTICES, NODE_CHECKPOINT_SECONDS, NODE_CHECKPOINT_BYTES,
               NODE_RESTORE_SECONDS, NODE_TURNS, NODE_LAZY_RESTORE, NODE_LAZY_FILL_SECONDS,
               NODE_UPLOAD_WAIT_SECONDS, NODE_UPLOADS_ACTIVE,
+              NODE_CHUNK_CACHE_HITS, NODE_CHUNK_CACHE_MISSES, NODE_PREFETCH_BYTES,
               OPERATOR_RECONCILES, OPERATOR_RECONCILE_SECONDS,
               OPERATOR_PODS_CREATED, OPERATOR_CHECKPOINTS_DELETED, OPERATOR_DOWNTIME,
               OPERATOR_RESYNCS)

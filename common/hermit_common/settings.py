@@ -229,6 +229,9 @@ class NodeSettings:
     # Restore lazily (docs/criu.md#lazy-restore): the tree runs while CRIU's lazy-pages
     # daemon copies its memory in; a node without userfaultfd restores fully.
     lazy_restore: bool = False
+    # The node-local chunk cache under <work_dir>/chunk-cache (docs/storage.md#prefetch-
+    # and-the-chunk-cache): its size bound; 0 turns the cache and the prefetch off.
+    chunk_cache_bytes: int = 2 * 1024 ** 3
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> NodeSettings:
@@ -258,6 +261,8 @@ class NodeSettings:
             turn_port=env.integer("HERMIT_TURN_PORT", 9103, minimum=0, maximum=65535),
             turn_audience=env.optional_str("HERMIT_TURN_AUDIENCE") or "",
             lazy_restore=env.flag("HERMIT_LAZY_RESTORE", False),
+            chunk_cache_bytes=env.integer("HERMIT_CHUNK_CACHE_BYTES", 2 * 1024 ** 3,
+                                          minimum=0, maximum=1024 ** 5),
         )
 
 

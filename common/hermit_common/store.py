@@ -46,6 +46,7 @@ from typing import Any, Final, TypeVar
 import zstandard
 
 from hermit_common import gc
+from hermit_common.chunkcache import CacheTally, ChunkCache, entry_name
 from hermit_common.errors import CheckpointFailed, CheckpointRefused, HermitError
 from hermit_common.gc import CollectResult
 from hermit_common.manifest import (
@@ -432,9 +433,10 @@ class CheckpointStore:
     """Checkpoints of sandboxes as manifests plus shared, content-addressed chunks."""
 
     def __init__(self, settings: StoreSettings, client: Any | None = None, *,
-                 sealing: Sealing | None = None) -> None:
+                 sealing: Sealing | None = None, cache: ChunkCache | None = None) -> None:
         self.settings = settings
         self._sealing = sealing
+        self.cache = cache  # downloads read chunk objects from it first (chunkcache.py)
         self._client = client if client is not None else make_s3_client(settings)
         self._endpoint = settings.endpoint_url or "AWS S3"
         self._local = threading.local()
@@ -1024,20 +1026,16 @@ class CheckpointStore:
                           expect_uid: str, expect_digest: str | None = None,
                           expect_parent: str | None = None,
                           expect_lineage: tuple[str, ...] | None = None,
-                          defer: Defer | None = None) -> tuple[Manifest, Deferred]:
+                          defer: Defer | None = None, tally: CacheTally | None = None,
+                          ) -> tuple[Manifest, Deferred]:
         """``download``, except that the chunks of the files ``defer`` picks are left to the
         returned Deferred: those files exist with their size and metadata, and their
-        bytes (each chunk verified) land when it fetches them."""
+        bytes (each chunk verified) land when it fetches them. ``tally`` counts the chunks
+        found in the cache and those fetched from S3."""
         opened = self._open_manifest(Expected(namespace, sandbox, checkpoint, expect_uid,
                                               expect_parent, expect_lineage), expect_digest)
         manifest, cipher = opened.manifest, opened.cipher
-        b = manifest.binding
-        if (b.namespace, b.sandbox, b.sandbox_uid, b.checkpoint) != \
-                (namespace, sandbox, expect_uid, checkpoint):
-            raise CheckpointRefused(
-                f"checkpoint {namespace}/{checkpoint} belongs to sandbox {b.namespace}/{b.sandbox} "
-                f"(uid {b.sandbox_uid}, checkpoint {b.checkpoint}), not {namespace}/{sandbox} "
-                f"(uid {expect_uid})")
+        _check_binding(manifest, namespace, sandbox, checkpoint, expect_uid)
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
         created: list[Path] = []
@@ -1050,7 +1048,7 @@ class CheckpointStore:
                     raise CheckpointFailed(
                         f"cannot restore into {section_root}: it already exists") from None
                 created.append(section_root)
-            where = _Where(namespace, sandbox, checkpoint, cipher)
+            where = _Where(namespace, sandbox, checkpoint, cipher, tally)
             later = self._materialize(manifest, dest, where, defer)
         except BaseException:
             for path in created:
@@ -1119,21 +1117,41 @@ class CheckpointStore:
                      chunk_size: int, at: _Where) -> None:
         if stop.is_set():
             return
-        ns, checkpoint = at.namespace, at.checkpoint
         name = _object_name(at.cipher, digest)
-        key = self.chunk_key(ns, at.sandbox, name)
-        where = f"checkpoint {ns}/{checkpoint}: chunk {digest} of {locs[0].label}"
+        key = self.chunk_key(at.namespace, at.sandbox, name)
+        where = f"checkpoint {at.namespace}/{at.checkpoint}: chunk {digest} of {locs[0].label}"
+        data = self._cached_chunk(key, name, digest, chunk_size, at, where)
+        if data is None:
+            compressed = self._get_chunk(key, where, chunk_size)
+            data = self._open_chunk(compressed, name, digest, chunk_size, at.cipher, where)
+            self._cache_put(key, compressed, at.tally)
+            if at.tally is not None:
+                at.tally.miss()
+        for loc in locs:
+            if len(data) != loc.length:
+                raise CheckpointRefused(
+                    f"checkpoint {at.namespace}/{at.checkpoint}: chunk {digest} of {loc.label} "
+                    f"has {len(data)} bytes, the manifest expects {loc.length}")
+            _write_all(loc.path, loc.offset, data)
+
+    def _get_chunk(self, key: str, where: str, chunk_size: int) -> bytes:
+        """A chunk's stored object, from S3."""
         try:
-            compressed = self._get(key, "download chunk", 2 * chunk_size + (1 << 20))
+            return self._get(key, "download chunk", 2 * chunk_size + (1 << 20))
         except CheckpointRefused as exc:
             raise CheckpointRefused(f"{where} is too large: {exc}") from None
         except Exception as exc:
             if is_not_found(exc):
                 raise CheckpointRefused(f"{where} is missing from the store") from None
             raise
-        if at.cipher is not None:
+
+    def _open_chunk(self, compressed: bytes, name: str, digest: str, chunk_size: int,
+                    cipher: ChunkCipher | None, where: str) -> bytes:
+        """A chunk's bytes from its stored object: unsealed, decompressed and checked
+        against ``digest``; CheckpointRefused when any of that fails."""
+        if cipher is not None:
             try:
-                compressed = at.cipher.open(name, compressed)
+                compressed = cipher.open(name, compressed)
             except CheckpointRefused as exc:
                 raise CheckpointRefused(f"{where} is refused: {exc}") from None
         try:
@@ -1143,12 +1161,80 @@ class CheckpointStore:
         actual = hashlib.sha256(data).hexdigest()
         if actual != digest:
             raise CheckpointRefused(f"{where} is corrupt: its content has sha256 {actual}")
-        for loc in locs:
-            if len(data) != loc.length:
-                raise CheckpointRefused(
-                    f"checkpoint {ns}/{checkpoint}: chunk {digest} of {loc.label} has "
-                    f"{len(data)} bytes, the manifest expects {loc.length}")
-            _write_all(loc.path, loc.offset, data)
+        return data
+
+    # -- the node-local chunk cache (chunkcache.py) ------------------------------------
+
+    def _cache_name(self, key: str) -> str:
+        return entry_name(f"{self._endpoint}\n{self.settings.bucket}", key)
+
+    def _cached_chunk(self, key: str, name: str, digest: str, chunk_size: int, at: _Where,
+                      where: str) -> bytes | None:
+        """The chunk's bytes from the cache, verified exactly as from S3; None when it is
+        not there or fails (a failed entry is deleted: the caller fetches it from S3)."""
+        if self.cache is None:
+            return None
+        entry = self._cache_name(key)
+        compressed = self.cache.get(entry)
+        if compressed is None:
+            return None
+        try:
+            data = self._open_chunk(compressed, name, digest, chunk_size, at.cipher, where)
+        except CheckpointRefused as exc:
+            log.warning("chunk cache: dropping a bad entry (%s); fetching it from S3", exc)
+            self.cache.discard(entry)
+            return None
+        if at.tally is not None:
+            at.tally.hit()
+        return data
+
+    def _cache_put(self, key: str, compressed: bytes, tally: CacheTally | None) -> bool:
+        """Keeps a verified chunk object in the cache (when there is one)."""
+        if self.cache is None or not self.cache.put(self._cache_name(key), compressed):
+            return False
+        if tally is not None:
+            tally.stored(len(compressed))
+        return True
+
+    def prefetch(self, namespace: str, sandbox: str, checkpoint: str, *, expect_uid: str,
+                 stop: threading.Event, expect_digest: str | None = None,
+                 expect_parent: str | None = None,
+                 expect_lineage: tuple[str, ...] | None = None,
+                 tally: CacheTally | None = None, workers: int = 2) -> int:
+        """Fetches the chunks of a checkpoint the cache lacks into the cache, each verified
+        as a download verifies it, the manifest opened and bound as for a download. Stops
+        when ``stop`` is set or once it stored as many bytes as the cache holds. Returns
+        the bytes it stored (0 without a cache)."""
+        if self.cache is None:
+            return 0
+        cache = self.cache
+        opened = self._open_manifest(Expected(namespace, sandbox, checkpoint, expect_uid,
+                                              expect_parent, expect_lineage), expect_digest)
+        manifest = opened.manifest
+        _check_binding(manifest, namespace, sandbox, checkpoint, expect_uid)
+        tally = tally if tally is not None else CacheTally()
+        at = _Where(namespace, sandbox, checkpoint, opened.cipher, tally)
+
+        def one(digest: str) -> None:
+            if stop.is_set() or tally.stored_bytes >= cache.max_bytes:
+                return
+            name = _object_name(at.cipher, digest)
+            key = self.chunk_key(namespace, sandbox, name)
+            if self._cache_name(key) in cache:
+                return
+            where = f"checkpoint {namespace}/{checkpoint}: chunk {digest}"
+            try:
+                compressed = self._get_chunk(key, where, manifest.chunk_size)
+                self._open_chunk(compressed, name, digest, manifest.chunk_size, at.cipher,
+                                 where)
+            except CheckpointRefused as exc:  # missing or bad: not cached, the rest goes on
+                log.warning("prefetch: %s", exc)
+                return
+            self._cache_put(key, compressed, tally)
+
+        jobs = [partial(one, d) for d in sorted(manifest.chunk_digests())]
+        _run_parallel(workers, "hermit-prefetch", jobs, _ignore, threading.Event())
+        return tally.stored_bytes
 
 
 # (section, path inside it) -> True: a download leaves that file's chunks to a Deferred.
@@ -1286,6 +1372,19 @@ class _Where:
     sandbox: str
     checkpoint: str
     cipher: ChunkCipher | None
+    tally: CacheTally | None = None  # chunks found in the cache, and fetched
+
+
+def _check_binding(manifest: Manifest, namespace: str, sandbox: str, checkpoint: str,
+                   expect_uid: str) -> None:
+    """A manifest must name the checkpoint, sandbox and sandbox uid it is read for."""
+    b = manifest.binding
+    if (b.namespace, b.sandbox, b.sandbox_uid, b.checkpoint) != \
+            (namespace, sandbox, expect_uid, checkpoint):
+        raise CheckpointRefused(
+            f"checkpoint {namespace}/{checkpoint} belongs to sandbox {b.namespace}/{b.sandbox} "
+            f"(uid {b.sandbox_uid}, checkpoint {b.checkpoint}), not {namespace}/{sandbox} "
+            f"(uid {expect_uid})")
 
 
 def _object_name(cipher: ChunkCipher | None, digest: str) -> str:

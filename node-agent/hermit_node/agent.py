@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from hermit_common import health as http_health
 from hermit_common import protocol
 from hermit_common.bandwidth import UploadLimiter
+from hermit_common.chunkcache import CacheTally, ChunkCache
 from hermit_common.errors import CheckpointFailed, CheckpointRefused, HermitError, RestoreFailed
 from hermit_common.s3errors import CheckpointNotFound
 from hermit_common.seal import Expected
@@ -59,6 +60,10 @@ FREEZING = 2
 STATUS_ATTEMPTS = 5
 CLAIM_ATTEMPTS = 3  # claims of one Checkpoint per loop (each 409 re-reads it)
 EVENT_CHECKPOINT_FAILED = "CheckpointFailed"
+# How often the loop looks at a checkpoint in flight on another node that a pod here waits
+# for: a restore starts at most this long after it is Completed.
+REMOTE_POLL_SECONDS = 0.25
+CHUNK_CACHE_DIR = "chunk-cache"  # under HERMIT_WORK_DIR
 
 
 class Checkpointer(Protocol):
@@ -144,8 +149,10 @@ class _Progress:
 
 
 # Job priorities, most urgent first: a stopping checkpoint (a notice or a drain: the node
-# is going away), a restore (a sandbox waits for it), a routine checkpoint (it can wait).
-URGENT, RESTORE, ROUTINE = 0, 1, 2
+# is going away), a restore (a sandbox waits for it), a routine checkpoint (it can wait),
+# a prefetch (an optimisation: at most ``BACKGROUND`` run at once, so workers stay free).
+URGENT, RESTORE, ROUTINE, PREFETCH = 0, 1, 2, 3
+BACKGROUND = 1
 
 
 @dataclass(order=True)
@@ -176,6 +183,7 @@ class Jobs:
         self._queue: list[_Queued] = []
         self._busy: set[tuple[str, str]] = set()
         self._freezing = 0
+        self._background = 0  # prefetches running
         self._seq = 0
         self._closed = False
         self._local = threading.local()  # the job a worker thread runs
@@ -200,9 +208,12 @@ class Jobs:
     def _next(self) -> _Queued | None:
         """The most urgent queued job that may start now (under the condition's lock)."""
         for job in self._queue:
+            if job.priority >= PREFETCH and self._background >= BACKGROUND:
+                continue
             if not job.freezes or self._freezing < self._freezing_limit:
                 self._queue.remove(job)
                 self._freezing += job.freezes
+                self._background += job.priority >= PREFETCH
                 return job
         return None
 
@@ -223,6 +234,7 @@ class Jobs:
                 with self._cond:
                     self._busy.discard(job.key)
                     self._freezing -= job.freezes
+                    self._background -= job.priority >= PREFETCH
                     self._cond.notify_all()
 
     def unfrozen(self) -> None:
@@ -262,7 +274,7 @@ class NodeAgent:
                  health: agent_health.AgentHealth | None = None,
                  collector: Collector | None = None, fence: Fence | None = None,
                  routine_upload_seconds: float | None = None,
-                 limiter: UploadLimiter | None = None) -> None:
+                 limiter: UploadLimiter | None = None, prefetch: bool = False) -> None:
         self.node = node
         self._kube = kube
         self._view = view
@@ -294,6 +306,13 @@ class NodeAgent:
         # copy no longer shows them waiting (planner.awaiting) and no job runs for them.
         self._taken: set[str] = set()
         self._running: set[str] = set()
+        # Prefetches (docs/storage.md#prefetch-and-the-chunk-cache), by pod uid: the event
+        # that stops one. An entry stays while its pod waits, so each pod gets one.
+        self._prefetch_on = prefetch and stores is not None
+        self._prefetches: dict[str, threading.Event] = {}
+        # A waiting pod's checkpoint is in flight on another node (its phase is read, not
+        # watched): the loop looks again sooner (``next_wait``).
+        self._remote_wait = False
 
     # -- notices --------------------------------------------------------------------
 
@@ -406,9 +425,31 @@ class NodeAgent:
             self._forget_finished(checkpoints, pods)
             checkpoints = [*checkpoints, *made]
             self._serve(checkpoints, pods)
-        for sp in planner.pods_to_restore(pods, checkpoints):
+        known = self._with_sources(pods, checkpoints)
+        self._prefetch(pods, known)
+        for sp in planner.pods_to_restore(pods, known):
+            self._stop_prefetch(sp.uid)
             self._start(sp.uid, sp.key, functools.partial(self.run_restore, sp),
                         priority=RESTORE)
+
+    def next_wait(self, interval: float) -> float:
+        """How long the loop may wait for a change: less while a pod here waits for a
+        checkpoint in flight on another node (its Completed is not watched from here)."""
+        return min(interval, REMOTE_POLL_SECONDS) if self._remote_wait else interval
+
+    def _with_sources(self, pods: list[SandboxPod], checkpoints: list[KubeObject] | None
+                      ) -> list[KubeObject] | None:
+        """``checkpoints`` and, read now, the Checkpoints that pods waiting for a restore
+        name and this node's copy does not hold (a move's, labelled with the old node)."""
+        if checkpoints is None:
+            return None
+        read: list[KubeObject] = []
+        for namespace, name in planner.restore_sources_to_read(pods, checkpoints):
+            ckpt = self._read(functools.partial(self._kube.get_checkpoint, namespace, name))
+            if ckpt is not None:
+                read.append(ckpt)
+        self._remote_wait = any(protocol.phase_of(c) in protocol.IN_FLIGHT for c in read)
+        return [*checkpoints, *read]
 
     def _serve(self, checkpoints: list[KubeObject], pods: list[SandboxPod]) -> None:
         """Queue a job for each request to serve now (stopping ones first)."""
@@ -417,6 +458,56 @@ class NodeAgent:
             urgent = protocol.is_stopping(protocol.reason_of(ckpt))
             self._start(uid, sp.key, functools.partial(self.run_checkpoint, ckpt, sp),
                         priority=URGENT if urgent else ROUTINE, freezes=True)
+
+    # -- prefetch ---------------------------------------------------------------------
+
+    def _prefetch(self, pods: list[SandboxPod], known: list[KubeObject] | None) -> None:
+        """A prefetch job (low priority) for each pod waiting for a checkpoint in flight,
+        once per pod; the prefetch of a pod that no longer waits (its restore starts, it is
+        gone) or of any pod once a notice came here is stopped."""
+        waiting = {sp.uid: sp for sp in planner.pods_to_prefetch(pods, known)} \
+            if self._prefetch_on and not self._halted() else {}
+        with self._lock:
+            for uid in [u for u in self._prefetches if u not in waiting]:
+                self._prefetches.pop(uid).set()
+            new = [(sp, self._prefetches.setdefault(uid, threading.Event()))
+                   for uid, sp in waiting.items() if uid not in self._prefetches]
+        for sp, stop in new:
+            self._jobs.submit((sp.namespace, f"{sp.pod}/prefetch"),
+                              functools.partial(self.run_prefetch, sp, stop), priority=PREFETCH)
+
+    def _stop_prefetch(self, uid: str) -> None:
+        with self._lock:
+            stop = self._prefetches.pop(uid, None)
+        if stop is not None:
+            stop.set()
+
+    def run_prefetch(self, sp: SandboxPod, stop: threading.Event) -> None:
+        """Fills the chunk cache from the sandbox's newest Completed checkpoint
+        (``planner.prefetch_source``) while its pod waits; never fails anything."""
+        if stop.is_set() or self._stores is None:
+            return
+        began, tally = time.monotonic(), CacheTally()
+        try:
+            source = planner.prefetch_source(
+                self._kube.list_sandbox_checkpoints(sp.namespace, sp.sandbox), sp)
+            owner = None if source is None else self._kube.get_sandbox(sp.namespace, sp.sandbox)
+            if source is None or owner is None:
+                log.info("prefetch for pod %s/%s: no earlier Completed checkpoint", sp.namespace,
+                         sp.pod)
+                return
+            origin = source.origin
+            self._stores.for_checkpoint(dict(source.ckpt), owner).prefetch(
+                sp.namespace, sp.sandbox, source.checkpoint, expect_uid=sp.sandbox_uid,
+                stop=stop, expect_digest=origin.manifest_digest, expect_parent=origin.parent,
+                expect_lineage=origin.lineage, tally=tally)
+            log.info("prefetched %d bytes of checkpoint %s/%s for pod %s in %.1f s%s",
+                     tally.stored_bytes, sp.namespace, source.checkpoint, sp.pod,
+                     time.monotonic() - began, " (stopped)" if stop.is_set() else "")
+        except Exception as exc:  # anything: a prefetch is only an optimisation
+            log.warning("prefetch for pod %s/%s stopped: %s", sp.namespace, sp.pod, exc)
+        finally:
+            metrics.record_prefetch(tally.stored_bytes)
 
     @staticmethod
     def _read(read: Callable[[], _T]) -> _T | None:
@@ -757,9 +848,9 @@ class NodeAgent:
                 retryable=not isinstance(exc, CheckpointRefused)))
             return
         metrics.record_restore(time.monotonic() - began, ok=True)
+        metrics.record_chunks(cached=result.chunks_cached, fetched=result.chunks_fetched)
         self._annotate(sp, planner.restore_annotations(
-            protocol.RESTORED, f"restored from {name} in {result.total_ms} ms "
-                        f"({result.downloaded_bytes} bytes downloaded)"))
+            protocol.RESTORED, planner.restored_message(name, result)))
 
     def _fenced(self, sp: SandboxPod) -> bool:
         """An older incarnation of the sandbox may still run (fence.py): do not start."""
@@ -859,10 +950,12 @@ def build_agent(settings: NodeSettings, stop: threading.Event,
     kube = Kube.connect(settings.node_name)
     criu = Criu(settings.criu_path)
     sealing = sealing_from(settings.seal)
-    store = CheckpointStore(settings.store, sealing=sealing)
-    stores = Stores(settings.store, kube, allowed=settings.per_sandbox_storage,
-                    default_store=store, sealing=sealing)
     work_dir = Path(settings.work_dir)
+    cache = ChunkCache(work_dir / CHUNK_CACHE_DIR, settings.chunk_cache_bytes) \
+        if settings.chunk_cache_bytes > 0 else None
+    store = CheckpointStore(settings.store, sealing=sealing, cache=cache)
+    stores = Stores(settings.store, kube, allowed=settings.per_sandbox_storage,
+                    default_store=store, sealing=sealing, cache=cache)
     collector = Collector(kube, min_age_seconds=settings.gc_min_age_seconds,
                           stopping=stop) if settings.gc_enabled else None
     view = WatchedNode(kube, stop)
@@ -879,7 +972,7 @@ def build_agent(settings: NodeSettings, stop: threading.Event,
                      trees=freezer.Trees(), stopping=stop, health=health,
                      collector=collector, fence=Fence(kube),
                      routine_upload_seconds=settings.routine_upload_seconds,
-                     limiter=limiter), view
+                     limiter=limiter, prefetch=cache is not None), view
 
 
 # Libraries whose DEBUG log is about their own machinery: botocore writes some 60 lines
@@ -923,7 +1016,7 @@ def run_agent(environ: Mapping[str, str], *, stop: threading.Event | None = None
         except Exception:  # a bug must not end the DaemonSet's loop
             log.exception("reconcile failed")
         health.beats.beat(agent_health.LOOP)
-        view.wait_for_change(settings.reconcile_interval_seconds)
+        view.wait_for_change(agent.next_wait(settings.reconcile_interval_seconds))
     log.info("stopping (no taint, no checkpoint); waiting for running jobs to finish")
     agent.shutdown()
     return 0

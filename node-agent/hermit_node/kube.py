@@ -135,6 +135,16 @@ class Kube(KubeApi):
         """The Checkpoints labelled with this node, read now (not from a watch)."""
         return self.node_checkpoints().list()[0]
 
+    def list_sandbox_checkpoints(self, namespace: str, sandbox: str) -> list[KubeObject]:
+        """The Checkpoints of one sandbox (label ``hermit.dev/sandbox``), any node's: what
+        a prefetch chooses from (planner.prefetch_source)."""
+        out = self._call(f"listing the Checkpoints of AgentSandbox {namespace}/{sandbox}",
+                         self._custom.list_namespaced_custom_object, api.GROUP, api.VERSION,
+                         namespace, api.CHECKPOINT_PLURAL,
+                         label_selector=f"{protocol.LABEL_SANDBOX}={sandbox}")
+        items = out.get("items") if isinstance(out, dict) else None
+        return [i for i in items or [] if isinstance(i, dict)]
+
     # -- pods -----------------------------------------------------------------------
 
     def list_sandbox_pods(self, namespace: str, sandbox: str) -> list[KubeObject]:

@@ -41,6 +41,12 @@ UPLOAD_WAIT_SECONDS = Counter(
 UPLOADS_ACTIVE = Gauge(
     metrics.NODE_UPLOADS_ACTIVE, "Checkpoint uploads open on this node, by upload class",
     ["class"])
+CHUNK_CACHE_HITS = Counter(
+    metrics.NODE_CHUNK_CACHE_HITS, "Chunks a restore took from the node's chunk cache")
+CHUNK_CACHE_MISSES = Counter(
+    metrics.NODE_CHUNK_CACHE_MISSES, "Chunks a restore fetched from S3 (not in the cache)")
+PREFETCH_BYTES = Counter(
+    metrics.NODE_PREFETCH_BYTES, "Chunk object bytes a prefetch put into the chunk cache")
 
 
 def record_checkpoint(*, frozen_ms: int, dump_ms: int, capture_ms: int, upload_ms: int,
@@ -61,6 +67,16 @@ def record_checkpoint_failure(total_seconds: float) -> None:
 
 def record_restore(seconds: float, *, ok: bool) -> None:
     RESTORE_SECONDS.labels("success" if ok else "failure").observe(seconds)
+
+
+def record_chunks(*, cached: int, fetched: int) -> None:
+    """A restore's chunks: ``fetched`` in all, ``cached`` of them from the cache."""
+    CHUNK_CACHE_HITS.inc(cached)
+    CHUNK_CACHE_MISSES.inc(max(0, fetched - cached))
+
+
+def record_prefetch(stored_bytes: int) -> None:
+    PREFETCH_BYTES.inc(stored_bytes)
 
 
 def record_lazy_restore(enabled: bool) -> None:

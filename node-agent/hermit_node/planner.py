@@ -7,7 +7,7 @@ to /proc or to the clock: callers pass ``now`` and apply what comes back.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +16,7 @@ from hermit_common import api, display, protocol
 if TYPE_CHECKING:
     from hermit_common.store import UploadProgress
     from hermit_node.checkpoint import CheckpointResult
+    from hermit_node.restore import RestoreResult
 
 KubeObject = dict[str, Any]
 
@@ -387,6 +388,66 @@ def pods_to_restore(pods: Iterable[SandboxPod],
             and (sp.namespace, sp.restore_from) not in in_flight]
 
 
+def restore_sources_to_read(pods: Iterable[SandboxPod],
+                            checkpoints: Iterable[Mapping[str, Any]] | None
+                            ) -> list[tuple[str, str]]:
+    """(namespace, name) of the Checkpoints that pods waiting for a restore name and that
+    this node's copy does not hold: a move's stopping checkpoint is labelled with the old
+    node. The agent reads them, so that ``pods_to_restore`` sees one still in flight and
+    ``pods_to_prefetch`` starts the prefetch while it is taken."""
+    if checkpoints is None:
+        return []
+    known = {(str(protocol.meta(c).get("namespace") or "default"), protocol.name_of(c))
+             for c in checkpoints}
+    wanted = {(sp.namespace, str(sp.restore_from)) for sp in pods
+              if sp.restore_from and sp.restore_phase is None}
+    return sorted(wanted - known)
+
+
+def pods_to_prefetch(pods: Iterable[SandboxPod],
+                     checkpoints: Iterable[Mapping[str, Any]] | None) -> list[SandboxPod]:
+    """Pods on this node waiting for a restore whose Checkpoint is still in flight (the
+    operator's overlap): the node can fetch the sandbox's earlier checkpoints into its
+    chunk cache meanwhile (docs/storage.md, "Prefetch and the chunk cache"). A pod need not
+    run yet: it is scheduled here."""
+    if checkpoints is None:
+        return []
+    in_flight = {(str(protocol.meta(c).get("namespace") or "default"), protocol.name_of(c))
+                 for c in checkpoints if protocol.phase_of(c) in protocol.IN_FLIGHT}
+    return [sp for sp in pods
+            if sp.restore_from and sp.restore_phase is None
+            and (sp.namespace, sp.restore_from) in in_flight]
+
+
+@dataclass(frozen=True)
+class PrefetchSource:
+    """The checkpoint a prefetch reads: its name and what its manifest must match."""
+
+    checkpoint: str
+    origin: RestoreOrigin
+    ckpt: Mapping[str, Any] = field(compare=False, repr=False)  # where it is stored
+
+
+def prefetch_source(checkpoints: Iterable[Mapping[str, Any]],
+                    sp: SandboxPod) -> PrefetchSource | None:
+    """The newest Completed checkpoint of ``sp``'s sandbox other than the one it waits for
+    (most of that one's chunks are usually the same), or None. Only a cache is filled
+    from it: the restore verifies every chunk it takes from there."""
+    best: tuple[str, str, RestoreOrigin, Mapping[str, Any]] | None = None
+    for ckpt in checkpoints:
+        name = protocol.name_of(ckpt)
+        if (str(protocol.meta(ckpt).get("namespace") or "default") != sp.namespace
+                or protocol.sandbox_of(ckpt) != sp.sandbox or name == sp.restore_from):
+            continue
+        origin = restore_origin(ckpt, name)
+        if isinstance(origin, str) or origin.sandbox != sp.sandbox:
+            continue
+        done = str((ckpt.get("status") or {}).get("completedAt") or "")
+        if best is None or (done, name) > best[:2]:
+            best = (done, name, origin, ckpt)
+    return None if best is None else PrefetchSource(best[1], best[2], best[3])
+
+
 def stale_restores(pods: Iterable[SandboxPod], in_flight: set[tuple[str, str]]) -> list[SandboxPod]:
     """Pods this node left Restoring with no job running (the agent restarted)."""
     return [sp for sp in pods if sp.restore_phase == protocol.RESTORING and sp.key not in in_flight]
@@ -418,6 +479,13 @@ def restore_origin(ckpt: Mapping[str, Any] | None, name: str) -> RestoreOrigin |
     return RestoreOrigin(sandbox=str(sandbox), manifest_digest=str(digest),
                          parent=str(status.get("parent") or ""),
                          lineage=tuple(str(u) for u in lineage) if lineage else None)
+
+
+def restored_message(name: str, result: RestoreResult) -> str:
+    """The restore-message of a restored pod: how long it took and where its chunks came
+    from (the node's chunk cache: docs/storage.md#prefetch-and-the-chunk-cache)."""
+    return (f"restored from {name} in {result.total_ms} ms ({result.downloaded_bytes} bytes; "
+            f"{result.chunks_cached} of {result.chunks_fetched} chunks from the local cache)")
 
 
 def restore_annotations(phase: str, message: str | None = None, *,

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hermit_common import protocol
+from hermit_common.chunkcache import CacheTally
 from hermit_common.errors import CheckpointRefused, RestoreFailed
 from hermit_common.manifest import Manifest
 from hermit_common.store import CheckpointStore, Deferred
@@ -69,6 +70,10 @@ class RestoreResult:
     # The tree runs while CRIU's lazy-pages daemon copies its memory in (restore_ms is
     # then the time to running, not to every page being in).
     lazy: bool = False
+    # Distinct chunks fetched before the tree ran (a lazy restore's deferred pages are not
+    # counted), and how many of them came from the node's chunk cache (chunkcache.py).
+    chunks_fetched: int = 0
+    chunks_cached: int = 0
 
 
 def check_compatible(manifest: Manifest, *, criu_version: str, cpu_flags: tuple[str, ...],
@@ -208,9 +213,10 @@ class RestoreEngine:
         local = self._work_dir / "restores" / target.namespace / target.sandbox / target.checkpoint
         shutil.rmtree(local, ignore_errors=True)
         local.mkdir(parents=True)
+        tally = CacheTally()
         try:
             manifest, admitted, deferred, download_ms = self._download(
-                target, view, local, store)
+                target, view, local, store, tally)
             mapped = _map_externals(manifest.restore, view)
 
             started = time.monotonic()
@@ -229,6 +235,7 @@ class RestoreEngine:
             download_ms=download_ms, apply_ms=apply_ms, restore_ms=restore_ms,
             total_ms=_ms(began), restored_pid=pid,
             downloaded_bytes=manifest.totals.image_bytes, lazy=streamed is not None,
+            chunks_fetched=tally.chunks, chunks_cached=tally.hits,
         )
         if streamed is None:
             # The restored tree holds nothing open in the staging dir.
@@ -242,6 +249,7 @@ class RestoreEngine:
 
     def _download(self, target: RestoreTarget, view: container.ContainerView,
                   local: Path, store: CheckpointStore | None = None,
+                  tally: CacheTally | None = None,
                   ) -> tuple[Manifest, admit.Admitted, Deferred | None, int]:
         """Reads the manifest from ``store`` (where the checkpoint was written; default: the
         engine's store), admits it, then fetches and verifies the checkpoint into ``local``
@@ -269,7 +277,7 @@ class RestoreEngine:
             target.namespace, target.sandbox, target.checkpoint, local,
             expect_uid=target.sandbox_uid, expect_digest=digest,
             expect_parent=target.expect_parent, expect_lineage=target.expect_lineage,
-            defer=_pages_images if self.lazy else None)
+            defer=_pages_images if self.lazy else None, tally=tally)
         return manifest, admitted, deferred if self.lazy else None, _ms(started)
 
     @staticmethod

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 from urllib.parse import urlparse
 
 from hermit_common import api, protocol
+from hermit_common.chunkcache import ChunkCache
 from hermit_common.errors import CheckpointRefused, HermitError
 from hermit_common.seal import Sealing
 from hermit_common.settings import StoreSettings
@@ -267,14 +268,15 @@ class Stores:
     def __init__(self, defaults: StoreSettings, secrets: SecretReader, *, allowed: bool,
                  default_store: CheckpointStore | None = None, sealing: Sealing | None = None,
                  make_client: Callable[[StoreSettings], Any] = make_s3_client,
-                 max_clients: int = MAX_CLIENTS) -> None:
+                 max_clients: int = MAX_CLIENTS, cache: ChunkCache | None = None) -> None:
         self._defaults = defaults
+        self._cache = cache  # the node's chunk cache, shared by every store it makes
         self._default_location = Location.of(defaults)
         self._secrets = secrets
         self._allowed = allowed
         self._sealing = sealing
         self._default = default_store or CheckpointStore(
-            defaults, client=make_client(defaults), sealing=sealing)
+            defaults, client=make_client(defaults), sealing=sealing, cache=cache)
         self._make_client = make_client
         self._max_clients = max_clients
         # The default store's client serves its other buckets too (own credentials).
@@ -306,7 +308,7 @@ class Stores:
         settings = store_settings(self._defaults, wanted.location, credentials)
         return CheckpointStore(settings, sealing=self._sealing,
                                client=self._client(client_key(wanted.location, credentials),
-                                                   settings))
+                                                   settings), cache=self._cache)
 
     def _credentials(self, namespace: str, name: str) -> Credentials:
         """One GET of the Secret; KubeTransient (retry later) passes through."""

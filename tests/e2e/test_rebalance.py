@@ -3,10 +3,15 @@
 The recommendation is advisory (no deadline, nothing is terminated): the node-agent
 takes one routine ``Rebalance`` checkpoint of each sandbox on the node and leaves the
 sandboxes running. When the interruption notice follows, the stopping checkpoint finds
-most of the sandbox's chunks in the store already and uploads only what changed.
+most of the sandbox's chunks in the store already and uploads only what changed, and the
+new node, given the replacement pod while that checkpoint is taken (the overlap),
+prefetches the early checkpoint's chunks into its chunk cache: the restore takes most of
+them from there (docs/storage.md, "Prefetch and the chunk cache").
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -42,15 +47,30 @@ def test_rebalance_recommendation_checkpoints_early_and_the_notice_uploads_littl
             run_cluster_command(e2e_config.preempt_cmd, node=where.node,
                                 notice="0").communicate(timeout=180)
     st, pst = early["status"], ckpt["status"]
+    cached, chunks, message = _restored_from_cache(kube, namespace, name)
     print(f"Rebalance checkpoint: {st['uploadedBytes']} bytes uploaded of "
           f"{st['storedBytes']} stored, frozen {st['frozenMs']} ms; Preemption checkpoint: "
           f"{pst['uploadedBytes']} bytes uploaded of {pst['storedBytes']} stored, frozen "
-          f"{pst['frozenMs']} ms")
+          f"{pst['frozenMs']} ms; restore: {cached} of {chunks} chunks from the new node's "
+          f"cache ({message})")
+    # The new node prefetched the early checkpoint while the stopping one was taken.
+    assert cached > 0, message
     # The stopping checkpoint reused most of the early one's chunks.
     assert pst["uploadedBytes"] < pst["storedBytes"] / 2, pst
     # One early checkpoint per recommendation, however many times it was polled.
     assert [c["metadata"]["name"] for c in _rebalance_checkpoints(namespace, name)] == [
         early["metadata"]["name"]]
+
+
+def _restored_from_cache(kube: Kube, ns: str, name: str) -> tuple[int, int, str]:
+    """(chunks from the local cache, chunks, the message) of the sandbox's restored pod."""
+    pod = kube.pod(ns, sb.status(ns, name)["podName"])
+    assert pod is not None
+    annotations = pod["metadata"].get("annotations") or {}
+    message = str(annotations.get(protocol.ANNOTATION_RESTORE_MESSAGE) or "")
+    found = re.search(r"(\d+) of (\d+) chunks from the local cache", message)
+    assert found, f"the restore message does not count cached chunks: {message!r}"
+    return int(found.group(1)), int(found.group(2)), message
 
 
 def _early_checkpoint(kube: Kube, ns: str, name: str, where: sb.Running) -> sb.Obj:

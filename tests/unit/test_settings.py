@@ -68,6 +68,15 @@ def test_upload_bandwidth_is_unlimited_unless_set() -> None:
     assert NodeSettings.from_env(env).upload_bandwidth_bytes_per_second == 0
 
 
+def test_the_chunk_cache_size_is_two_gib_unless_set_and_zero_turns_it_off() -> None:
+    assert NodeSettings.from_env(BASE).chunk_cache_bytes == 2 * 1024 ** 3
+    assert NodeSettings.from_env({**BASE, "HERMIT_CHUNK_CACHE_BYTES": "0"}).chunk_cache_bytes == 0
+    with pytest.raises(SettingsError, match="HERMIT_CHUNK_CACHE_BYTES=-1 is below"):
+        NodeSettings.from_env({**BASE, "HERMIT_CHUNK_CACHE_BYTES": "-1"})
+    with pytest.raises(SettingsError, match="HERMIT_CHUNK_CACHE_BYTES='2G' is not an integer"):
+        NodeSettings.from_env({**BASE, "HERMIT_CHUNK_CACHE_BYTES": "2G"})
+
+
 def test_lazy_restore_is_off_unless_turned_on() -> None:
     assert NodeSettings.from_env(BASE).lazy_restore is False
     assert NodeSettings.from_env({**BASE, "HERMIT_LAZY_RESTORE": "true"}).lazy_restore is True
