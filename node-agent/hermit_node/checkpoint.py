@@ -15,7 +15,6 @@ import fcntl
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import termios
 import threading
@@ -299,10 +298,9 @@ class CheckpointEngine:
         if on_durable is not None:
             on_durable(result)
         if stop:
-            # Durable and recorded: end the old incarnation. SIGKILL to a pid namespace's
-            # init kills the whole namespace; it lands as the tree thaws.
-            os.kill(target.init_pid, signal.SIGKILL)
-            freezer.thaw(plan.cgroup)
+            # Durable and recorded: end the old incarnation, every process of it killed
+            # while still frozen (freezer.end_frozen).
+            freezer.end_frozen(plan.cgroup, target.init_pid)
             cap.thawed = True
         return result
 

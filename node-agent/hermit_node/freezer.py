@@ -46,16 +46,46 @@ def is_frozen(cgroup: Path) -> bool:
     return "frozen 1" in (cgroup / "cgroup.events").read_text()
 
 
+def end_frozen(cgroup: Path, init_pid: int) -> int:
+    """Ends every process of the frozen ``cgroup`` (the container of ``init_pid``), then
+    thaws it; how many were sent SIGKILL. Each has its SIGKILL pending while still
+    frozen, so none runs one more instruction of the workload after the checkpoint.
+    (SIGKILL to the pid namespace's init alone reaches the others only once the init runs
+    its exit, after the thaw: a process whose timer was due ran first, one tick on the
+    old node after the state the new node restores.)"""
+    killed = 0
+    for pid in (*_procs(cgroup), init_pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except ProcessLookupError:
+            pass
+    thaw(cgroup)
+    return killed
+
+
+def _procs(cgroup: Path) -> list[int]:
+    """The processes of ``cgroup`` and of the cgroups below it."""
+    pids: list[int] = []
+    for procs in sorted(cgroup.rglob("cgroup.procs")):
+        try:
+            pids.extend(int(line) for line in procs.read_text().split())
+        except OSError:
+            continue  # a child cgroup removed meanwhile
+    return pids
+
+
 def settle(init_pid: int, *, kill: bool) -> bool:
     """After a restart of the node-agent: thaw the container of ``init_pid`` if an earlier
-    run left it frozen, first ending its tree (SIGKILL to the pid namespace's init) when
-    ``kill``. True when it was frozen."""
+    run left it frozen, first ending its tree (``end_frozen``) when ``kill``. True when it
+    was frozen."""
     cgroup = freezer_cgroup(parse_cgroups(Path(f"/proc/{init_pid}/cgroup").read_text()))
     if cgroup is None or not is_frozen(cgroup):
         return False
     if kill:
-        os.kill(init_pid, signal.SIGKILL)  # lands as the tree thaws
-    thaw(cgroup)
+        end_frozen(cgroup, init_pid)
+    else:
+        thaw(cgroup)
     return True
 
 
