@@ -231,7 +231,7 @@ class NodeSettings:
     lazy_restore: bool = False
     # The node-local chunk cache under <work_dir>/chunk-cache (docs/storage.md#prefetch-
     # and-the-chunk-cache): its size bound; 0 turns the cache and the prefetch off.
-    chunk_cache_bytes: int = 2 * 1024 ** 3
+    chunk_cache_bytes: int = 0  # off: the prefetch competes with the old node (storage.md)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> NodeSettings:
@@ -261,7 +261,7 @@ class NodeSettings:
             turn_port=env.integer("HERMIT_TURN_PORT", 9103, minimum=0, maximum=65535),
             turn_audience=env.optional_str("HERMIT_TURN_AUDIENCE") or "",
             lazy_restore=env.flag("HERMIT_LAZY_RESTORE", False),
-            chunk_cache_bytes=env.integer("HERMIT_CHUNK_CACHE_BYTES", 2 * 1024 ** 3,
+            chunk_cache_bytes=env.integer("HERMIT_CHUNK_CACHE_BYTES", 0,
                                           minimum=0, maximum=1024 ** 5),
         )
 

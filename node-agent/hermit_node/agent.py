@@ -33,7 +33,7 @@ from hermit_common.s3errors import CheckpointNotFound
 from hermit_common.seal import Expected
 from hermit_common.settings import NodeSettings, redacted
 from hermit_common.store import UploadProgress
-from hermit_node import freezer, locate, metrics, planner, staging, turnserver
+from hermit_node import background, freezer, locate, metrics, planner, staging, turnserver
 from hermit_node import health as agent_health
 from hermit_node.checkpoint import CheckpointResult, CheckpointTarget
 from hermit_node.collect import Collector
@@ -497,10 +497,11 @@ class NodeAgent:
                          sp.pod)
                 return
             origin = source.origin
-            self._stores.for_checkpoint(dict(source.ckpt), owner).prefetch(
-                sp.namespace, sp.sandbox, source.checkpoint, expect_uid=sp.sandbox_uid,
-                stop=stop, expect_digest=origin.manifest_digest, expect_parent=origin.parent,
-                expect_lineage=origin.lineage, tally=tally)
+            with background.lowest_priority():  # never at the cost of the node's real work
+                self._stores.for_checkpoint(dict(source.ckpt), owner).prefetch(
+                    sp.namespace, sp.sandbox, source.checkpoint, expect_uid=sp.sandbox_uid,
+                    stop=stop, expect_digest=origin.manifest_digest,
+                    expect_parent=origin.parent, expect_lineage=origin.lineage, tally=tally)
             log.info("prefetched %d bytes of checkpoint %s/%s for pod %s in %.1f s%s",
                      tally.stored_bytes, sp.namespace, source.checkpoint, sp.pod,
                      time.monotonic() - began, " (stopped)" if stop.is_set() else "")

@@ -300,6 +300,17 @@ def helm_binary() -> str:
     return str(helm)
 
 
+def helm_set(e2e_config: E2EConfig, release_ns: str, value: str) -> None:
+    """``helm upgrade --reuse-values --set value`` of the e2e release, waited for: a
+    setting one test needs (and puts back)."""
+    proc = subprocess.run(
+        [helm_binary(), "upgrade", RELEASE, str(REPO / "charts/hermit"), "-n", release_ns,
+         "--reuse-values", "--set", value, "--wait", "--timeout", "180s"],
+        env={**os.environ, "KUBECONFIG": e2e_config.kubeconfig}, capture_output=True,
+        text=True, check=False)
+    assert proc.returncode == 0, f"helm upgrade failed: {proc.stdout}{proc.stderr}"
+
+
 def _apply_secret(kube: Kube, s3: S3) -> None:
     secret: Any = {"metadata": {"name": "hermit-s3"}, "data": {
         "AWS_ACCESS_KEY_ID": base64.b64encode(s3.access_key.encode()).decode(),

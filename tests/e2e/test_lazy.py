@@ -3,44 +3,25 @@ memory streams in from S3 (nodeAgent.lazyRestore; docs/criu.md#lazy-restore)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import (
-    RELEASE,
-    REPO,
-    E2EConfig,
-    Kube,
-    helm_binary,
-    wait_until,
-)
+from tests.e2e.conftest import E2EConfig, Kube, helm_set, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
-
-
-def _helm_set_lazy(e2e_config: E2EConfig, release_ns: str, on: bool) -> None:
-    proc = subprocess.run(
-        [helm_binary(), "upgrade", RELEASE, str(REPO / "charts/hermit"), "-n", release_ns,
-         "--reuse-values", "--set", f"nodeAgent.lazyRestore={str(on).lower()}",
-         "--wait", "--timeout", "180s"],
-        env={**os.environ, "KUBECONFIG": e2e_config.kubeconfig}, capture_output=True,
-        text=True, check=False)
-    assert proc.returncode == 0, f"helm upgrade failed: {proc.stdout}{proc.stderr}"
 
 
 @pytest.fixture
 def lazy_release(hermit_release: str, e2e_config: E2EConfig) -> Iterator[str]:
     """The release with lazy restore on, for this test only."""
-    _helm_set_lazy(e2e_config, hermit_release, True)
+    helm_set(e2e_config, hermit_release, "nodeAgent.lazyRestore=true")
     try:
         yield hermit_release
     finally:
-        _helm_set_lazy(e2e_config, hermit_release, False)
+        helm_set(e2e_config, hermit_release, "nodeAgent.lazyRestore=false")
 
 
 def test_a_drained_sandbox_runs_on_its_new_node_while_its_memory_streams_in(

@@ -12,16 +12,18 @@ them from there (docs/storage.md, "Prefetch and the chunk cache").
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import pytest
 
 from hermit_common import protocol
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import E2EConfig, Kube, run_cluster_command, wait_until
+from tests.e2e.conftest import E2EConfig, Kube, helm_set, run_cluster_command, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 NOTICE_SECONDS = 30
+CACHE_BYTES = 2 * 1024 ** 3
 
 
 def _rebalance_checkpoints(ns: str, name: str) -> list[sb.Obj]:
@@ -29,9 +31,21 @@ def _rebalance_checkpoints(ns: str, name: str) -> list[sb.Obj]:
             and c["spec"]["sandboxRef"]["name"] == name]
 
 
+@pytest.fixture
+def prefetch_release(hermit_release: str, e2e_config: E2EConfig) -> Iterator[str]:
+    """The release with the chunk cache and the prefetch on (off by default), for this
+    test only."""
+    helm_set(e2e_config, hermit_release, f"nodeAgent.chunkCacheBytes={CACHE_BYTES}")
+    try:
+        yield hermit_release
+    finally:
+        helm_set(e2e_config, hermit_release, "nodeAgent.chunkCacheBytes=0")
+
+
 def test_rebalance_recommendation_checkpoints_early_and_the_notice_uploads_little(
-    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
+    kube: Kube, namespace: str, prefetch_release: str, e2e_config: E2EConfig,
 ) -> None:
+    hermit_release = prefetch_release
     name, where = sb.start_on_spot(kube, e2e_config, hermit_release, namespace)
     advise = run_cluster_command(e2e_config.rebalance_cmd, node=where.node)
     out, _ = advise.communicate(timeout=60)

@@ -68,9 +68,10 @@ def test_upload_bandwidth_is_unlimited_unless_set() -> None:
     assert NodeSettings.from_env(env).upload_bandwidth_bytes_per_second == 0
 
 
-def test_the_chunk_cache_size_is_two_gib_unless_set_and_zero_turns_it_off() -> None:
-    assert NodeSettings.from_env(BASE).chunk_cache_bytes == 2 * 1024 ** 3
-    assert NodeSettings.from_env({**BASE, "HERMIT_CHUNK_CACHE_BYTES": "0"}).chunk_cache_bytes == 0
+def test_the_chunk_cache_is_off_unless_a_size_is_set() -> None:
+    assert NodeSettings.from_env(BASE).chunk_cache_bytes == 0
+    env = {**BASE, "HERMIT_CHUNK_CACHE_BYTES": str(2 * 1024 ** 3)}
+    assert NodeSettings.from_env(env).chunk_cache_bytes == 2 * 1024 ** 3
     with pytest.raises(SettingsError, match="HERMIT_CHUNK_CACHE_BYTES=-1 is below"):
         NodeSettings.from_env({**BASE, "HERMIT_CHUNK_CACHE_BYTES": "-1"})
     with pytest.raises(SettingsError, match="HERMIT_CHUNK_CACHE_BYTES='2G' is not an integer"):
