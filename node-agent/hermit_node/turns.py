@@ -141,6 +141,9 @@ SnapshotTaker = Callable[[SandboxPod], Snapshot]
 AfterThaw = Callable[[SandboxPod], Snapshot | None]
 SETTLE_TIMEOUT_SECONDS: Final = 180.0  # the request waits for the loop, then other jobs
 SETTLE_POLL_SECONDS: Final = 0.1
+# A turn that ends while the previous turn checkpoint's counters are still being read
+# waits this long for them (the read lands within ms of the thaw, unless the node is busy).
+SETTLE_WAIT_SECONDS: Final = 3.0
 
 
 @dataclass
@@ -153,6 +156,7 @@ class _PodTurns:
     decided: dict[int, dict[str, Any]] = field(default_factory=dict)
     last: int = -1
     lock: threading.RLock = field(default_factory=threading.RLock)
+    settling: threading.Event | None = None  # set once the pending one's _settle ended
 
 
 def _in_thread(fn: Callable[[], None]) -> None:
@@ -235,6 +239,9 @@ class TurnService:
     def _turn(self, namespace: str, name: str, turn: int, wait: float) -> Reply:
         sp = self._pod_of(namespace, name)
         state = self._state(sp.uid)
+        settling = state.settling
+        if settling is not None:  # outside the lock: _settle takes it to record
+            settling.wait(SETTLE_WAIT_SECONDS)
         with state.lock:
             if turn in state.decided:
                 return Reply(200, {**state.decided[turn], "repeated": True})
@@ -285,13 +292,20 @@ class TurnService:
                      baseline[0])
             return {**answer, "checkpoint": baseline[0], "taken": None}
         name = self._request(sp, turn, decision)
-        state.pending = (name, None)
-        self._spawn(functools.partial(self._settle, sp, state, name, after))
+        state.pending, state.settling = (name, None), threading.Event()
+        self._spawn(functools.partial(self._settle, sp, state, name, after, state.settling))
         log.info("turn %d of %s/%s: %s, checkpoint %s (%s)", turn, sp.namespace, sp.sandbox,
                  decision.decision, name, "; ".join(decision.reasons))
         return {**answer, "checkpoint": name, "taken": protocol.TURN_FULL}
 
-    def _settle(self, sp: SandboxPod, state: _PodTurns, name: str, after: Snapshot) -> None:
+    def _settle(self, sp: SandboxPod, state: _PodTurns, name: str, after: Snapshot,
+                done: threading.Event) -> None:
+        try:
+            self._settle_one(sp, state, name, after)
+        finally:
+            done.set()
+
+    def _settle_one(self, sp: SandboxPod, state: _PodTurns, name: str, after: Snapshot) -> None:
         """The baseline turn checkpoint ``name`` leaves: ``after`` with the counters read
         just after it thawed the tree (``inspector.settled``). The node-agent writes
         Uploading once the tree is thawed (CRIU itself thaws and refreezes the cgroup

@@ -4,6 +4,7 @@ turn service against a fake API (docs/turns.md)."""
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import replace
 from typing import Any
 
@@ -230,8 +231,8 @@ def service(kube: FakeKube, states: list[Snapshot], thawed: Snapshot | None = TH
     def take(sp: SandboxPod) -> Snapshot:
         return states.pop(0)
 
-    return turns.TurnService(NODE, kube, take, lambda sp: thawed, sleep=lambda s: None,
-                             spawn=lambda fn: fn(), **kw)
+    kw.setdefault("spawn", lambda fn: fn())
+    return turns.TurnService(NODE, kube, take, lambda sp: thawed, sleep=lambda s: None, **kw)
 
 
 def post(svc: turns.TurnService, turn: int, token: str = "good", path: str = PATH,
@@ -358,6 +359,21 @@ def test_the_baseline_takes_the_counters_after_the_thaw() -> None:
     # The turn's end state again: the agent's switches differ from the ones after the thaw.
     reply = post(svc, 2)
     assert reply.body["decision"] == "full" and "processes ran: pids 7" in reply.body["reasons"]
+
+
+def test_a_turn_waits_briefly_for_the_counters_of_the_previous_checkpoint() -> None:
+    """The read after the thaw runs in a thread; a turn that ends before it recorded
+    waits for it (up to SETTLE_WAIT_SECONDS) rather than deciding full without them."""
+    kube = FakeKube()
+    spawned: list[Any] = []
+    svc = service(kube, [snap(), snap()], spawn=spawned.append)
+    post(svc, 1)
+    kube.complete("box-1-turn1")
+    late = threading.Timer(0.3, spawned[0])  # the settle thread, late on a busy node
+    late.start()
+    reply = post(svc, 2)
+    late.join()
+    assert not any("were not read" in r for r in reply.body["reasons"]), reply.body
 
 
 def test_a_checkpoint_whose_thaw_was_not_read_is_no_baseline() -> None:
