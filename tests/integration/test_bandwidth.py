@@ -8,7 +8,6 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from hermit_common.bandwidth import ROUTINE, URGENT, UploadLimiter
 from hermit_common.manifest import Binding
 from hermit_common.store import CheckpointStore, UploadProgress, UploadResult
 from tests.support.minio import MinioServer
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -94,13 +94,6 @@ def _join(*runs: Run, timeout: float = 120.0) -> None:
         assert run.result is not None
 
 
-def _wait_for(what: str, check: Callable[[], bool], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 def test_two_uploads_share_the_limit(store: CheckpointStore, tmp_path: Path) -> None:
     limiter = UploadLimiter(LIMIT)
     a, b = Run("box-a", _tree(tmp_path / "a")), Run("box-b", _tree(tmp_path / "b"))
@@ -132,7 +125,7 @@ def test_an_urgent_upload_goes_ahead_of_a_routine_one(store: CheckpointStore,
     urgent_began = time.monotonic()
     routine_at_urgent_start = routine.uploaded
     _start(store, limiter, URGENT, urgent)
-    _wait_for("the urgent upload to end", lambda: urgent.ended > 0)
+    wait_until("the urgent upload to end", lambda: urgent.ended > 0, 60.0)
     routine_during_urgent = routine.uploaded - routine_at_urgent_start
     _join(urgent, routine)
     assert urgent.result is not None and routine.result is not None

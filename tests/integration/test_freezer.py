@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from hermit_node import freezer
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -69,10 +70,7 @@ def test_a_frozen_tree_is_ended_without_running_again(cgroup: Path, tmp_path: Pa
          f"echo $$ > {cgroup}/cgroup.procs; "
          f"sh -c 'while :; do echo tick >> {ticks}; sleep 0.01; done' & wait"])
     try:
-        deadline = time.monotonic() + 10
-        while _size(ticks) < 20:
-            assert time.monotonic() < deadline, "the child never ticked"
-            time.sleep(0.01)
+        wait_until("the child to tick", lambda: _size(ticks) >= 20, 10)
         procs = [int(p) for p in (cgroup / "cgroup.procs").read_text().split()]
         assert len(procs) >= 2, f"init and child in the cgroup: {procs}"
         init = min(procs)
@@ -81,10 +79,8 @@ def test_a_frozen_tree_is_ended_without_running_again(cgroup: Path, tmp_path: Pa
         frozen_size = _size(ticks)
         killed = freezer.end_frozen(cgroup, init)
         assert killed >= 2
-        deadline = time.monotonic() + 10
-        while (cgroup / "cgroup.procs").read_text().split():
-            assert time.monotonic() < deadline, "the tree did not end"
-            time.sleep(0.01)
+        wait_until("the tree to end",
+                   lambda: not (cgroup / "cgroup.procs").read_text().split(), 10)
         assert _size(ticks) == frozen_size, "a process of the ended tree ran after the freeze"
     finally:
         proc.kill()
