@@ -5,4 +5,5 @@ pytest_plugins = [
     "tests.support.aemm",
     "tests.support.containerd",
     "tests.support.criu",
+    "tests.support.attacks",
 ]
