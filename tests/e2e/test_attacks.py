@@ -170,11 +170,22 @@ def test_symlink_race_from_inside_the_sandbox_copies_nothing_else(
             if sb.status(namespace, name).get("phase") == "Running" else None))
         uid = sb.sandbox(namespace, name)["metadata"]["uid"]
         # A second racer started the way harnesses run tool calls (exec), detached.
-        _exec(namespace, pod, 'nohup sh -c "$RACER" racer /workspace/race-exec '
-                              '>/dev/null 2>&1 &')
-        wait_until("both racers swapping", 60, lambda: all(
-            int(_exec(namespace, pod, f"cat /workspace/{r}.swaps 2>/dev/null || echo 0")
-                .strip() or 0) > 50 for r in ("race", "race-exec")))
+        # setsid: a process left behind by an exec is otherwise ended with the exec session.
+        _exec(namespace, pod, 'setsid sh -c "$RACER" racer /workspace/race-exec '
+                              '</dev/null >/dev/null 2>&1 &')
+        seen: dict[str, str] = {}
+
+        def swapping() -> bool:
+            for racer in ("race", "race-exec"):
+                seen[racer] = _exec(namespace, pod,
+                                    f"cat /workspace/{racer}.swaps 2>&1 || ps").strip()
+            return all(out.isdigit() and int(out) > 50 for out in seen.values())
+
+        try:
+            wait_until("both racers swapping", 60, swapping)
+        except BaseException:
+            print(f"what the racers show: {seen}")
+            raise
         store, keys = _judge_store(kube, s3_for_pods)
         secrets = [*keys, host_secret]
         leaks: list[str] = []
@@ -209,5 +220,5 @@ def test_symlink_race_from_inside_the_sandbox_copies_nothing_else(
 
 
 def _swaps(ns: str, pod: str) -> int:
-    out = _exec(ns, pod, "cat /workspace/race.swaps /workspace/race-exec.swaps 2>/dev/null")
+    out = _exec(ns, pod, "cat /workspace/race.swaps /workspace/race-exec.swaps")
     return sum(int(x) for x in out.split() if x.isdigit())
