@@ -186,7 +186,7 @@ class Kube:
 
 def stateful_sandbox(mem_mb: int) -> Obj:
     """The AgentSandbox: the self-checking workload, as tests/e2e/sandboxes.py runs it."""
-    env = {"HERMIT_TICK_MS": str(TICK_MS), "PORT": str(PORT), "HERMIT_STATE_DIR": "/state",
+    env = {"HERMIT_TICK_MS": str(TICK_MS), "PORT": str(PORT), "HERMIT_STATE_DIR": "/tmp/state",
            "HERMIT_TICK_LOG": "/workspace/ticks.log", "HERMIT_DB_PATH": "/workspace/agent.db",
            "HERMIT_DELETE_PATH": "", "HERMIT_WORKLOAD_MEM_MB": str(mem_mb)}
     container = {"name": "agent", "image": IMAGE, "imagePullPolicy": "IfNotPresent",
