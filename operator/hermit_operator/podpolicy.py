@@ -107,7 +107,7 @@ def violations(pod_spec: KubeObject, policy: PodPolicySettings, *, namespace: st
     spec.placement) breaks ``policy``, each as '<field path>: <what is wrong> (<how an admin
     allows it, or why nothing does>)'; empty when it complies."""
     found: list[Finding] = [*_hermit_volumes(pod_spec), *_pod_level(pod_spec),
-                            *_volumes(pod_spec, policy),
+                            *_volumes(pod_spec),
                             *_service_account(pod_spec, policy, namespace),
                             *_placement(pod_spec, placement or {})]
     for path, container in _containers(pod_spec):
@@ -179,8 +179,8 @@ def _hermit_volumes(pod_spec: KubeObject) -> Iterator[Finding]:
                 name = (mount or {}).get("name")
                 if name in HERMIT_VOLUMES:
                     yield (f"{path}.{field}[{j}]", f"container {container.get('name')!r} "
-                           f"mounts Hermit's volume {name!r} (Hermit mounts it into the "
-                           "sandbox's container itself)", NO_EXEMPTION_VOLUMES, "")
+                           f"mounts Hermit's volume {name!r}, which Hermit alone mounts, "
+                           "into the sandbox's container", NO_EXEMPTION_VOLUMES, "")
     if pod_spec.get("shareProcessNamespace"):
         yield (f"{_TEMPLATE}.shareProcessNamespace", "a shared process namespace lets other "
                "containers reach the sandbox's processes and files", NO_EXEMPTION_PID, "")
@@ -207,7 +207,7 @@ def _pod_level(pod_spec: KubeObject) -> Iterator[Finding]:
                    ALLOW_UNSAFE_SYSCTLS, "")
 
 
-def _volumes(pod_spec: KubeObject, policy: PodPolicySettings) -> Iterator[Finding]:
+def _volumes(pod_spec: KubeObject) -> Iterator[Finding]:
     for i, volume in enumerate(pod_spec.get("volumes") or []):
         volume = volume or {}
         path, name = f"{_TEMPLATE}.volumes[{i}]", volume.get("name")
@@ -334,7 +334,7 @@ def _placement(pod_spec: KubeObject, placement: KubeObject) -> Iterator[Finding]
     spot = placement.get("spot", True) is not False
     if spot and pod_spec.get("nodeSelector"):
         yield (f"{_TEMPLATE}.nodeSelector", "a template nodeSelector switches the spot "
-               "requirement off (use spec.placement.nodeSelector, which keeps it)",
+               "requirement off: set spec.placement.nodeSelector, which keeps it",
                ALLOW_PLACEMENT, "")
     required = (((pod_spec.get("affinity") or {}).get("nodeAffinity") or {})
                 .get("requiredDuringSchedulingIgnoredDuringExecution") or {})
