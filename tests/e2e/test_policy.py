@@ -108,6 +108,9 @@ def test_a_template_that_asks_for_nothing_runs_restricted(
 
 
 def _runs_restricted(kube: Kube, namespace: str, e2e_config: E2EConfig) -> None:
+    # Kubernetes' own Pod Security Admission checks the pod the operator builds.
+    body: Any = {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}}
+    kube.api.patch_namespace(namespace, body)
     name, where = sb.start_on_spot(kube, e2e_config, RELEASE_NS, namespace)
     pod = kube.pod(namespace, where.pod) or {}
     spec = pod["spec"]
