@@ -333,13 +333,12 @@ class PodPolicySettings:
             raise SettingsError(f"HERMIT_POD_POLICY_CAPABILITIES: {', '.join(bad)} "
                                 "are not capability names (e.g. SYS_PTRACE,NET_ADMIN)")
         accounts = _names(env.optional_str("HERMIT_POD_POLICY_SERVICE_ACCOUNTS"))
-        bad = sorted(a for a in accounts if not all(
-            _DNS_NAME.fullmatch(part) for part in a.split("/", 1)))
+        bad = sorted(a for a in accounts if not _account_entry(a))
         if bad:
             raise SettingsError(f"HERMIT_POD_POLICY_SERVICE_ACCOUNTS: {', '.join(bad)} "
                                 "are not ServiceAccount names (name or namespace/name)")
         namespaces = _names(env.optional_str("HERMIT_POD_POLICY_SECRET_NAMESPACES"))
-        bad = sorted(n for n in namespaces if not _DNS_NAME.fullmatch(n))
+        bad = sorted(n for n in namespaces if not _DNS_LABEL.fullmatch(n))
         if bad:
             raise SettingsError(f"HERMIT_POD_POLICY_SECRET_NAMESPACES: {', '.join(bad)} "
                                 "are not namespace names")
@@ -349,7 +348,15 @@ class PodPolicySettings:
                    service_accounts=accounts, secret_namespaces=namespaces)
 
 
-_DNS_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+_DNS_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # e.g. a ServiceAccount
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # e.g. a namespace
+
+
+def _account_entry(entry: str) -> bool:
+    """A ServiceAccount name, or namespace/name."""
+    namespace, _, name = entry.rpartition("/")
+    return bool(_DNS_NAME.fullmatch(name)) and (
+        (not namespace and "/" not in entry) or bool(_DNS_LABEL.fullmatch(namespace)))
 
 
 def _names(raw: str | None) -> frozenset[str]:
