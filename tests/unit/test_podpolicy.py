@@ -517,6 +517,8 @@ def test_settings_read_the_new_policy_values_and_name_a_wrong_one() -> None:
     assert OperatorSettings.from_env({}).pod_policy.profile == "restricted"
     for name, value in (("HERMIT_POD_POLICY_PROFILE", "privileged"),
                         ("HERMIT_POD_POLICY_SERVICE_ACCOUNTS", "Not_A_Name"),
+                        ("HERMIT_POD_POLICY_SERVICE_ACCOUNTS", "team-a/x/y"),
+                        ("HERMIT_POD_POLICY_SECRET_NAMESPACES", "a.b"),
                         ("HERMIT_POD_POLICY_SECRET_NAMESPACES", "a/b")):
         with pytest.raises(SettingsError, match=name):
             OperatorSettings.from_env({name: value})
