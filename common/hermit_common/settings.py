@@ -8,6 +8,7 @@ variable and what is wrong with it. ``redacted()`` gives a copy safe to log.
 from __future__ import annotations
 
 import dataclasses
+import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -293,17 +294,28 @@ ALLOW_NODE_NAME = "nodeName"
 ALLOW_PROC_MOUNT = "procMount"
 ALLOW_UNCONFINED = "unconfinedProfiles"
 ALLOW_UNSAFE_SYSCTLS = "unsafeSysctls"
+ALLOW_PLACEMENT = "placement"  # template fields that take a sandbox off spot nodes
 POD_POLICY_EXEMPTIONS = (ALLOW_PRIVILEGED, ALLOW_HOST_NAMESPACES, ALLOW_HOST_PATH,
                          ALLOW_HOST_PORTS, ALLOW_NODE_NAME, ALLOW_PROC_MOUNT, ALLOW_UNCONFINED,
-                         ALLOW_UNSAFE_SYSCTLS)
+                         ALLOW_UNSAFE_SYSCTLS, ALLOW_PLACEMENT)
+# The Pod Security Standard a sandbox pod must meet (HERMIT_POD_POLICY_PROFILE).
+PROFILE_RESTRICTED = "restricted"
+PROFILE_BASELINE = "baseline"
+POD_POLICY_PROFILES = (PROFILE_RESTRICTED, PROFILE_BASELINE)
 
 
 @dataclass(frozen=True)
 class PodPolicySettings:
-    """What sandbox pod templates may ask for beyond the baseline (default: nothing)."""
+    """What sandbox pod templates may ask for (default: the "restricted" Pod Security
+    Standard, the namespace's default ServiceAccount, no Secrets, spot nodes only)."""
 
     allow: frozenset[str] = frozenset()  # names from POD_POLICY_EXEMPTIONS
-    extra_capabilities: frozenset[str] = frozenset()  # beyond the baseline set, e.g. SYS_PTRACE
+    extra_capabilities: frozenset[str] = frozenset()  # beyond the profile's set, e.g. SYS_PTRACE
+    profile: str = PROFILE_RESTRICTED  # one of POD_POLICY_PROFILES
+    # ServiceAccounts a template may name: "name" (any namespace) or "namespace/name".
+    service_accounts: frozenset[str] = frozenset()
+    # Namespaces whose sandboxes may use Secrets (volumes, projected tokens, env).
+    secret_namespaces: frozenset[str] = frozenset()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> PodPolicySettings:
@@ -320,7 +332,31 @@ class PodPolicySettings:
         if bad:
             raise SettingsError(f"HERMIT_POD_POLICY_CAPABILITIES: {', '.join(bad)} "
                                 "are not capability names (e.g. SYS_PTRACE,NET_ADMIN)")
-        return cls(allow=allow, extra_capabilities=caps)
+        accounts = _names(env.optional_str("HERMIT_POD_POLICY_SERVICE_ACCOUNTS"))
+        bad = sorted(a for a in accounts if not _account_entry(a))
+        if bad:
+            raise SettingsError(f"HERMIT_POD_POLICY_SERVICE_ACCOUNTS: {', '.join(bad)} "
+                                "are not ServiceAccount names (name or namespace/name)")
+        namespaces = _names(env.optional_str("HERMIT_POD_POLICY_SECRET_NAMESPACES"))
+        bad = sorted(n for n in namespaces if not _DNS_LABEL.fullmatch(n))
+        if bad:
+            raise SettingsError(f"HERMIT_POD_POLICY_SECRET_NAMESPACES: {', '.join(bad)} "
+                                "are not namespace names")
+        return cls(allow=allow, extra_capabilities=caps,
+                   profile=env.choice("HERMIT_POD_POLICY_PROFILE", PROFILE_RESTRICTED,
+                                      POD_POLICY_PROFILES),
+                   service_accounts=accounts, secret_namespaces=namespaces)
+
+
+_DNS_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # e.g. a ServiceAccount
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # e.g. a namespace
+
+
+def _account_entry(entry: str) -> bool:
+    """A ServiceAccount name, or namespace/name."""
+    namespace, _, name = entry.rpartition("/")
+    return bool(_DNS_NAME.fullmatch(name)) and (
+        (not namespace and "/" not in entry) or bool(_DNS_LABEL.fullmatch(namespace)))
 
 
 def _names(raw: str | None) -> frozenset[str]:

@@ -186,7 +186,7 @@ class Kube:
 
 def stateful_sandbox(mem_mb: int) -> Obj:
     """The AgentSandbox: the self-checking workload, as tests/e2e/sandboxes.py runs it."""
-    env = {"HERMIT_TICK_MS": str(TICK_MS), "PORT": str(PORT), "HERMIT_STATE_DIR": "/state",
+    env = {"HERMIT_TICK_MS": str(TICK_MS), "PORT": str(PORT), "HERMIT_STATE_DIR": "/tmp/state",
            "HERMIT_TICK_LOG": "/workspace/ticks.log", "HERMIT_DB_PATH": "/workspace/agent.db",
            "HERMIT_DELETE_PATH": "", "HERMIT_WORKLOAD_MEM_MB": str(mem_mb)}
     container = {"name": "agent", "image": IMAGE, "imagePullPolicy": "IfNotPresent",
@@ -469,7 +469,11 @@ class Demo:
         self.kube.core.create_namespaced_secret(RELEASE_NS, secret)
         argv = [HELM, "install", RELEASE, str(REPO / "charts/hermit"), "-n", RELEASE_NS,
                 "--set", f"s3.bucket={BUCKET}", "--set", f"s3.endpoint={self.minio.endpoint}",
-                "--set", f"s3.existingSecret={SECRET}", "--wait", "--timeout", "180s"]
+                "--set", f"s3.existingSecret={SECRET}",
+                # root sandboxes: this machine's nodes lack CAP_SYS_RESOURCE, which CRIU
+                # needs to checkpoint a non-root one (tests/e2e/conftest.py)
+                "--set", "operator.podPolicy.profile=baseline",
+                "--wait", "--timeout", "180s"]
         started = time.monotonic()
         done = subprocess.run(argv, capture_output=True, text=True, check=False)
         if done.returncode != 0:

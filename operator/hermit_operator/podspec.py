@@ -21,9 +21,9 @@ from hermit_operator.checkpoints import STOPPING_WAIT
 
 INIT_DIR = "/.hermit"
 INIT_BINARY = f"{INIT_DIR}/hermit-init"
-INIT_VOLUME = "hermit-init"
-INIT_CONTAINER = "hermit-init"
-WORKSPACE_VOLUME = "hermit-workspace"
+INIT_VOLUME = podpolicy.INIT_VOLUME  # the pod policy lets no other container mount these
+INIT_CONTAINER = podpolicy.INIT_CONTAINER
+WORKSPACE_VOLUME = podpolicy.WORKSPACE_VOLUME
 DEFAULT_WORKSPACE_SIZE = "1Gi"
 DEFAULT_WORKSPACE_PATH = protocol.DEFAULT_WORKSPACE_PATH
 RESTORE_TIMEOUT_SECONDS = 300
@@ -32,16 +32,11 @@ RESTORE_TIMEOUT_SECONDS = 300
 OVERLAP_RESTORE_TIMEOUT_SECONDS = RESTORE_TIMEOUT_SECONDS + int(STOPPING_WAIT.total_seconds())
 TERMINATION_GRACE_SECONDS = 10
 
-# The labels by which the usual provisioners mark spot (preemptible) nodes. With
-# placement.spot the pod requires a node that has any one of them: one nodeSelectorTerm per
-# label (terms are ORed), so a sandbox schedules with or without Karpenter.
-SPOT_NODE_LABELS: tuple[tuple[str, str], ...] = (
-    ("karpenter.sh/capacity-type", "spot"),             # Karpenter, any cloud
-    ("eks.amazonaws.com/capacityType", "SPOT"),         # EKS managed node groups
-    ("cloud.google.com/gke-spot", "true"),              # GKE Spot VMs
-    ("cloud.google.com/gke-provisioning", "spot"),      # GKE (node auto-provisioning, ...)
-    ("kubernetes.azure.com/scalesetpriority", "spot"),  # AKS spot node pools
-)
+# The labels by which the usual provisioners mark spot (preemptible) nodes (podpolicy.py,
+# whose placement rule reads them too). With placement.spot the pod requires a node that
+# has any one of them: one nodeSelectorTerm per label (terms are ORed), so a sandbox
+# schedules with or without Karpenter.
+SPOT_NODE_LABELS = podpolicy.SPOT_NODE_LABELS
 # At most this many nodeSelectorTerms after the user's required terms are crossed with the
 # spot labels (user terms x spot labels); more is refused as InvalidSpec.
 MAX_NODE_SELECTOR_TERMS = 60
@@ -84,7 +79,9 @@ def validate(sandbox: KubeObject, policy: PodPolicySettings = STRICT_POD_POLICY)
     (the strictest by default); the pod builder calls it too."""
     spec = sandbox.get("spec") or {}
     pod_spec = (spec.get("podTemplate") or {}).get("spec") or {}
-    problems = podpolicy.violations(pod_spec, policy)
+    problems = podpolicy.violations(
+        pod_spec, policy, namespace=str((sandbox.get("metadata") or {}).get("namespace") or ""),
+        placement=spec.get("placement") or {})
     if problems:
         raise InvalidSpec(podpolicy.describe(problems))
     containers = pod_spec.get("containers") or []
@@ -95,24 +92,10 @@ def validate(sandbox: KubeObject, policy: PodPolicySettings = STRICT_POD_POLICY)
         raise InvalidSpec(
             "spec.podTemplate.spec.containers[0].command is required: "
             "Hermit runs it under its init")
-    volumes = {v.get("name") for v in pod_spec.get("volumes") or []}
-    for reserved in (INIT_VOLUME, WORKSPACE_VOLUME):
-        if reserved in volumes:
-            raise InvalidSpec(f"spec.podTemplate.spec.volumes: the name {reserved!r} is "
-                              "reserved for Hermit")
     init_names = {c.get("name") for c in pod_spec.get("initContainers") or []}
     if INIT_CONTAINER in init_names:
         raise InvalidSpec(f"spec.podTemplate.spec.initContainers: the name {INIT_CONTAINER!r} "
                           "is reserved for Hermit")
-    for where, tolerations in (
-            ("spec.podTemplate.spec.tolerations", pod_spec.get("tolerations")),
-            ("spec.placement.tolerations", (spec.get("placement") or {}).get("tolerations"))):
-        for tol in tolerations or []:
-            if tolerates_interruption(tol):
-                raise InvalidSpec(
-                    f"{where}: {_describe(tol)} tolerates the {protocol.TAINT_INTERRUPTION} taint, "
-                    "so a sandbox could be placed on a node that is going away; "
-                    "name the taint keys to tolerate")
     spot_node_selector_terms(spec)  # refuses a required node affinity too big to combine
     mount_path = _workspace(spec)[1]
     for mount in containers[0].get("volumeMounts") or []:
@@ -122,21 +105,7 @@ def validate(sandbox: KubeObject, policy: PodPolicySettings = STRICT_POD_POLICY)
                 "is reserved for Hermit's init and workspace")
 
 
-def tolerates_interruption(toleration: KubeObject) -> bool:
-    """Whether a core/v1 Toleration tolerates the node-agent's interruption taint
-    (key hermit.dev/interruption, effect NoSchedule, any value)."""
-    key = toleration.get("key") or ""
-    operator = toleration.get("operator") or "Equal"
-    effect = toleration.get("effect") or ""
-    if effect not in ("", "NoSchedule"):
-        return False
-    if key == "":
-        return bool(operator == "Exists")  # an empty key with Exists matches every taint
-    return bool(key == protocol.TAINT_INTERRUPTION)
-
-
-def _describe(toleration: KubeObject) -> str:
-    return "the toleration " + ", ".join(f"{k}={v}" for k, v in sorted(toleration.items()))
+tolerates_interruption = podpolicy.tolerates_interruption
 
 
 def build_sandbox_pod(sandbox: KubeObject, settings: OperatorSettings, incarnation: int,
@@ -172,6 +141,7 @@ def build_sandbox_pod(sandbox: KubeObject, settings: OperatorSettings, incarnati
     pod_spec.setdefault("terminationGracePeriodSeconds", TERMINATION_GRACE_SECONDS)
     pod_spec.setdefault("hostname", meta["name"])
     _apply_placement(pod_spec, spec, on_demand=capacity == api.CAPACITY_ON_DEMAND)
+    pod_spec = podpolicy.secure_defaults(pod_spec, settings.pod_policy)
 
     pod_meta = _pod_metadata(sandbox, incarnation, labels, annotations)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": pod_meta, "spec": pod_spec}

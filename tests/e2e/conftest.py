@@ -241,6 +241,7 @@ def run_cluster_command(template: str, **fields: str) -> subprocess.Popen[str]:
 
 RELEASE = "hermit-e2e"
 RELEASE_NS = "hermit-e2e"
+POD_POLICY_PROFILE = os.environ.get("HERMIT_E2E_POD_POLICY_PROFILE", "baseline")
 BUCKET = "hermit-e2e"
 LOCAL_CLUSTER_HOST = "10.213.0.1"  # hack/cluster's host bridge: pods reach it
 
@@ -369,6 +370,13 @@ def hermit_release(kube: Kube, s3_for_pods: S3, e2e_config: E2EConfig) -> Iterat
          # once (test_gc.py), and every test runs with it.
          "--set", "nodeAgent.gc.minAgeSeconds=0",
          "--set-string", "operator.nodeSelector.karpenter\\.sh/capacity-type=on-demand",
+         # The baseline pod policy: the sandboxes run as root, as their image says. Under
+         # the restricted default they would run as 65532, and CRIU reads a non-root task's
+         # rlimits with prlimit(2), which needs CAP_SYS_RESOURCE: hack/cluster's nodes run
+         # in a container without it (docs/cluster.md), so no checkpoint could be taken.
+         # test_policy.py switches to restricted for the test that shows it; a cluster
+         # whose node-agents hold it can run everything so: HERMIT_E2E_POD_POLICY_PROFILE.
+         "--set", f"operator.podPolicy.profile={POD_POLICY_PROFILE}",
          "--wait", "--timeout", "180s"],
         env=env, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, f"helm install failed: {proc.stdout}{proc.stderr}"

@@ -46,6 +46,7 @@ WORKLOAD = "/bin/hermit-stateful"
 TICK_MS = 200
 WORKLOAD_PORT = 7000
 WORKLOAD_MEM_MB = 24  # spans several 4 MiB store chunks
+STATE_DIR = "/tmp/state"  # in the writable layer, writable by a non-root user
 
 
 def custom() -> client.CustomObjectsApi:
@@ -54,8 +55,10 @@ def custom() -> client.CustomObjectsApi:
 
 def stateful_spec(image: str, *, mem_mb: int = WORKLOAD_MEM_MB, **spec: Any) -> Obj:
     """An AgentSandbox spec running the self-checking workload; ``spec`` adds fields."""
+    # The sandbox runs under the restricted pod policy's default user (65532, the image
+    # has no USER): its writable-layer state goes under /tmp (mode 1777), not /state.
     env = {"HERMIT_TICK_MS": str(TICK_MS), "PORT": str(WORKLOAD_PORT),
-           "HERMIT_STATE_DIR": "/state", "HERMIT_TICK_LOG": "/workspace/ticks.log",
+           "HERMIT_STATE_DIR": STATE_DIR, "HERMIT_TICK_LOG": "/workspace/ticks.log",
            "HERMIT_DB_PATH": "/workspace/agent.db", "HERMIT_DELETE_PATH": "",
            "HERMIT_WORKLOAD_MEM_MB": str(mem_mb)}
     container = {"name": "agent", "image": image, "imagePullPolicy": "IfNotPresent",

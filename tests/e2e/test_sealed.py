@@ -123,7 +123,9 @@ def test_preempted_sandbox_is_sealed_in_the_bucket(
 # -- refused before CRIU runs: a flipped byte, a foreign namespace, a swapped manifest; a
 # setuid file the image does not have is stripped ---------------------------------------
 
-SUID = "/e2e-suid"
+# In /tmp: the sandbox runs as the restricted pod policy's default user (65532), who may
+# create a setuid file of its own there (the image's / is root's).
+SUID = "/tmp/e2e-suid"
 BUSYBOX = "/bin/busybox"
 
 

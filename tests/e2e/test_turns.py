@@ -91,7 +91,9 @@ def _drive(turns: TurnClient, ns: str, name: str, pod: str) -> list[TurnResult]:
         "echo one > /workspace/t1",                             # 1: first turn: full
         "",                                                     # 2: nothing: skip
         "cat /workspace/t1 >/dev/null",                         # 3: a read: skip
-        "echo four > /workspace/t4; echo note > /etc/agent-note",  # 4: files-only
+        # the writable layer: /tmp, the one directory of the image a non-root user (the
+        # restricted pod policy's default, 65532) may write
+        "echo four > /workspace/t4; echo note > /tmp/agent-note",  # 4: files-only
         "",                                                     # 5: skip
         "echo six > /workspace/t6; setsid sleep 4242 </dev/null >/dev/null 2>&1 &",  # 6: full
     ]
@@ -138,7 +140,7 @@ def test_turns_checkpoint_only_changes_and_a_loss_keeps_the_last_turn(
     restored = sb.status(namespace, name).get("restoredFrom") or {}
     assert restored.get("name") == last, f"expected a restore of {last}: {restored}"
     files = _exec(namespace, new_pod, "cat /workspace/t1 /workspace/t4 /workspace/t6 "
-                                        "/etc/agent-note")
+                                        "/tmp/agent-note")
     assert files.split() == ["one", "four", "six", "note"], files
     wait_until("the process turn 6 started, restored", 30,
                lambda: "sleep 4242" in _exec(namespace, new_pod, "ps -o args"))

@@ -99,6 +99,12 @@ def test_crds_only_install_needs_no_bucket() -> None:
     ({"grafana": {"dashboard": {"namespace": "Monitoring"}}}, "grafana.dashboard.namespace"),
     ({"grafana": {"dashboard": {"labels": {"grafana_dashboard": 1}}}},
      "grafana.dashboard.labels.grafana_dashboard"),
+    ({"operator": {"podPolicy": {"profile": "privileged"}}}, "operator.podPolicy.profile"),
+    ({"operator": {"podPolicy": {"allow": ["everything"]}}}, "operator.podPolicy.allow.0"),
+    ({"operator": {"podPolicy": {"serviceAccounts": ["Team_A/agent"]}}},
+     "operator.podPolicy.serviceAccounts.0"),
+    ({"operator": {"podPolicy": {"secretNamespaces": ["team-a/x"]}}},
+     "operator.podPolicy.secretNamespaces.0"),
     ({"operatr": {}}, ""),
 ])
 def test_invalid_values_are_rejected(override: Values, where: str) -> None:
@@ -308,3 +314,25 @@ def test_the_turn_port_is_on_the_node_and_the_client_role_is_narrow() -> None:
          "verbs": ["create"]},
         {"apiGroups": ["hermit.dev"], "resources": ["agentsandboxes"], "verbs": ["get"]},
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]
+
+
+def _operator_env(*sets: str) -> dict[str, str]:
+    [deploy] = [d for d in _render(*sets) if d["kind"] == "Deployment"]
+    return {e["name"]: e.get("value", "") for e in
+            deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def test_the_pod_policy_is_restricted_by_default_and_each_exemption_is_a_value() -> None:
+    env = _operator_env()
+    assert env["HERMIT_POD_POLICY_PROFILE"] == "restricted"
+    for name in ("HERMIT_POD_POLICY_ALLOW", "HERMIT_POD_POLICY_CAPABILITIES",
+                 "HERMIT_POD_POLICY_SERVICE_ACCOUNTS", "HERMIT_POD_POLICY_SECRET_NAMESPACES"):
+        assert env[name] == "", name
+    env = _operator_env("operator.podPolicy.profile=baseline",
+                        "operator.podPolicy.allow={placement,hostPath}",
+                        "operator.podPolicy.serviceAccounts={agent,team-a/deployer}",
+                        "operator.podPolicy.secretNamespaces={team-a}")
+    assert env["HERMIT_POD_POLICY_PROFILE"] == "baseline"
+    assert env["HERMIT_POD_POLICY_ALLOW"] == "placement,hostPath"
+    assert env["HERMIT_POD_POLICY_SERVICE_ACCOUNTS"] == "agent,team-a/deployer"
+    assert env["HERMIT_POD_POLICY_SECRET_NAMESPACES"] == "team-a"

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -8,13 +9,17 @@ import pytest
 import yaml
 
 from hermit_common import protocol
-from hermit_common.settings import OperatorSettings
+from hermit_common.settings import OperatorSettings, PodPolicySettings
 from hermit_operator import podspec
 from hermit_operator.podspec import InvalidSpec, build_sandbox_pod
 
 SAMPLES = Path(__file__).resolve().parents[2] / "crds" / "samples"
 SETTINGS = OperatorSettings(init_image="registry.example/hermit:1.0",
                             init_path="/usr/local/bin/hermit-init")
+# A template's own nodeSelector switches the spot requirement off: the pod policy refuses
+# it unless the admin grants the placement exemption (tests/unit/test_podpolicy.py).
+PLACEMENT_EXEMPT = dataclasses.replace(
+    SETTINGS, pod_policy=PodPolicySettings(allow=frozenset({"placement"})))
 
 
 def sample(name: str) -> dict[str, Any]:
@@ -111,7 +116,7 @@ def test_user_node_selector_replaces_the_spot_selector() -> None:
     sb = sample("agentsandbox-minimal.yaml")
     sb["spec"]["podTemplate"]["spec"]["nodeSelector"] = {"pool": "gpu"}
     sb["spec"]["placement"] = {"spot": True, "nodeSelector": {"zone": "a"}}
-    spec = build_sandbox_pod(sb, SETTINGS, 1, None)["spec"]
+    spec = build_sandbox_pod(sb, PLACEMENT_EXEMPT, 1, None)["spec"]
     assert spec["nodeSelector"] == {"pool": "gpu", "zone": "a"}
     assert "affinity" not in spec  # the template's nodeSelector chose the nodes
     assert len(spec["tolerations"]) == len(podspec.SPOT_TOLERATIONS)
@@ -216,7 +221,10 @@ def test_placement_node_selector_is_anded_with_the_spot_terms() -> None:
 def test_template_node_selector_means_the_user_chose_the_nodes() -> None:
     sb = sample("agentsandbox-minimal.yaml")
     sb["spec"]["podTemplate"]["spec"]["nodeSelector"] = {"pool": "gpu"}
-    spec = build_sandbox_pod(sb, SETTINGS, 1, None)["spec"]
+    with pytest.raises(InvalidSpec, match=r"nodeSelector: a template nodeSelector switches "
+                       r"the spot requirement off"):
+        build_sandbox_pod(sb, SETTINGS, 1, None)
+    spec = build_sandbox_pod(sb, PLACEMENT_EXEMPT, 1, None)["spec"]
     assert spec["nodeSelector"] == {"pool": "gpu"}
     assert required_terms(spec) is None
     assert schedules_on(spec, {"pool": "gpu"})  # on-demand or spot, as the user chose
