@@ -229,7 +229,11 @@ class TurnService:
 
     def _authorize(self, token: str, namespace: str, name: str) -> None:
         review = self._review(token)
-        if not review.get("authenticated"):
+        # An audience-unaware authenticator (a webhook) may authenticate the token while
+        # ignoring spec.audiences: the status must name ours (the TokenReview API's advice).
+        audience_ok = not self._audiences or bool(
+            set(self._audiences) & set(review.get("audiences") or ()))
+        if not review.get("authenticated") or not audience_ok:
             raise Refused(401, "the token is not valid"
                           + (f" for audience {self._audiences[0]}" if self._audiences else ""))
         user = dict(review.get("user") or {})
