@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
 
+from hermit_common import bounded
+from hermit_common.errors import CheckpointRefused
 from hermit_common.tree import KIND_FILE, Entry, ManifestError, check_entries
 
 FORMAT_VERSION: Final = 1
-MAX_MANIFEST_BYTES: Final = 256 * 1024 * 1024
+MAX_MANIFEST_BYTES: Final = bounded.MANIFEST_MAX_BYTES  # measured: bounded.py
 MAX_CHUNK_SIZE: Final = 256 * 1024 * 1024
 _SECTION_RE: Final = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,62}$")
 
@@ -217,13 +219,13 @@ class Manifest:
 
     @classmethod
     def from_json(cls, raw: bytes) -> Manifest:
-        """Parses manifest bytes strictly; raises ManifestError with one line."""
-        if len(raw) > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"manifest is larger than {MAX_MANIFEST_BYTES} bytes")
+        """Parses manifest bytes strictly, within bounded.MANIFEST_MAX_BYTES and its bound
+        on JSON containers; raises ManifestError with one line."""
         try:
-            data = json.loads(raw, parse_constant=_reject_constant)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ManifestError(f"manifest is not valid JSON: {exc}") from None
+            data = bounded.load_json(raw, limit=MAX_MANIFEST_BYTES, what="manifest",
+                                     parse_constant=_reject_constant)
+        except CheckpointRefused as exc:
+            raise ManifestError(str(exc)) from None
         return cls.from_dict(data)
 
 

@@ -42,6 +42,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from hermit_common import bounded
 from hermit_common.errors import CheckpointRefused, SettingsError
 from hermit_common.settings import SealSettings
 
@@ -164,9 +165,14 @@ class Wrapped:
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> Wrapped:
+        """A key record's bytes, parsed within bounded.KEY_RECORD_MAX_BYTES."""
         try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+            data = bounded.load_json(raw, limit=bounded.KEY_RECORD_MAX_BYTES,
+                                     what="the wrapped data key",
+                                     max_containers=bounded.ENVELOPE_MAX_CONTAINERS)
+        except bounded.TooLarge:
+            raise
+        except CheckpointRefused:
             raise CheckpointRefused("the wrapped data key is not JSON") from None
         if not isinstance(data, dict) or not {"kek", "dek"} <= set(data) <= \
                 {"kek", "dek", "lineage", "source"} or \
@@ -346,10 +352,14 @@ def _chunk_aad(name: str) -> bytes:
 
 
 def is_sealed(raw: bytes) -> bool:
-    """Whether stored manifest bytes are a sealed envelope (else: a plain manifest)."""
+    """Whether stored manifest bytes are a sealed envelope (else: a plain manifest).
+    Bytes with more JSON containers than an envelope has are not one, and are not parsed
+    here (a plain manifest is parsed once, by Manifest.from_json, within its bounds)."""
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        data = bounded.load_json(raw, limit=bounded.STORED_MANIFEST_MAX_BYTES,
+                                 what="the manifest",
+                                 max_containers=bounded.ENVELOPE_MAX_CONTAINERS)
+    except CheckpointRefused:
         return False
     return isinstance(data, dict) and "sealed" in data
 
@@ -378,9 +388,16 @@ def seal_manifest(wrapper: KeyWrapper, dek: bytes, wrapped: Wrapped, context: Co
 
 
 def _parse_envelope(raw: bytes) -> dict[str, Any]:
+    """The envelope's fields, parsed within bounded.STORED_MANIFEST_MAX_BYTES and the few
+    JSON containers an envelope has (its bulk is one base64 string): cheap, before the
+    signature is checked."""
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        data = bounded.load_json(raw, limit=bounded.STORED_MANIFEST_MAX_BYTES,
+                                 what="its sealed manifest",
+                                 max_containers=bounded.ENVELOPE_MAX_CONTAINERS)
+    except bounded.TooLarge:
+        raise
+    except CheckpointRefused:
         raise CheckpointRefused("its sealed manifest is not JSON") from None
     if not isinstance(data, dict) or set(data) != _ENVELOPE_FIELDS:
         raise CheckpointRefused("its sealed manifest does not have the envelope's fields")

@@ -193,6 +193,14 @@ class WatcherSettings:
         )
 
 
+# The turn endpoint's default audience: a token for it is good for nothing else (and a
+# token the API server accepts is refused there). HERMIT_TURN_AUDIENCE=@api-server opts
+# out: the API server's own audiences (a pod's default token works, sent in clear text
+# unless TLS is on).
+TURN_AUDIENCE = "hermit.dev/turns"
+TURN_AUDIENCE_API_SERVER = "@api-server"
+
+
 @dataclass(frozen=True)
 class NodeSettings:
     """Everything the node-agent needs, built once at start-up."""
@@ -224,9 +232,13 @@ class NodeSettings:
     # drain's) stopping upload holds routine ones back while it runs.
     upload_bandwidth_bytes_per_second: int = 0
     # The turn endpoint (docs/turns.md): its port (0: not served), and the audience a
-    # caller's token must carry ("": the API server's own audiences).
+    # caller's token must carry (Hermit's own by default; "" only when HERMIT_TURN_AUDIENCE
+    # is TURN_AUDIENCE_API_SERVER: the API server's own audiences, a pod's default token).
+    # With a certificate and key (both or neither) it serves TLS.
     turn_port: int = 9103
-    turn_audience: str = ""
+    turn_audience: str = TURN_AUDIENCE
+    turn_tls_cert_file: str | None = None
+    turn_tls_key_file: str | None = None
     # Restore lazily (docs/criu.md#lazy-restore): the tree runs while CRIU's lazy-pages
     # daemon copies its memory in; a node without userfaultfd restores fully.
     lazy_restore: bool = False
@@ -237,6 +249,7 @@ class NodeSettings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> NodeSettings:
         env = Env(environ)
+        tls = _turn_tls(env)
         return cls(
             node_name=env.text("HERMIT_NODE_NAME"),
             store=StoreSettings.from_env(environ),
@@ -260,11 +273,32 @@ class NodeSettings:
             upload_bandwidth_bytes_per_second=_bandwidth(
                 env, "HERMIT_UPLOAD_BANDWIDTH_BYTES_PER_SECOND"),
             turn_port=env.integer("HERMIT_TURN_PORT", 9103, minimum=0, maximum=65535),
-            turn_audience=env.optional_str("HERMIT_TURN_AUDIENCE") or "",
+            turn_audience=_turn_audience(env),
+            turn_tls_cert_file=tls[0],
+            turn_tls_key_file=tls[1],
             lazy_restore=env.flag("HERMIT_LAZY_RESTORE", False),
             chunk_cache_bytes=env.integer("HERMIT_CHUNK_CACHE_BYTES", 0,
                                           minimum=0, maximum=1024 ** 5),
         )
+
+
+def _turn_audience(env: Env) -> str:
+    value = env.text("HERMIT_TURN_AUDIENCE", TURN_AUDIENCE)
+    if value == TURN_AUDIENCE_API_SERVER:
+        return ""
+    if value.startswith("@") or any(c.isspace() for c in value):
+        raise SettingsError(f"HERMIT_TURN_AUDIENCE={value!r} is not an audience (or "
+                            f"{TURN_AUDIENCE_API_SERVER} for the API server's own)")
+    return value
+
+
+def _turn_tls(env: Env) -> tuple[str | None, str | None]:
+    cert = env.optional_str("HERMIT_TURN_TLS_CERT_FILE")
+    key = env.optional_str("HERMIT_TURN_TLS_KEY_FILE")
+    if (cert is None) != (key is None):
+        raise SettingsError("HERMIT_TURN_TLS_CERT_FILE and HERMIT_TURN_TLS_KEY_FILE go "
+                            "together: set both (TLS) or neither (plain HTTP)")
+    return cert, key
 
 
 # An upload bandwidth below this would take seconds per chunk: a typo, not a choice.

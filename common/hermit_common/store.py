@@ -45,7 +45,7 @@ from typing import Any, Final, TypeVar
 
 import zstandard
 
-from hermit_common import gc
+from hermit_common import bounded, gc
 from hermit_common.chunkcache import CacheTally, ChunkCache, entry_name
 from hermit_common.errors import CheckpointFailed, CheckpointRefused, HermitError
 from hermit_common.gc import CollectResult
@@ -528,6 +528,11 @@ class CheckpointStore:
                     time.sleep(delay)
 
     def _get(self, key: str, action: str, max_bytes: int) -> bytes:
+        """An object's bytes, at most ``max_bytes`` of them (bounded.py): its size is
+        checked on the response's Content-Length before any of the body is read (the
+        connection is closed unread: one request, like a HEAD first but without its
+        race), and no more than ``max_bytes`` + 1 bytes are ever read, whatever the
+        header said. bounded.TooLarge when it is larger."""
         try:
             response = self._client.get_object(Bucket=self.settings.bucket, Key=key)
         except Exception as exc:
@@ -538,7 +543,7 @@ class CheckpointStore:
         try:
             length = int(response.get("ContentLength", 0))
             if length > max_bytes:
-                raise CheckpointRefused(
+                raise bounded.TooLarge(
                     f"cannot {action} s3://{self.settings.bucket}/{key}: object of {length} "
                     f"bytes is larger than the limit of {max_bytes}")
             data: bytes = body.read(max_bytes + 1)
@@ -549,7 +554,7 @@ class CheckpointStore:
         finally:
             body.close()
         if len(data) > max_bytes:
-            raise CheckpointRefused(
+            raise bounded.TooLarge(
                 f"cannot {action} s3://{self.settings.bucket}/{key}: object is larger than "
                 f"the limit of {max_bytes} bytes")
         return data
@@ -614,9 +619,12 @@ class CheckpointStore:
 
     def _read_sandbox_key(self, key: str) -> Wrapped | None:
         try:
-            return Wrapped.from_bytes(self._get(key, "read sandbox key", 64 * 1024))
-        except CheckpointRefused:
-            return None  # malformed: replaced by a new key
+            return Wrapped.from_bytes(self._get(key, "read sandbox key",
+                                                bounded.KEY_RECORD_MAX_BYTES))
+        except CheckpointRefused as exc:
+            log.warning("the sandbox key record %s is unusable (%s): a new one replaces it",
+                        key, exc)
+            return None  # malformed or oversized: replaced by a new key
         except Exception as exc:
             if is_not_found(exc):
                 return None
@@ -725,17 +733,22 @@ class CheckpointStore:
     def read_manifest(self, namespace: str, sandbox: str, checkpoint: str, *,
                       expect_uid: str | None = None, expect_parent: str | None = None,
                       expect_lineage: tuple[str, ...] | None = None,
+                      expect_digest: str | None = None,
                       ) -> tuple[Manifest, str]:
         """Fetches, verifies (when sealed) and parses a manifest; returns it with the
         digest of its stored bytes. ``expect_uid``, ``expect_parent`` and
-        ``expect_lineage``: what a sealed manifest must be signed for, when given."""
+        ``expect_lineage``: what a sealed manifest must be signed for, when given;
+        ``expect_digest`` (a Checkpoint's status.manifestDigest): the stored bytes must
+        have it, checked before anything is parsed."""
         opened = self._open_manifest(Expected(namespace, sandbox, checkpoint, expect_uid,
-                                              expect_parent, expect_lineage))
+                                              expect_parent, expect_lineage), expect_digest)
         return opened.manifest, opened.digest
 
     def _open_manifest(self, expect: Expected, expect_digest: str | None = None) -> _Opened:
-        """Fetches a manifest, checks its stored bytes against ``expect_digest`` (before
-        anything is decrypted), unseals and parses it."""
+        """Fetches a manifest (at most bounded.STORED_MANIFEST_MAX_BYTES, refused on its
+        Content-Length before its body is read), checks its stored bytes against
+        ``expect_digest`` before anything is parsed or decrypted, then unseals (the
+        envelope's few fields parsed, its signature checked) and parses it."""
         namespace, checkpoint = expect.namespace, expect.checkpoint
         raw = self._read_manifest_bytes(namespace, expect.sandbox, checkpoint)
         actual = digest_bytes(raw)
@@ -784,6 +797,13 @@ class CheckpointStore:
                 referenced |= self.referenced_chunks(namespace, sandbox, name)
             except CheckpointNotFound:
                 continue  # deleted meanwhile
+            except bounded.TooLarge as exc:
+                # Larger than any manifest Hermit writes (or restores): planted, or
+                # unreadable anyway. Skipped unread, so it can neither exhaust the
+                # agent's memory nor stop the collection; its chunks count for nothing.
+                log.warning("garbage collection of %s/%s: manifest of %s skipped: %s",
+                            namespace, sandbox, name, exc)
+                continue
         prefix = f"{self._sandbox_prefix(namespace, sandbox)}chunks/"
         chunks = gc.doomed(dict(self._ages(prefix, "list chunks")), referenced, min_age_seconds)
         if not self._delete([f"{prefix}{c}" for c in chunks], "delete chunks", may_delete):
@@ -900,6 +920,12 @@ class CheckpointStore:
                           unique_chunks=len(referenced), stored_bytes=stored_bytes),
         )
         raw = manifest.to_json()
+        if len(raw) > MAX_MANIFEST_BYTES:  # it could never be read back: fail now
+            raise CheckpointFailed(
+                f"the manifest of checkpoint {ns}/{binding.checkpoint} would be {len(raw)} "
+                f"bytes ({sum(len(e) for e in final.values())} entries), over the limit of "
+                f"{MAX_MANIFEST_BYTES} (about 300 000 entries; docs/storage.md#bounded-"
+                "parsing): the sandbox has too many files to checkpoint")
         if keys is not None:
             assert self._sealing is not None
             raw = seal_manifest(self._sealing.wrapper, keys.dek, keys.wrapped,
@@ -929,7 +955,7 @@ class CheckpointStore:
                       exclusive=True)
         except ObjectExists as exc:
             try:
-                stored = self._get(key, "read manifest", MAX_MANIFEST_BYTES)
+                stored = self._get(key, "read manifest", bounded.STORED_MANIFEST_MAX_BYTES)
             except Exception:
                 stored = b""
             if stored != raw:
@@ -999,7 +1025,7 @@ class CheckpointStore:
     def _read_manifest_bytes(self, namespace: str, sandbox: str, checkpoint: str) -> bytes:
         key = self.manifest_key(namespace, sandbox, checkpoint)
         try:
-            return self._get(key, "read manifest", MAX_MANIFEST_BYTES)
+            return self._get(key, "read manifest", bounded.STORED_MANIFEST_MAX_BYTES)
         except Exception as exc:
             if is_not_found(exc):
                 raise CheckpointNotFound(

@@ -5,7 +5,7 @@ node the sandbox runs on that turn ``turn`` ended, and returns what it decided::
 
     from hermit_common.turns import TurnClient
 
-    client = TurnClient()                       # in a pod: its service-account token
+    client = TurnClient()          # in a pod: its projected token for hermit.dev/turns
     result = client.turn_ended("agents", "box-1", 7, wait_seconds=60)
     result.decision, result.checkpoint, result.phase   # "full", "box-1-1-turn7", "Completed"
 
@@ -14,7 +14,11 @@ The node-agent is found through the API: the sandbox's ``status.podName``, that 
 node's IP). The caller needs ``get`` on agentsandboxes and pods and ``create`` on
 ``agentsandboxes/turns`` in the namespace (the chart's ClusterRole
 ``<release>-turn-client``). The token is read from ``token_path`` at every call (projected
-tokens rotate), unless ``token`` is given.
+tokens rotate), unless ``token`` is given: by default ``TURN_TOKEN_PATH``, a projected
+service-account token with the audience ``hermit.dev/turns`` (the node-agent refuses any
+other by default, so the token it sees is good for nothing else). ``tls=True`` speaks
+HTTPS (``nodeAgent.turns.tls``), verifying the node-agent's certificate against
+``ca_file`` and, when given, the name ``server_name`` rather than the node's IP.
 """
 
 from __future__ import annotations
@@ -25,12 +29,16 @@ from pathlib import Path
 from typing import Any, Final
 
 import requests
+from requests.adapters import HTTPAdapter
 
 from hermit_common import protocol
 from hermit_common.errors import HermitError
 from hermit_common.kubeapi import KubeApi
+from hermit_common.settings import TURN_AUDIENCE
 
 SERVICE_ACCOUNT_TOKEN: Final = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+# Where a harness pod mounts its projected token for the turn endpoint (docs/turns.md).
+TURN_TOKEN_PATH: Final = "/var/run/secrets/hermit.dev/turns/token"
 MISDIRECTED: Final = 421  # the sandbox runs on another node now
 
 
@@ -70,13 +78,33 @@ class _Kube(KubeApi):
         return None if out is None else (self._dict(out).get("status") or {}).get("hostIP")
 
 
+class _NamedHost(HTTPAdapter):
+    """Verifies the server's certificate for ``name`` (and sends it as SNI), whatever
+    address the URL names: one certificate serves every node's IP."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        super().__init__()
+
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.update(server_hostname=self._name, assert_hostname=self._name)
+        super().init_poolmanager(*args, **kwargs)
+
+
 class TurnClient:
-    def __init__(self, *, token: str | None = None, token_path: str = SERVICE_ACCOUNT_TOKEN,
+    def __init__(self, *, token: str | None = None, token_path: str = TURN_TOKEN_PATH,
                  port: int = protocol.DEFAULT_TURN_PORT, kube: KubeApi | None = None,
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, tls: bool = False, ca_file: str | None = None,
+                 server_name: str | None = None) -> None:
         self._token, self._token_path = token, token_path
         self._port, self._timeout = port, timeout
         self._kube = _Kube(kube._client) if kube is not None else None
+        self._scheme = "https" if tls else "http"
+        self._http = requests.Session()
+        # Per request: a session's verify loses to REQUESTS_CA_BUNDLE in the environment.
+        self._verify: str | bool = ca_file if ca_file is not None else True
+        if tls and server_name:
+            self._http.mount("https://", _NamedHost(server_name))
 
     def _api(self) -> _Kube:
         if self._kube is None:
@@ -93,7 +121,7 @@ class TurnClient:
         if not host:
             raise TurnError(f"AgentSandbox {namespace}/{sandbox} has no running pod now", 409)
         path = protocol.TURNS_PATH.format(namespace=namespace, name=sandbox)
-        return f"http://{host}:{self._port}{path}"
+        return f"{self._scheme}://{host}:{self._port}{path}"
 
     def turn_ended(self, namespace: str, sandbox: str, turn: int, *,
                    wait_seconds: float = 0) -> TurnResult:
@@ -103,8 +131,9 @@ class TurnClient:
         for attempt in (1, 2):
             url = self.endpoint(namespace, sandbox)
             try:
-                resp = requests.post(
+                resp = self._http.post(
                     url, data=json.dumps(body), timeout=self._timeout + wait_seconds,
+                    verify=self._verify,
                     headers={"Authorization": f"Bearer {self._bearer()}",
                              "Content-Type": "application/json"})
             except requests.RequestException as exc:
@@ -120,8 +149,9 @@ class TurnClient:
         try:
             return Path(self._token_path).read_text().strip()
         except OSError as exc:
-            raise TurnError(f"cannot read the service-account token {self._token_path}: "
-                            f"{exc.strerror}") from None
+            raise TurnError(f"cannot read the turn token {self._token_path}: {exc.strerror} "
+                            f"(mount a projected service-account token with audience "
+                            f"{TURN_AUDIENCE} there: docs/turns.md)") from None
 
     @staticmethod
     def _result(url: str, resp: requests.Response) -> TurnResult:

@@ -260,14 +260,12 @@ class RestoreEngine:
         started = time.monotonic()
         # A sealed manifest is verified here (signature, namespace, sandbox uid, name,
         # parent, lineage): nothing is downloaded or written for one that does not verify.
+        # Its stored bytes must have the digest the Checkpoint recorded, checked before
+        # anything is parsed (bounded.py).
         manifest, digest = store.read_manifest(
             target.namespace, target.sandbox, target.checkpoint,
             expect_uid=target.sandbox_uid, expect_parent=target.expect_parent,
-            expect_lineage=target.expect_lineage)
-        if target.expect_manifest_digest is not None and digest != target.expect_manifest_digest:
-            raise CheckpointRefused(
-                f"checkpoint {target.namespace}/{target.checkpoint}: manifest digest {digest} "
-                f"does not match the expected {target.expect_manifest_digest}")
+            expect_lineage=target.expect_lineage, expect_digest=target.expect_manifest_digest)
         check_compatible(manifest, criu_version=self._criu.version(),
                          cpu_flags=sysinfo.cpu_flags(), image_digest=target.image_digest)
         admitted = self._admit(target, manifest, view)

@@ -3,9 +3,12 @@
 ``TurnService.handle`` serves ``POST /v1/namespaces/{ns}/agentsandboxes/{name}/turns``
 with ``{"turn": N}`` (and optionally ``"waitSeconds"``) and a bearer token:
 
-1. the caller is authenticated with a TokenReview (with ``HERMIT_TURN_AUDIENCE``, the
-   token must carry that audience) and authorized with a SubjectAccessReview: the verb
-   ``create`` on ``agentsandboxes/turns`` of that sandbox (401, 403);
+0. the caller's source address is rate-limited before anything is parsed (429);
+1. the caller is authenticated with a TokenReview (the token must carry
+   ``HERMIT_TURN_AUDIENCE``, Hermit's own ``hermit.dev/turns`` by default; the answer is
+   cached briefly by a hash of the token, a refusal too), rate-limited per user (429)
+   and authorized with a SubjectAccessReview: the verb ``create`` on
+   ``agentsandboxes/turns`` of that sandbox (401, 403);
 2. the sandbox must exist (404), have ``spec.checkpoint.onTurn: true`` (409) and run on
    this node (421 with the node that runs it, 409 while it is not running);
 3. the turn's end state is snapshotted (``snapshot.take``) and compared with the one of
@@ -39,7 +42,8 @@ from typing import Any, Final, Protocol
 
 from hermit_common import api, protocol
 from hermit_common.errors import HermitError
-from hermit_node import inspector, metrics, planner
+from hermit_common.settings import TURN_AUDIENCE
+from hermit_node import inspector, metrics, planner, turnlimits
 from hermit_node.inspector import Decision, Snapshot
 from hermit_node.kube import KubeError
 from hermit_node.planner import KubeObject, SandboxPod
@@ -58,6 +62,25 @@ _PATH: Final = re.compile(
 class Reply:
     status: int
     body: dict[str, Any]
+
+
+@dataclass
+class Guards:
+    """The endpoint's rate limits and TokenReview cache (turnlimits; one per service)."""
+
+    sources: turnlimits.RateLimiter = field(default_factory=lambda: turnlimits.RateLimiter(
+        turnlimits.SOURCE_RATE, turnlimits.SOURCE_BURST))
+    users: turnlimits.RateLimiter = field(default_factory=lambda: turnlimits.RateLimiter(
+        turnlimits.USER_RATE, turnlimits.USER_BURST))
+    reviews: turnlimits.ReviewCache[KubeObject] = field(
+        default_factory=lambda: turnlimits.ReviewCache(lambda r: bool(r.get("authenticated"))))
+
+
+def _too_many(limiter: turnlimits.RateLimiter, key: str, who: str) -> Refused:
+    wait = max(1, int(limiter.retry_after(key) + 0.999))
+    return Refused(429, f"too many requests from {who}: at most {limiter.rate:g} per "
+                        f"second (burst {limiter.burst}); retry after {wait} s",
+                   retryAfterSeconds=wait)
 
 
 class Refused(Exception):
@@ -165,19 +188,25 @@ def _in_thread(fn: Callable[[], None]) -> None:
 
 class TurnService:
     def __init__(self, node: str, kube: TurnKube, snapshots: SnapshotTaker,
-                 after_thaw: AfterThaw, *, audience: str = "",
+                 after_thaw: AfterThaw, *, audience: str = TURN_AUDIENCE,
                  sleep: Callable[[float], None] = time.sleep,
-                 spawn: Callable[[Callable[[], None]], None] = _in_thread) -> None:
+                 spawn: Callable[[Callable[[], None]], None] = _in_thread,
+                 guards: Guards | None = None) -> None:
         self.node, self._kube, self._snapshots = node, kube, snapshots
         self._after_thaw, self._spawn = after_thaw, spawn
+        # "" only by the explicit opt-out (settings.TURN_AUDIENCE_API_SERVER).
         self._audiences = [audience] if audience else []
+        self.guards = guards if guards is not None else Guards()
         self._sleep = sleep
         self._pods: dict[str, _PodTurns] = {}
         self._lock = threading.Lock()
 
-    def handle(self, path: str, authorization: str | None, body: bytes) -> Reply:
-        """Answer one request; never raises."""
+    def handle(self, path: str, authorization: str | None, body: bytes, *,
+               source: str | None = None) -> Reply:
+        """Answer one request from address ``source``; never raises."""
         try:
+            if source is not None and not self.guards.sources.allow(source):
+                raise _too_many(self.guards.sources, source, source)
             namespace, name = parse_path(path)
             token = parse_bearer(authorization)
             turn, wait = parse_body(body)
@@ -192,12 +221,25 @@ class TurnService:
             log.warning("turn request %s: %s", path, exc)
             return Reply(500, {"error": protocol.one_line(str(exc))})
 
+    def _review(self, token: str) -> KubeObject:
+        """The TokenReview's status for ``token``, from the cache when it is fresh."""
+        key = turnlimits.token_key(token, tuple(self._audiences))
+        return self.guards.reviews.get_or_compute(
+            key, lambda: dict(self._kube.review_token(token, self._audiences)))
+
     def _authorize(self, token: str, namespace: str, name: str) -> None:
-        review = self._kube.review_token(token, self._audiences)
-        if not review.get("authenticated"):
+        review = self._review(token)
+        # An audience-unaware authenticator (a webhook) may authenticate the token while
+        # ignoring spec.audiences: the status must name ours (the TokenReview API's advice).
+        audience_ok = not self._audiences or bool(
+            set(self._audiences) & set(review.get("audiences") or ()))
+        if not review.get("authenticated") or not audience_ok:
             raise Refused(401, "the token is not valid"
                           + (f" for audience {self._audiences[0]}" if self._audiences else ""))
         user = dict(review.get("user") or {})
+        username = str(user.get("username") or "")
+        if not self.guards.users.allow(username):
+            raise _too_many(self.guards.users, username, username)
         access = self._kube.review_access(user, {
             "namespace": namespace, "verb": protocol.TURNS_VERB, "group": api.GROUP,
             "resource": api.SANDBOX_PLURAL, "subresource": protocol.TURNS_SUBRESOURCE,

@@ -15,12 +15,14 @@ from kubernetes.stream import stream
 
 from hermit_common import protocol
 from hermit_common.kubeapi import KubeApi
+from hermit_common.settings import TURN_AUDIENCE
 from hermit_common.turns import TurnClient, TurnResult
 from tests.e2e import sandboxes as sb
 from tests.e2e.conftest import RELEASE, REPO, E2EConfig, Kube, wait_until
 
 HARNESS = "harness"
 STRANGER = "stranger"
+API_ONLY = "api-only"
 
 
 def _exec(ns: str, pod: str, script: str) -> str:
@@ -29,11 +31,16 @@ def _exec(ns: str, pod: str, script: str) -> str:
                       tty=False))
 
 
-def _token(ns: str, account: str) -> str:
+def _token(ns: str, account: str, audiences: list[str] | None = None) -> str:
+    """A token of a new service account for the turn endpoint's audience (the chart's
+    default), or for ``audiences`` ([]: the API server's own)."""
     core = client.CoreV1Api()
     core.create_namespaced_service_account(ns, {"metadata": {"name": account}})
-    out = core.create_namespaced_service_account_token(
-        account, ns, {"spec": {"expirationSeconds": 3600}})
+    spec: dict[str, Any] = {"expirationSeconds": 3600}
+    wanted = [TURN_AUDIENCE] if audiences is None else audiences
+    if wanted:
+        spec["audiences"] = wanted
+    out = core.create_namespaced_service_account_token(account, ns, {"spec": spec})
     return str(out.status.token)
 
 
@@ -75,10 +82,14 @@ def _turn_checkpoints(ns: str, name: str) -> list[str]:
                   if c["spec"]["sandboxRef"]["name"] == name)
 
 
-def _refusals(turns: TurnClient, ns: str, name: str, stranger: str) -> None:
+def _refusals(turns: TurnClient, ns: str, name: str, stranger: str, api_only: str) -> None:
     url = turns.endpoint(ns, name)
     anonymous = requests.post(url, json={"turn": 0}, timeout=30)
     assert anonymous.status_code == 401, anonymous.text
+    # A token the API server accepts (its own audience) is not one for the endpoint.
+    api = requests.post(url, json={"turn": 0}, timeout=30,
+                        headers={"Authorization": f"Bearer {api_only}"})
+    assert api.status_code == 401 and TURN_AUDIENCE in api.json()["error"], api.text
     foreign = requests.post(url, json={"turn": 0}, timeout=30,
                             headers={"Authorization": f"Bearer {stranger}"})
     assert foreign.status_code == 403, foreign.text
@@ -119,7 +130,8 @@ def test_turns_checkpoint_only_changes_and_a_loss_keeps_the_last_turn(
     node, pod = _running(namespace, name)
     sb.wait_agent_ready(kube, hermit_release, node)
     turns = TurnClient(token=_harness_token(namespace), kube=KubeApi(client.ApiClient()))
-    _refusals(turns, namespace, name, _token(namespace, STRANGER))
+    _refusals(turns, namespace, name, _token(namespace, STRANGER),
+              _token(namespace, API_ONLY, audiences=[]))
 
     results = _drive(turns, namespace, name, pod)
     decisions = [r.decision for r in results]

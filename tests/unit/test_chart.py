@@ -266,9 +266,17 @@ REVIEWS = [{"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"
 def test_the_turn_endpoint_is_on_by_default_and_port_0_removes_it_and_its_rights() -> None:
     rules, env = _node_agent_parts()
     assert all(r in rules for r in REVIEWS)
-    assert env["HERMIT_TURN_PORT"] == "9103" and "HERMIT_TURN_AUDIENCE" not in env
+    assert env["HERMIT_TURN_PORT"] == "9103"
+    assert env["HERMIT_TURN_AUDIENCE"] == "hermit.dev/turns"
+    assert "HERMIT_TURN_TLS_CERT_FILE" not in env
     _, env_aud = _node_agent_parts("nodeAgent.turns.audience=hermit-turns")
     assert env_aud["HERMIT_TURN_AUDIENCE"] == "hermit-turns"
+    _, env_tls = _node_agent_parts("nodeAgent.turns.tls.secretName=turns-cert")
+    assert env_tls["HERMIT_TURN_TLS_CERT_FILE"] == "/etc/hermit/turns-tls/tls.crt"
+    [ds] = [d for d in _render("nodeAgent.turns.tls.secretName=turns-cert")
+            if d["kind"] == "DaemonSet"]
+    volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["turns-tls"]["secret"]["secretName"] == "turns-cert"
     rules_off, env_off = _node_agent_parts("nodeAgent.turns.port=0")
     assert not any(r in rules_off for r in REVIEWS)
     assert env_off["HERMIT_TURN_PORT"] == "0"

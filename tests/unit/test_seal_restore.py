@@ -18,7 +18,8 @@ class _RefusingStore:
 
     def read_manifest(self, namespace: str, sandbox: str, checkpoint: str, *,
                       expect_uid: str | None = None, expect_parent: str | None = None,
-                      expect_lineage: tuple[str, ...] | None = None) -> Any:
+                      expect_lineage: tuple[str, ...] | None = None,
+                      expect_digest: str | None = None) -> Any:
         self.calls.append(("read_manifest", namespace, sandbox, checkpoint, expect_uid,
                            expect_parent, expect_lineage))
         raise CheckpointRefused(f"checkpoint {namespace}/{checkpoint} is refused: its "

@@ -181,10 +181,12 @@ class FakeKube:
         self.reviews: list[dict[str, Any]] = []
         self.audiences: list[list[str]] = []
         self.served_to = protocol.UPLOADING
+        self.audience_aware = True
 
     def review_token(self, token: str, audiences: list[str]) -> dict[str, Any]:
         self.audiences.append(audiences)
         return {"authenticated": self.authenticated and token == "good",
+                "audiences": list(audiences) if self.audience_aware else [],
                 "user": {"username": "system:serviceaccount:agents:harness", "uid": "u1"}}
 
     def review_access(self, user: dict[str, Any], attributes: dict[str, Any]) -> dict[str, Any]:
@@ -349,6 +351,16 @@ def test_the_audience_goes_to_the_token_review() -> None:
     kube = FakeKube()
     post(service(kube, [snap()], audience="hermit-turns"), 1)
     assert kube.audiences == [["hermit-turns"]]
+
+
+def test_an_authenticator_that_ignores_the_audience_is_not_trusted() -> None:
+    kube = FakeKube()
+    kube.audience_aware = False  # authenticated, but status.audiences does not name ours
+    reply = post(service(kube, [snap()], audience="hermit-turns"), 1)
+    assert reply.status == 401 and "for audience hermit-turns" in reply.body["error"]
+    kube_api = FakeKube()
+    kube_api.audience_aware = False  # the explicit opt-out: the API server's audiences
+    assert post(service(kube_api, [snap()], audience=""), 1).status == 201
 
 
 def test_the_baseline_takes_the_counters_after_the_thaw() -> None:
