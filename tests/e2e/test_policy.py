@@ -20,6 +20,7 @@ from tests.e2e.conftest import (
     helm_set,
     wait_until,
 )
+from tests.support.attacks import REFUSED, Attack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -27,6 +28,19 @@ Obj = dict[str, Any]
 NO_VOLUMES = ("no exemption: the node-agent copies these volumes while only the sandbox's "
               "container is frozen")
 NO_PID = "no exemption: the capture freezes and dumps only the sandbox's container"
+
+
+# What each refused template would have given its author (the attack suite's table).
+ATTACKS = {
+    "privileged": "a privileged sandbox container (root on the node)",
+    "hostPath": "a hostPath volume of the node's /",
+    "sidecar": "a sidecar mounting hermit-workspace (first step of the symlink race)",
+    "sharepid": "shareProcessNamespace (a second container sees the frozen tree)",
+    "account": "a pod with another ServiceAccount (confused deputy)",
+    "secretvolume": "a Secret volume of the namespace (confused deputy)",
+    "envfrom": "an envFrom Secret (confused deputy)",
+    "ondemand": "a nodeSelector that escapes spot nodes",
+}
 
 
 def refused(ns: str, name: str) -> str | None:
@@ -45,6 +59,7 @@ def _sidecar_on_the_workspace(c: Obj, p: Obj) -> None:
                                               "mountPath": "/spy"}]})
 
 
+@pytest.mark.attack
 @pytest.mark.parametrize(("what", "change", "field", "allows"), [
     ("privileged", lambda c, p: c.update(securityContext={"privileged": True}),
      "containers[0].securityContext.privileged", "operator.podPolicy.allow: [privileged]"),
@@ -66,7 +81,7 @@ def _sidecar_on_the_workspace(c: Obj, p: Obj) -> None:
 ])
 def test_a_sandbox_that_would_escape_is_refused(
     kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
-    what: str, change: Any, field: str, allows: str,
+    what: str, change: Any, field: str, allows: str, attack: Attack,
 ) -> None:
     spec = sb.stateful_spec(e2e_config.sandbox_image)
     pod_spec = spec["podTemplate"]["spec"]
@@ -88,6 +103,10 @@ def test_a_sandbox_that_would_escape_is_refused(
     pods = kube.api.list_namespaced_pod(
         namespace, label_selector=f"{protocol.LABEL_SANDBOX}={name}").items
     assert pods == [], f"a pod was created for a refused sandbox: {[p.metadata.name for p in pods]}"
+    attack.record(f"template: {ATTACKS[what]}", tried=f"an AgentSandbox whose podTemplate sets "
+                  f"spec.podTemplate.spec.{field}", outcome=REFUSED,
+                  evidence=f"Accepted=False, Warning {api.REASON_INVALID_SPEC}, no pod: "
+                           f"{message.split(': ', 1)[-1][:160]}")
 
 
 def test_a_template_that_asks_for_nothing_runs_restricted(

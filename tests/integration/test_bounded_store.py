@@ -23,6 +23,7 @@ from hermit_common import bounded
 from hermit_common.manifest import Binding, Manifest, Totals
 from hermit_common.store import CheckpointStore
 from hermit_common.tree import Entry
+from tests.support.attacks import REFUSED, Attack
 from tests.support.minio import MinioServer
 
 NS, BOX, UID = "team-a", "agent-1", "7f1c0c8e-uid"
@@ -112,14 +113,19 @@ def _good_manifest(checkpoint: str, digest: str) -> bytes:
                     "2026-01-01T00:00:00Z", 1, {"fs": files}, {}, Totals()).to_json()
 
 
+@pytest.mark.attack
 def test_a_planted_256_mib_manifest_is_refused_quickly_with_bounded_memory(
-        store: CheckpointStore, tmp_path: Path) -> None:
+        store: CheckpointStore, tmp_path: Path, attack: Attack) -> None:
     big = _bomb(tmp_path / "big.json", 256 * MIB)
     _plant(store, store.manifest_key(NS, BOX, "planted"), big)
     out = _read_in_fresh_process(store, "manifest", NS, BOX, "planted")
     assert out["outcome"].startswith("TooLarge") and "larger than the limit" in out["outcome"]
     assert out["seconds"] < 2.0
     assert out["rss_growth"] < SLACK and out["traced_peak"] < SLACK
+    attack.record("bucket: a 256 MiB manifest", tried="a 256 MiB JSON manifest planted in real "
+                  "MinIO, read as a restore reads it", outcome=REFUSED,
+                  evidence=f"refused on its Content-Length in {out['seconds'] * 1000:.0f} ms, "
+                           f"reader's RSS +{out['rss_growth'] / MIB:.1f} MiB")
 
 
 def test_a_dense_manifest_under_the_limit_is_refused_unparsed(

@@ -28,6 +28,7 @@ from cryptography.x509.oid import NameOID
 
 from hermit_common.turns import TurnClient
 from hermit_node import turnlimits, turnserver
+from tests.support.attacks import CONTAINED, REFUSED, Attack
 from tests.support.wait import wait_until
 from tests.unit.test_turns import PATH, FakeKube, service, snap
 
@@ -108,8 +109,9 @@ class Slow:
         self.sock.close()
 
 
+@pytest.mark.attack
 def test_a_slowloris_does_not_block_a_legitimate_caller_and_is_cut_off(
-        endpoint: tuple[turnserver.TurnHTTPServer, CountingKube]) -> None:
+        endpoint: tuple[turnserver.TurnHTTPServer, CountingKube], attack: Attack) -> None:
     server, kube = endpoint
     port = server.server_address[1]
     # 60 slow connections from 60 addresses, and 40 more from one address (its own cap).
@@ -143,10 +145,17 @@ def test_a_slowloris_does_not_block_a_legitimate_caller_and_is_cut_off(
           f"in {served_in * 1000:.0f} ms, {server.refused_connections} refused over the "
           f"caps, {server.cut_off} cut off after at most {max(t or 0 for t in lasted):.1f} s; "
           f"{kube.token_reviews} TokenReview(s)")
+    attack.record("turn endpoint: slowloris", tried=f"{len(slow)} slow connections from 60 "
+                  f"addresses and {len(crowd)} from one, a byte at a time, against the real "
+                  "turn server", outcome=CONTAINED,
+                  evidence=f"a legitimate caller served in {served_in * 1000:.0f} ms meanwhile; "
+                           f"{server.refused_connections} refused over the per-source cap; every "
+                           f"slow one cut off within {max(t or 0 for t in lasted):.1f} s")
 
 
+@pytest.mark.attack
 def test_a_junk_token_flood_costs_a_bounded_number_of_token_reviews(
-        endpoint: tuple[turnserver.TurnHTTPServer, CountingKube]) -> None:
+        endpoint: tuple[turnserver.TurnHTTPServer, CountingKube], attack: Attack) -> None:
     server, kube = endpoint
     port = server.server_address[1]
     started = time.monotonic()
@@ -188,6 +197,11 @@ def test_a_junk_token_flood_costs_a_bounded_number_of_token_reviews(
     print(f"junk-token flood: 2000 distinct tokens from one address in {elapsed:.1f} s -> "
           f"{statuses} and {distinct_reviews} TokenReviews; 2000 of one token from 50 "
           f"addresses -> {same} and {same_reviews} TokenReview")
+    attack.record("turn endpoint: junk-token flood", tried="2000 distinct junk tokens from one "
+                  "address, then one junk token 2000 times from 50 addresses (TokenReviews "
+                  "counted at the Kubernetes adapter)", outcome=REFUSED,
+                  evidence=f"{statuses} costing {distinct_reviews} TokenReviews; {same} "
+                           f"costing {same_reviews}; the legitimate caller still served")
 
 
 def test_oversized_heads_and_bodies_are_refused(
