@@ -199,7 +199,7 @@ def test_entry_swapped_for_a_symlink_is_not_followed(
     target = secret_dir if step == "_enter_dir" else secret_dir / "1"
     _swap_before(monkeypatch, step, victim, _to_symlink(target), src)
     before = _fds()
-    with pytest.raises(CheckpointFailed, match="replaced .* during the copy"):
+    with pytest.raises(CheckpointFailed, match=r"replaced .* during the copy"):
         safecopy.copy_tree(src, tmp_path / "copy")
     assert _fds() == before
     assert _leaked(tmp_path / "copy") == []
