@@ -135,8 +135,12 @@ class _Dirs:
                 raise
             mode = os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode
             what = "a symlink" if stat.S_ISLNK(mode) else "not a directory"
+            if entry is None:  # a directory the apply made, changed since
+                raise RestoreFailed(
+                    f"directory {rel} became {what} in the target during the apply; "
+                    "nothing is written through it") from None
             raise RestoreFailed(
-                f"{entry or rel}: its parent {rel} is {what} in the target; nothing is "
+                f"{entry}: its parent {rel} is {what} in the target; nothing is "
                 "written through it") from None
         self._open[rel] = fd
         return fd
