@@ -221,7 +221,7 @@ class _Copier:
             out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                           | os.O_CLOEXEC, 0o600, dir_fd=dst)
             try:
-                self.stats.bytes += self._copy_data(fd, out, st.st_size)
+                self.stats.bytes += self._copy_data(fd, out, st.st_size, st.st_blocks)
                 _own_mode_fd(out, st)  # before the xattrs: a chown clears security.capability
                 self._copy_xattrs(fd, out, rel)
                 os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))
@@ -231,7 +231,7 @@ class _Copier:
             os.close(fd)
         self.stats.files += 1
 
-    def _copy_data(self, src: int, dst: int, size: int) -> int:
+    def _copy_data(self, src: int, dst: int, size: int, st_blocks: int) -> int:
         """Copies ``size`` bytes (fewer if the file shrank meanwhile), holes as holes."""
         if size == 0:
             return 0
@@ -244,10 +244,13 @@ class _Copier:
                                      errno.ENOTTY, errno.ENOSYS, errno.EPERM):
                     raise
                 self.reflink = False
-        copied = 0
+        if st_blocks * 512 >= size:  # no hole to keep: one range, no SEEK_DATA
+            return self._copy_range(src, dst, 0, size)
+        copied = end = 0
         for start, end in _data_extents(src, size):
             copied += self._copy_range(src, dst, start, end)
-        os.ftruncate(dst, size)  # a trailing hole
+        if end < size:
+            os.ftruncate(dst, size)  # a trailing hole
         return copied
 
     def _copy_range(self, src: int, dst: int, start: int, end: int) -> int:
