@@ -101,6 +101,7 @@ class _Copier:
         self.reflink = True  # until the first FICLONE says the filesystems cannot
         self.copy_range = True  # until copy_file_range says it cannot (EXDEV, ENOSYS)
         self._src_root = src_root
+        self.at = ""  # the entry being copied, relative to the source (for errors)
 
     # --- the walk -------------------------------------------------------------------
 
@@ -149,6 +150,7 @@ class _Copier:
     def _copy_entry(self, src: int, dst: int, name: str, rel: str,
                     ) -> tuple[int, int, os.stat_result] | None:
         """Copies one entry; returns (src fd, dest fd, stat) of a directory to enter."""
+        self.at = rel
         st = os.stat(name, dir_fd=src, follow_symlinks=False)
         mode = st.st_mode
         if stat.S_ISDIR(mode):
@@ -166,7 +168,7 @@ class _Copier:
             self._copy_special(src, dst, name, st)
         else:
             raise CheckpointFailed(f"cannot copy {self.source}/{rel}: unknown file type "
-                                   f"{stat.S_IFMT(mode):o}")
+                                   f"{stat.S_IFMT(mode):o}")  # (no such type in Linux)
         if st.st_nlink > 1:
             self.links[(st.st_dev, st.st_ino)] = rel
         return None
@@ -188,7 +190,7 @@ class _Copier:
             return None
         if (st.st_dev, st.st_ino) in self.entered:
             # Moved during the copy to where the walk meets it again: never twice.
-            raise _Changed(f"{rel} was moved during the copy (its directory was met twice)")
+            raise _Changed("a directory was moved where the walk met it again")
         self.entered.add((st.st_dev, st.st_ino))
         child = os.open(name, _DIR_FLAGS, dir_fd=src)
         try:
@@ -200,6 +202,7 @@ class _Copier:
         return child, dchild, st
 
     def _finish_dir(self, src: int, dst: int, rel: str, st: os.stat_result) -> None:
+        self.at = rel
         self._copy_xattrs(src, dst, rel)
         _own_mode_times_fd(dst, st)
 
@@ -392,6 +395,26 @@ def _raise_nofile_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+# What an entry changed by someone else between two steps of the copy looks like.
+_RACES: Final = (errno.ELOOP, errno.ENOTDIR, errno.ENOENT)
+
+
+def _why(exc: OSError) -> str:
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+        return "it was replaced (by a symlink or another type) during the copy"
+    if exc.errno == errno.ENOENT:
+        return "it vanished during the copy"
+    if exc.errno == errno.EMFILE:
+        return "the tree is deeper than the open-file limit allows (two per level)"
+    return exc.strerror or str(exc)
+
+
+def _failure(copier: _Copier, why: str, *, modified: bool) -> CheckpointFailed:
+    where = f"{copier.source}/{copier.at}" if copier.at else copier.source
+    tail = "; a process outside the frozen container is modifying the tree" if modified else ""
+    return CheckpointFailed(f"cannot copy {where}: {why}{tail}")
+
+
 def copy_tree(source: Path, dest: Path) -> CopyStats:
     """Copies the tree under ``source`` into ``dest`` (created; must not exist or be
     empty), with the metadata ``cp -a`` keeps, never following a path of ``source``.
@@ -413,20 +436,8 @@ def copy_tree(source: Path, dest: Path) -> CopyStats:
             try:
                 copier.run()
             except _Changed as exc:
-                raise CheckpointFailed(
-                    f"cannot copy {src_text}: an entry changed during the copy ({exc}); "
-                    "a process outside the frozen container is modifying the tree") from None
+                raise _failure(copier, f"it changed during the copy ({exc})",
+                               modified=True) from None
             except OSError as exc:
-                where = f"{src_text}/{exc.filename}" if isinstance(exc.filename, str) \
-                    and not exc.filename.startswith("/proc/") else src_text
-                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise CheckpointFailed(
-                        f"cannot copy {where}: an entry was replaced (by a symlink or "
-                        "another type) during the copy; a process outside the frozen "
-                        "container is modifying the tree") from None
-                if exc.errno == errno.EMFILE:
-                    raise CheckpointFailed(
-                        f"cannot copy {where}: the tree is deeper than the open-file limit "
-                        "allows (two files per directory level)") from None
-                raise CheckpointFailed(f"cannot copy {where}: {exc.strerror or exc}") from None
+                raise _failure(copier, _why(exc), modified=exc.errno in _RACES) from None
     return copier.stats

@@ -28,11 +28,13 @@ the leak. Each try offers cp 40 victim directories, as a sidecar can.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import subprocess
 import sys
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -41,7 +43,17 @@ from pathlib import Path
 import pytest
 
 from hermit_common.errors import CheckpointFailed
+from hermit_common.store import CheckpointStore
 from hermit_node import safecopy
+from hermit_node.checkpoint import SECTION_WORKSPACE, CheckpointEngine, CheckpointTarget
+from hermit_node.criu import Criu
+from hermit_testbed.cni import CniNetwork
+from hermit_testbed.container import Mount
+from hermit_testbed.containerd import Containerd
+from hermit_testbed.errors import TestbedError
+from hermit_testbed.scenario import Node, build_sandbox_image, destroy_sandbox, start_sandbox
+from tests.support.containerd import require_containerd
+from tests.support.minio import MinioServer
 from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.integration,
@@ -309,3 +321,95 @@ def test_attacker_starts(tmp_path: Path,
     wait_until("the attacker's swap", d.is_symlink, timeout=10)
     halt()
     assert (tmp_path / "victim.moved").is_dir()
+
+
+# -- the same route through a real container and a real Hermit checkpoint ----------------
+
+SIDECAR_VICTIMS = 20
+# A second container of the pod mounting the sandbox's workspace (the route of the issue;
+# the operator's pod policy now refuses it, the agent must not depend on that): it fills
+# the workspace with directories holding a file ``1``, then flips each between itself and
+# a symlink to the agent's key directory (a host path, as the agent would resolve it) for
+# as long as it runs. The sandbox container is frozen during the capture; this one is not.
+SIDECAR = r'''
+cd /workspace || exit 1
+i=0
+while [ $i -lt {n} ]; do mkdir -p v$i && echo src:v$i/1 > v$i/1; i=$((i+1)); done
+touch sidecar-ready
+while true; do
+  i=0
+  while [ $i -lt {n} ]; do mv v$i v$i.real && ln -s {target} v$i; i=$((i+1)); done
+  i=0
+  while [ $i -lt {n} ]; do rm v$i && mv v$i.real v$i; i=$((i+1)); done
+done
+'''
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    require_containerd()
+    base = tmp_path_factory.mktemp("race-node")
+    try:
+        image_tar = build_sandbox_image(base)
+    except TestbedError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    with Containerd(base / "node") as cd:
+        n = Node("node-race", cd, base / "work")
+        n.work_dir.mkdir()
+        n.image_ref = cd.import_image(image_tar)
+        yield n
+
+
+def test_a_sidecar_swapping_workspace_dirs_during_real_checkpoints(
+        tmp_path: Path, node: Node, cni_network: CniNetwork, criu_bin: Path,
+        minio_server: MinioServer) -> None:
+    """Real containerd + runc + CRIU + MinIO: a sidecar container flips workspace
+    directories to the agent's key directory during 5 routine checkpoints of the sandbox;
+    whatever each checkpoint captured (kept locally: what was uploaded) holds no byte of
+    the key, and the sandbox keeps running."""
+    target = _sealing(tmp_path)
+    settings = minio_server.settings(f"race-{uuid.uuid4().hex[:8]}")
+    store = CheckpointStore(settings)
+    store.ensure_bucket()
+    engine = CheckpointEngine(Criu(str(criu_bin)), store, node.work_dir)
+    sandbox = start_sandbox(node, cni_network, "sbx-race")
+    sidecar_id = "sbx-race-sidecar"
+    try:
+        node.containerd.run(
+            sidecar_id, node.image_ref,
+            ["/bin/sh", "-c", SIDECAR.format(n=SIDECAR_VICTIMS, target=target.link)],
+            mounts=[Mount(sandbox.workspace, "/workspace")])
+        wait_until("the sidecar's directories", (sandbox.workspace / "sidecar-ready").exists,
+                   timeout=30)
+        sandbox.wait_ticks(3)
+        outcomes: Counter[str] = Counter()
+        uid = str(uuid.uuid4())
+        for i in range(5):
+            ckpt = CheckpointTarget(namespace="agents", sandbox="sbx-race", sandbox_uid=uid,
+                                    checkpoint=f"race-{i}", init_pid=sandbox.init_pid,
+                                    image_digest=node.image_digest())
+            try:
+                engine.checkpoint(ckpt, keep_local=True)
+            except CheckpointFailed as exc:
+                # Refused because the tree changed under the copy, nothing else.
+                assert "left running" in str(exc) and "during the copy" in str(exc), exc
+                outcomes["refused (CheckpointFailed)"] += 1
+                continue
+            local = engine.local_dir(ckpt)
+            foreign = [f for f in _foreign(local / SECTION_WORKSPACE, target)
+                       if f.startswith("v")]
+            assert foreign == [], f"checkpoint {i} captured the key: {foreign}"
+            for dirpath, _, files in os.walk(local):
+                for name in files:
+                    path = Path(dirpath) / name
+                    if path.is_file() and not path.is_symlink():
+                        assert target.markers[0] not in path.read_bytes(), path
+            outcomes["taken, clean"] += 1
+        after = sandbox.ticks()[-1]
+        sandbox.wait_ticks(after + 2)  # the sandbox runs on
+        print(f"\nATTACK capture-race route=sidecar-container checkpoints=5 leaked=0 "
+              f"{dict(outcomes)}")
+    finally:
+        with contextlib.suppress(TestbedError):
+            node.containerd.delete(sidecar_id)
+        destroy_sandbox(sandbox, cni_network)

@@ -302,7 +302,7 @@ def test_a_directory_met_twice_is_refused(tmp_path: Path,
         return result
 
     monkeypatch.setattr(safecopy._Copier, "_enter_dir", wrapped)
-    with pytest.raises(CheckpointFailed, match="met twice"):
+    with pytest.raises(CheckpointFailed, match="moved where the walk met it again"):
         safecopy.copy_tree(src, tmp_path / "copy")
 
 
@@ -320,3 +320,15 @@ def _no_stray_fds() -> Iterator[None]:
     before = _fds()
     yield
     assert _fds() - before == set()
+
+
+def test_an_entry_that_vanishes_names_itself(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "src"
+    _build(src)
+    _swap_before(monkeypatch, "_copy_file", "big", lambda path: path.unlink(), src)
+    with pytest.raises(CheckpointFailed) as failure:
+        safecopy.copy_tree(src, tmp_path / "copy")
+    assert str(failure.value) == (
+        f"cannot copy {src}/big: it vanished during the copy; a process outside the frozen "
+        "container is modifying the tree")
