@@ -441,3 +441,44 @@ def copy_tree(source: Path, dest: Path) -> CopyStats:
             except OSError as exc:
                 raise _failure(copier, _why(exc), modified=exc.errno in _RACES) from None
     return copier.stats
+
+
+def tree_bytes(root: Path) -> int:
+    """Bytes of the regular files under ``root`` (a hardlinked file once; 0 if absent),
+    walked as ``copy_tree`` walks: from directory fds, O_NOFOLLOW, not into another
+    mount, one fd per level. An entry that changes meanwhile is skipped (an estimate,
+    the sandbox runs): a directory swapped for a symlink is never entered, so the walk
+    never sizes (nor spends its time on) what the symlink names."""
+    try:
+        top = os.open(os.fspath(root), _DIR_FLAGS)
+    except OSError:
+        return 0
+    dev = os.fstat(top).st_dev
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    stack: list[tuple[int, Iterator[str]]] = [(top, iter(_Copier._list(top)))]
+    try:
+        while stack:
+            fd, names = stack[-1]
+            name = next(names, None)
+            if name is None:
+                os.close(stack.pop()[0])
+                continue
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode) and st.st_dev == dev:
+                    child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                    opened = os.fstat(child)
+                    if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+                        os.close(child)
+                        continue
+                    stack.append((child, iter(_Copier._list(child))))
+            except OSError:
+                continue  # gone or replaced meanwhile
+            if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+    finally:
+        for fd, _ in stack:
+            os.close(fd)
+    return total

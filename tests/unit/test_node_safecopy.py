@@ -332,3 +332,26 @@ def test_an_entry_that_vanishes_names_itself(tmp_path: Path,
     assert str(failure.value) == (
         f"cannot copy {src}/big: it vanished during the copy; a process outside the frozen "
         "container is modifying the tree")
+
+
+def test_tree_bytes_never_enters_a_symlink(tmp_path: Path, secret_dir: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "a").write_bytes(b"x" * 100)
+    os.link(src / "d" / "a", src / "d" / "b")  # once
+    os.symlink(secret_dir, src / "keys")
+    assert safecopy.tree_bytes(src) == 100
+    assert safecopy.tree_bytes(tmp_path / "missing") == 0
+    # A directory swapped for a symlink between the listing and the open: skipped.
+    real_stat = os.stat
+
+    def swapping_stat(name: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        st = real_stat(name, *args, **kwargs)
+        if name == "d" and kwargs.get("dir_fd") is not None:
+            os.rename(src / "d", src / "d.moved")
+            os.symlink(secret_dir, src / "d")
+        return st
+
+    monkeypatch.setattr(safecopy.os, "stat", swapping_stat)
+    assert safecopy.tree_bytes(src) == 0
