@@ -17,16 +17,17 @@ So ``copy_tree`` resolves no path of the source, ever:
 - file contents are read from that fd (reflink, else ``copy_file_range``, else
   ``sendfile``, holes kept); metadata is read from it (``fstat``, ``flistxattr``);
 - a symlink is recreated as a symlink (``readlinkat``), never followed; the extended
-  attributes of a symlink, a FIFO or a device node (which have no fd to read them from)
+  attributes of a symlink, a FIFO or a whiteout (which have no fd to read them from)
   are read through ``/proc/self/fd/<parent fd>/<name>`` without following the last
   component: the parent is the directory already opened, not a path.
 
 What the copy holds, as ``cp -a`` did: directories, regular files (sparse stays
-sparse), symlinks, FIFOs, device nodes (the whiteouts, char 0:0; any other device node is
-copied too and refused later by ``tree.scan_tree``); sockets are skipped (``scan_tree``
-skips them, CRIU recreates them). Owner, mode (setuid/setgid included: the restore side,
-admit.py, strips what the new pod does not allow), access and modification times, and
-hardlinks (every type but directories) are kept. Extended attributes: those ``scan_tree``
+sparse), symlinks, FIFOs, the overlay whiteouts (char devices 0:0); sockets are skipped
+(``scan_tree`` skips them, CRIU recreates them). Any other device node fails the copy,
+as ``tree.scan_tree`` failed it after ``cp -a`` had made it in the staging directory.
+Owner, mode (setuid/setgid included: the restore side, admit.py, strips what the new pod
+does not allow), access and modification times, and hardlinks (every type but
+directories) are kept. Extended attributes: those ``scan_tree``
 captures (``tree.is_captured_xattr``) and the overlay markers it reads (opaque, whiteout);
 the rest (other ``trusted.overlay.*``, LSM labels) is node state, not the tree's.
 
@@ -80,7 +81,7 @@ class CopyStats:
     bytes: int = 0
     symlinks: int = 0
     hardlinks: int = 0
-    specials: int = 0  # FIFOs and device nodes (whiteouts)
+    specials: int = 0  # FIFOs and whiteouts
     sockets_skipped: int = 0
     mounts_skipped: list[str] = field(default_factory=list)  # relative paths
     xattrs_unsupported: list[str] = field(default_factory=list)  # "path: name"
@@ -164,8 +165,14 @@ class _Copier:
             self._copy_file(src, dst, name, rel, st)
         elif stat.S_ISLNK(mode):
             self._copy_symlink(src, dst, name, st)
-        elif stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        elif stat.S_ISFIFO(mode) or (stat.S_ISCHR(mode) and st.st_rdev == 0):
             self._copy_special(src, dst, name, st)
+        elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+            # cp -a made it and tree.scan_tree then refused it; refused before it exists:
+            # the agent never makes a node of a real device the tenant chose.
+            raise CheckpointFailed(
+                f"cannot capture {self.source}/{rel}: device node "
+                f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)} is not supported")
         else:
             raise CheckpointFailed(f"cannot copy {self.source}/{rel}: unknown file type "
                                    f"{stat.S_IFMT(mode):o}")  # (no such type in Linux)
@@ -290,7 +297,7 @@ class _Copier:
         self.stats.symlinks += 1
 
     def _copy_special(self, src: int, dst: int, name: str, st: os.stat_result) -> None:
-        """A FIFO or a device node (an overlay whiteout is char 0:0): made, not opened."""
+        """A FIFO or an overlay whiteout (char 0:0): made, not opened."""
         os.mknod(name, stat.S_IFMT(st.st_mode) | 0o600, st.st_rdev, dir_fd=dst)
         self._copy_inode_meta_at(src, dst, name, st)
         self.stats.specials += 1

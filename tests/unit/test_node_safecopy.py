@@ -355,3 +355,12 @@ def test_tree_bytes_never_enters_a_symlink(tmp_path: Path, secret_dir: Path,
 
     monkeypatch.setattr(safecopy.os, "stat", swapping_stat)
     assert safecopy.tree_bytes(src) == 0
+
+
+def test_a_real_device_node_is_refused_not_made(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    os.mknod(src / "disk", stat.S_IFBLK | 0o600, os.makedev(8, 0))
+    with pytest.raises(CheckpointFailed, match="device node 8:0 is not supported"):
+        safecopy.copy_tree(src, tmp_path / "copy")
+    assert not (tmp_path / "copy" / "disk").exists()
