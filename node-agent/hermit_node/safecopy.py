@@ -450,42 +450,56 @@ def copy_tree(source: Path, dest: Path) -> CopyStats:
     return copier.stats
 
 
-def tree_bytes(root: Path) -> int:
-    """Bytes of the regular files under ``root`` (a hardlinked file once; 0 if absent),
-    walked as ``copy_tree`` walks: from directory fds, O_NOFOLLOW, not into another
-    mount, one fd per level. An entry that changes meanwhile is skipped (an estimate,
-    the sandbox runs): a directory swapped for a symlink is never entered, so the walk
-    never sizes (nor spends its time on) what the symlink names."""
-    try:
-        top = os.open(os.fspath(root), _DIR_FLAGS)
-    except OSError:
-        return 0
+def walk(root: Path, *, strict: bool = True) -> Iterator[tuple[str, os.stat_result]]:
+    """Every entry under ``root`` as (path relative to it, lstat), parents before their
+    children, walked as ``copy_tree`` walks: from directory fds, O_NOFOLLOW, not into
+    another mount, one fd per level. A directory replaced (by a symlink) between its
+    listing and its open is never entered: ``strict`` raises OSError (ELOOP, ENOTDIR,
+    ENOENT), else it is skipped. Raises OSError when ``root`` cannot be opened."""
+    top = os.open(os.fspath(root), _DIR_FLAGS)
     dev = os.fstat(top).st_dev
-    seen: set[tuple[int, int]] = set()
-    total = 0
-    stack: list[tuple[int, Iterator[str]]] = [(top, iter(_Copier._list(top)))]
+    stack: list[tuple[int, str, Iterator[str]]] = [(top, "", iter(_Copier._list(top)))]
     try:
         while stack:
-            fd, names = stack[-1]
+            fd, rel_dir, names = stack[-1]
             name = next(names, None)
             if name is None:
                 os.close(stack.pop()[0])
                 continue
+            rel = f"{rel_dir}/{name}" if rel_dir else name
             try:
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                child = None
                 if stat.S_ISDIR(st.st_mode) and st.st_dev == dev:
                     child = os.open(name, _DIR_FLAGS, dir_fd=fd)
                     opened = os.fstat(child)
                     if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
                         os.close(child)
-                        continue
-                    stack.append((child, iter(_Copier._list(child))))
+                        raise OSError(errno.ENOENT, "replaced during the walk", rel)
             except OSError:
+                if strict:
+                    raise
                 continue  # gone or replaced meanwhile
+            yield rel, st
+            if child is not None:
+                stack.append((child, rel, iter(_Copier._list(child))))
+    finally:
+        for fd, _, _ in stack:
+            os.close(fd)
+
+
+def tree_bytes(root: Path) -> int:
+    """Bytes of the regular files under ``root`` (a hardlinked file once; 0 if absent),
+    walked by ``walk``; an entry that changes meanwhile is skipped (an estimate, the
+    sandbox runs): a directory swapped for a symlink is never entered, so the walk never
+    sizes (nor spends its time on) what the symlink names."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    try:
+        for _, st in walk(root, strict=False):
             if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
                 seen.add((st.st_dev, st.st_ino))
                 total += st.st_size
-    finally:
-        for fd, _ in stack:
-            os.close(fd)
+    except OSError:  # the root itself is absent or unreadable
+        return total
     return total

@@ -364,3 +364,28 @@ def test_a_real_device_node_is_refused_not_made(tmp_path: Path) -> None:
     with pytest.raises(CheckpointFailed, match="device node 8:0 is not supported"):
         safecopy.copy_tree(src, tmp_path / "copy")
     assert not (tmp_path / "copy" / "disk").exists()
+
+
+def test_walk_lists_parents_first_and_refuses_a_swapped_directory(
+        tmp_path: Path, secret_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "src"
+    (src / "d" / "e").mkdir(parents=True)
+    (src / "d" / "e" / "f").write_bytes(b"f")
+    os.symlink(secret_dir, src / "keys")
+    rels = [rel for rel, _ in safecopy.walk(src)]
+    assert sorted(rels) == ["d", "d/e", "d/e/f", "keys"]
+    assert rels.index("d") < rels.index("d/e") < rels.index("d/e/f")
+    with pytest.raises(FileNotFoundError):
+        list(safecopy.walk(tmp_path / "missing"))
+    real_stat = os.stat
+
+    def swapping_stat(name: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        st = real_stat(name, *args, **kwargs)
+        if name == "d" and kwargs.get("dir_fd") is not None:
+            os.rename(src / "d", src / "d.moved")
+            os.symlink(secret_dir, src / "d")
+        return st
+
+    monkeypatch.setattr(safecopy.os, "stat", swapping_stat)
+    with pytest.raises(OSError):
+        list(safecopy.walk(src))
