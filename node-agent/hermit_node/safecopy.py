@@ -16,6 +16,8 @@ So ``copy_tree`` resolves no path of the source, ever:
   copy fails (CheckpointFailed: the checkpoint fails, the sandbox runs on);
 - file contents are read from that fd (reflink, else ``copy_file_range``, else
   ``sendfile``, holes kept); metadata is read from it (``fstat``, ``flistxattr``);
+- a directory that is another mount (its fd's mount id is not the root's) is not
+  entered: it is kept as an empty directory;
 - a symlink is recreated as a symlink (``readlinkat``), never followed; the extended
   attributes of a symlink, a FIFO or a whiteout (which have no fd to read them from)
   are read through ``/proc/self/fd/<parent fd>/<name>`` without following the last
@@ -92,10 +94,10 @@ class _Changed(Exception):
 
 
 class _Copier:
-    def __init__(self, source: str, src_root: int, dst_root: int, root_dev: int) -> None:
+    def __init__(self, source: str, src_root: int, dst_root: int) -> None:
         self.source = source
         self.dst_root = dst_root
-        self.root_dev = root_dev
+        self.root_mount = _mount_id(src_root)
         self.stats = CopyStats()
         self.links: dict[tuple[int, int], str] = {}  # (dev, ino) -> first name, dest-relative
         self.entered: set[tuple[int, int]] = set()  # directories walked, (dev, ino)
@@ -184,17 +186,6 @@ class _Copier:
                    ) -> tuple[int, int, os.stat_result] | None:
         os.mkdir(name, 0o700, dir_fd=dst)
         self.stats.dirs += 1
-        if st.st_dev != self.root_dev:
-            # A mount under the tree (a volume, a bind a privileged process propagated to
-            # the host) is not part of it: it is another filesystem, whoever mounted it
-            # chose what it shows, and the restore does not recreate mounts either. The
-            # directory is kept, empty, as the mount point it was.
-            self.stats.mounts_skipped.append(rel)
-            log.warning("copy of %s: %s is a mount point (another filesystem); its "
-                        "contents are not part of the tree and are not copied",
-                        self.source, rel)
-            self._copy_inode_meta_at(src, dst, name, st)
-            return None
         if (st.st_dev, st.st_ino) in self.entered:
             # Moved during the copy to where the walk meets it again: never twice.
             raise _Changed("a directory was moved where the walk met it again")
@@ -202,9 +193,24 @@ class _Copier:
         child = os.open(name, _DIR_FLAGS, dir_fd=src)
         try:
             _same(child, st)
+            if _mount_id(child) != self.root_mount:
+                # A mount under the tree (a volume, a bind a privileged process propagated
+                # to the host, even of the same filesystem: same st_dev) is not part of
+                # it: whoever mounted it chose what it shows (the host's /etc, another
+                # pod's volume), and the restore does not recreate mounts either. The
+                # directory is kept, empty, as the mount point it was. (The mount id, not
+                # st_dev: a bind of the same filesystem keeps st_dev, and a btrfs
+                # subvolume changes it without being a mount.)
+                self.stats.mounts_skipped.append(rel)
+                log.warning("copy of %s: %s is a mount point; its contents are not part "
+                            "of the tree and are not copied", self.source, rel)
+                self._copy_inode_meta_at(src, dst, name, st)
+                os.close(child)
+                return None
             dchild = os.open(name, _DIR_FLAGS, dir_fd=dst)
         except BaseException:
-            os.close(child)
+            with contextlib.suppress(OSError):
+                os.close(child)
             raise
         return child, dchild, st
 
@@ -355,6 +361,15 @@ def _fd(fd: int) -> Iterator[int]:
         os.close(fd)
 
 
+def _mount_id(fd: int) -> int:
+    """The id of the mount ``fd`` was opened on (``mnt_id`` of /proc/self/fdinfo)."""
+    with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+        for line in f:
+            if line.startswith(b"mnt_id:"):
+                return int(line.split()[1])
+    raise OSError(errno.ENOTSUP, f"/proc/self/fdinfo/{fd} has no mnt_id")
+
+
 def _same(fd: int, listed: os.stat_result) -> None:
     """The opened ``fd`` is the inode the listing saw (an entry swapped in between is
     not); raises _Changed."""
@@ -439,7 +454,7 @@ def copy_tree(source: Path, dest: Path) -> CopyStats:
     with _fd(src_root):
         dest.mkdir(parents=True, exist_ok=True)
         with _fd(os.open(os.fspath(dest), _DIR_FLAGS)) as dst_root:
-            copier = _Copier(src_text, src_root, dst_root, os.fstat(src_root).st_dev)
+            copier = _Copier(src_text, src_root, dst_root)
             try:
                 copier.run()
             except _Changed as exc:
@@ -457,7 +472,11 @@ def walk(root: Path, *, strict: bool = True) -> Iterator[tuple[str, os.stat_resu
     listing and its open is never entered: ``strict`` raises OSError (ELOOP, ENOTDIR,
     ENOENT), else it is skipped. Raises OSError when ``root`` cannot be opened."""
     top = os.open(os.fspath(root), _DIR_FLAGS)
-    dev = os.fstat(top).st_dev
+    try:
+        mount = _mount_id(top)
+    except BaseException:
+        os.close(top)
+        raise
     stack: list[tuple[int, str, Iterator[str]]] = [(top, "", iter(_Copier._list(top)))]
     try:
         while stack:
@@ -470,12 +489,8 @@ def walk(root: Path, *, strict: bool = True) -> Iterator[tuple[str, os.stat_resu
             try:
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 child = None
-                if stat.S_ISDIR(st.st_mode) and st.st_dev == dev:
-                    child = os.open(name, _DIR_FLAGS, dir_fd=fd)
-                    opened = os.fstat(child)
-                    if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
-                        os.close(child)
-                        raise OSError(errno.ENOENT, "replaced during the walk", rel)
+                if stat.S_ISDIR(st.st_mode):
+                    child = _open_subdir(fd, name, st, mount, rel)
             except OSError:
                 if strict:
                     raise
@@ -486,6 +501,23 @@ def walk(root: Path, *, strict: bool = True) -> Iterator[tuple[str, os.stat_resu
     finally:
         for fd, _, _ in stack:
             os.close(fd)
+
+
+def _open_subdir(parent: int, name: str, st: os.stat_result, mount: int,
+                 rel: str) -> int | None:
+    """The fd of directory ``name`` listed as ``st``; None if it is another mount."""
+    child = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    try:
+        opened = os.fstat(child)
+        if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+            raise OSError(errno.ENOENT, "replaced during the walk", rel)
+        if _mount_id(child) == mount:
+            return child
+    except BaseException:
+        os.close(child)
+        raise
+    os.close(child)  # another mount: not the tree's
+    return None
 
 
 def tree_bytes(root: Path) -> int:

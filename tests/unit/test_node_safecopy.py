@@ -268,20 +268,33 @@ def test_source_root_that_is_a_symlink_is_refused(tmp_path: Path, secret_dir: Pa
     assert _leaked(tmp_path / "copy") == []
 
 
-def test_a_mount_under_the_tree_is_not_entered(tmp_path: Path) -> None:
+def test_a_mount_under_the_tree_is_not_entered(tmp_path: Path, secret_dir: Path) -> None:
+    """Another filesystem (tmpfs), and a bind mount of a host directory of the SAME
+    filesystem (same st_dev: only the mount id tells): neither is copied nor walked."""
     src = tmp_path / "src"
     (src / "vol").mkdir(parents=True)
+    (src / "bind").mkdir()
     (src / "file").write_bytes(b"x")
     subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(src / "vol")], check=True)
     try:
-        (src / "vol" / "other").write_bytes(SECRET)
-        stats = safecopy.copy_tree(src, tmp_path / "copy")
+        subprocess.run(["mount", "--bind", str(secret_dir), str(src / "bind")], check=True)
+        try:
+            assert os.stat(src / "bind").st_dev == os.stat(src).st_dev
+            (src / "vol" / "other").write_bytes(SECRET)
+            stats = safecopy.copy_tree(src, tmp_path / "copy")
+            walked = sorted(rel for rel, _ in safecopy.walk(src))
+            size = safecopy.tree_bytes(src)
+        finally:
+            subprocess.run(["umount", str(src / "bind")], check=True)
     finally:
         subprocess.run(["umount", str(src / "vol")], check=True)
-    assert stats.mounts_skipped == ["vol"]
-    assert (tmp_path / "copy" / "vol").is_dir()
-    assert list((tmp_path / "copy" / "vol").iterdir()) == []
+    assert sorted(stats.mounts_skipped) == ["bind", "vol"]
+    for mount_point in ("vol", "bind"):
+        assert (tmp_path / "copy" / mount_point).is_dir()
+        assert list((tmp_path / "copy" / mount_point).iterdir()) == []
     assert (tmp_path / "copy" / "file").read_bytes() == b"x"
+    assert _leaked(tmp_path / "copy") == []
+    assert walked == ["bind", "file", "vol"] and size == 1
 
 
 def test_a_directory_met_twice_is_refused(tmp_path: Path,
