@@ -15,7 +15,6 @@ import fcntl
 import logging
 import os
 import shutil
-import subprocess
 import termios
 import threading
 import time
@@ -34,7 +33,7 @@ from hermit_common.store import (
     UploadResult,
     UploadSession,
 )
-from hermit_node import container, freezer, locate, pagemap, staging, sysinfo
+from hermit_node import container, freezer, locate, pagemap, safecopy, staging, sysinfo
 from hermit_node.criu import Criu, DumpRequest
 from hermit_node.streaming import ImageStreamer
 
@@ -116,14 +115,13 @@ def external_cgroup_mounts(view: container.ContainerView) -> dict[str, list[str]
 
 
 def _copy_tree(source: Path, dest: Path) -> None:
-    """Copy with owners, modes, xattrs (overlay opaque markers) and whiteout devices."""
-    dest.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(
-        ["cp", "-a", "--reflink=auto", f"{source}/.", str(dest)],
-        capture_output=True, text=True, check=False,
-    )
-    if proc.returncode != 0:
-        raise CheckpointFailed(f"cannot copy {source}: {proc.stderr.strip()}")
+    """Copy with owners, modes, xattrs (overlay opaque markers) and whiteout devices,
+    never following a path of the tenant's tree (safecopy.py: a sidecar that swaps a
+    directory for a symlink mid-copy gets a failed checkpoint, not the agent's files)."""
+    stats = safecopy.copy_tree(source, dest)
+    log.debug("copied %s: %d files (%d bytes), %d dirs, %d symlinks, %d hardlinks, "
+              "%d special files", source, stats.files, stats.bytes, stats.dirs,
+              stats.symlinks, stats.hardlinks, stats.specials)
 
 
 # The runtime reads the pipes within milliseconds, unless containerd itself is slow to take

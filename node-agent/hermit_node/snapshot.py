@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Final
 
-from hermit_node import container, locate
+from hermit_node import container, locate, safecopy
 from hermit_node.inspector import FileSig, Proc, Snapshot
 
 INIT_NAME: Final = "hermit-init"
@@ -67,21 +67,13 @@ def listening(net: dict[str, str]) -> frozenset[str]:
     return frozenset(out)
 
 
-def _raise(exc: OSError) -> None:
-    raise exc
-
-
 def tree_signature(root: Path) -> dict[str, FileSig]:
-    """Every entry under ``root`` (not following symlinks), by path relative to it."""
-    out: dict[str, FileSig] = {}
-    for dirpath, dirnames, filenames in os.walk(root, onerror=_raise, followlinks=False):
-        for name in (*dirnames, *filenames):
-            path = os.path.join(dirpath, name)
-            st = os.lstat(path)
-            out[os.path.relpath(path, root)] = FileSig(
-                st.st_mode, st.st_size if not stat.S_ISDIR(st.st_mode) else 0,
-                st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_uid, st.st_gid)
-    return out
+    """Every entry under ``root`` (not following symlinks), by path relative to it.
+    The tree is the tenant's: walked from directory fds, never by path (safecopy.walk;
+    a directory swapped for a symlink meanwhile raises OSError: unreadable)."""
+    return {rel: FileSig(st.st_mode, st.st_size if not stat.S_ISDIR(st.st_mode) else 0,
+                         st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_uid, st.st_gid)
+            for rel, st in safecopy.walk(root)}
 
 
 def process(pid: int, proc_root: Path, exempt: bool) -> Proc | None:

@@ -14,11 +14,11 @@ import contextlib
 import logging
 import os
 import shutil
-import stat
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from hermit_common.errors import CheckpointFailed
+from hermit_node import safecopy
 
 log = logging.getLogger(__name__)
 
@@ -50,20 +50,9 @@ def free_bytes(path: Path) -> int:
 
 
 def tree_bytes(root: Path) -> int:
-    """Bytes of the regular files under ``root`` (a hardlinked file once); 0 if absent."""
-    seen: set[tuple[int, int]] = set()
-    total = 0
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(dirpath, name))
-            except OSError:
-                continue  # gone meanwhile: the sandbox still runs
-            if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) in seen:
-                continue
-            seen.add((st.st_dev, st.st_ino))
-            total += st.st_size
-    return total
+    """Bytes of the regular files under ``root`` (a hardlinked file once); 0 if absent.
+    The tree is the tenant's: walked without following any of its paths (safecopy)."""
+    return safecopy.tree_bytes(root)
 
 
 def memory_bytes(cgroup_dirs: Iterable[Path]) -> int:

@@ -2,7 +2,7 @@
 
 The source is a real overlayfs (``mount -t overlay``): changes made in its merged view
 leave a real upperdir (whiteout devices, opaque dirs, copied-up files). That upperdir
-is captured as the checkpoint engine does (``cp -a``, ``scan_tree``, a manifest
+is captured as the checkpoint engine does (``safecopy``, ``scan_tree``, a manifest
 round trip) and applied with ``apply_tree`` onto a second, fresh overlay over the same
 lower layer; both merged views must then be the same. Hostile trees must be refused
 or stay inside the target root.
