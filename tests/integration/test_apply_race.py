@@ -33,6 +33,7 @@ import pytest
 from hermit_common.errors import RestoreFailed
 from hermit_common.tree import KIND_DIR, KIND_FILE, Entry
 from hermit_node.fsapply import apply_tree
+from tests.support import attacks
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(os.geteuid() != 0, reason="the apply chroots: root only")]
@@ -189,9 +190,10 @@ def _run(base: Path, mode: str, attack: Attack,
     return ok, _damage(target)
 
 
+@pytest.mark.attack
 @pytest.mark.parametrize("mode", ["dir", "file"])
 def test_fsapply_is_not_redirected_by_the_new_container(
-        tmp_path: Path, attacker: Attack, mode: str) -> None:
+        tmp_path: Path, attacker: Attack, mode: str, attack: attacks.Attack) -> None:
     outcomes = {"applied": 0, "refused": 0}
     for i in range(RUNS):
         ok, damage = _run(tmp_path / f"run{i}", mode, attacker, _fsapply)
@@ -201,6 +203,14 @@ def test_fsapply_is_not_redirected_by_the_new_container(
             assert len(list((tmp_path / f"run{i}" / "target" / "d.moved").iterdir())) \
                 == FILES
     print(f"\nATTACK apply-race attacker={mode} tries={RUNS} redirected=0 {outcomes}")
+    what = ("a directory being filled" if mode == "dir"
+            else "a setuid file being written")
+    attack.record(f"restore symlink race ({mode})",
+                  tried=f"{RUNS} restores' file applies while a process of the new container "
+                        f"swaps {what} for a symlink (inotify)", outcome=attacks.CONTAINED,
+                  evidence=f"no write redirected: {outcomes}; the same attacker redirects a "
+                           "path-based writer (test_control_the_same_attack_redirects_a_"
+                           "path_writer)")
 
 
 @pytest.mark.parametrize("mode", ["dir", "file"])

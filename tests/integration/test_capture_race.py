@@ -52,6 +52,7 @@ from hermit_testbed.container import Mount
 from hermit_testbed.containerd import Containerd
 from hermit_testbed.errors import TestbedError
 from hermit_testbed.scenario import Node, build_sandbox_image, destroy_sandbox, start_sandbox
+from tests.support import attacks
 from tests.support.containerd import require_containerd
 from tests.support.minio import MinioServer
 from tests.support.wait import wait_until
@@ -254,11 +255,12 @@ def _run(base: Path, target: Target, mode: str, copier: Callable[[Path, Path], b
     return ok, _foreign(copy, target), swapped
 
 
+@pytest.mark.attack
 @pytest.mark.parametrize("mode", ["inotify", "flip"])
 @pytest.mark.parametrize("which", sorted(TARGETS))
 def test_safecopy_never_follows_the_swapped_symlink(
         tmp_path: Path, attacker: Attack, which: str,
-        mode: str) -> None:
+        mode: str, attack: attacks.Attack) -> None:
     base = tmp_path / "runs"
     base.mkdir()
     target = TARGETS[which](tmp_path)
@@ -276,6 +278,14 @@ def test_safecopy_never_follows_the_swapped_symlink(
     assert sum(outcomes.values()) == RUNS
     if mode == "inotify":  # the attacker did act: every victim the copier opened
         assert swaps >= RUNS * VICTIMS // 2, f"only {swaps} directories were swapped"
+    how = ("swaps each directory for a symlink the moment the copier opens it (inotify)"
+           if mode == "inotify" else "flips directories and symlinks continuously")
+    attack.record(f"capture symlink race ({mode}) → {target.name}",
+                  tried=f"{RUNS} captures of a tenant tree while an attacker process {how}, "
+                        f"symlinks to {target.name}", outcome=attacks.CONTAINED,
+                  evidence=f"no byte of the target in any copy: {dict(outcomes)}; the same "
+                           "attacker beats `cp -a` (test_control_the_same_attack_wins_"
+                           "against_cp_a)")
 
 
 @pytest.mark.parametrize("which", sorted(TARGETS))
@@ -360,9 +370,10 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         yield n
 
 
+@pytest.mark.attack
 def test_a_sidecar_swapping_workspace_dirs_during_real_checkpoints(
         tmp_path: Path, node: Node, cni_network: CniNetwork, criu_bin: Path,
-        minio_server: MinioServer) -> None:
+        minio_server: MinioServer, attack: attacks.Attack) -> None:
     """Real containerd + runc + CRIU + MinIO: a sidecar container flips workspace
     directories to the agent's key directory during 5 routine checkpoints of the sandbox;
     whatever each checkpoint captured (kept locally: what was uploaded) holds no byte of
@@ -409,6 +420,12 @@ def test_a_sidecar_swapping_workspace_dirs_during_real_checkpoints(
         sandbox.wait_ticks(after + 2)  # the sandbox runs on
         print(f"\nATTACK capture-race route=sidecar-container checkpoints=5 leaked=0 "
               f"{dict(outcomes)}")
+        attack.record("capture symlink race from a sidecar container → key dir",
+                      tried="5 real checkpoints (containerd, runc, CRIU, MinIO) while a second "
+                            "container sharing the workspace flips its directories to symlinks "
+                            "to the agent's key directory", outcome=attacks.CONTAINED,
+                      evidence=f"no key byte captured, the sandbox ran on: {dict(outcomes)} "
+                               "(on the cluster such a sidecar is refused: test_policy)")
     finally:
         with contextlib.suppress(TestbedError):
             node.containerd.delete(sidecar_id)
