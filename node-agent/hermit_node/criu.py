@@ -219,12 +219,12 @@ def read_image_bytes(path: Path, max_bytes: int) -> bytes:
 def load_image(path: Path, max_bytes: int) -> dict[str, Any]:
     """A CRIU image decoded by pycriu ({"magic", "entries"}), size-bounded first
     (read_image_bytes); one that does not decode refuses the checkpoint."""
+    raw = read_image_bytes(path, max_bytes)  # before pycriu sees a byte
     import pycriu.images
 
-    raw = read_image_bytes(path, max_bytes)
     try:
         image = pycriu.images.loads(raw)
-    except Exception as exc:  # noqa: BLE001 - pycriu raises anything on a corrupt image
+    except Exception as exc:  # pycriu raises anything on a corrupt image
         raise CheckpointRefused(
             f"CRIU image {path.name} cannot be parsed: {type(exc).__name__}: "
             f"{str(exc)[:200]}") from None
