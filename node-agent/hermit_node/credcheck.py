@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -57,6 +57,7 @@ CAP_SYS_RESOURCE: Final = 24
 SECCOMP_DISABLED: Final = 0
 SECCOMP_STRICT: Final = 1
 SECCOMP_FILTER: Final = 2
+SECCOMP_FILTER_FLAG_TSYNC: Final = 1
 _SECCOMP_NAMES: Final = {"disabled": 0, "strict": 1, "filter": 2}
 _SECCOMP_STRENGTH: Final = {SECCOMP_DISABLED: 0, SECCOMP_FILTER: 1, SECCOMP_STRICT: 2}
 
@@ -329,10 +330,20 @@ def _sched_checks(t: ThreadCreds, g: Granted) -> list[tuple[str, str, str]]:
 
 
 def describe(found: Sequence[Violation]) -> str:
-    """One line naming the first violations and how many there were."""
-    shown = "; ".join(str(v) for v in found[:_MAX_SHOWN])
-    more = f"; and {len(found) - _MAX_SHOWN} more" if len(found) > _MAX_SHOWN else ""
-    return f"its processes would hold more than the new pod grants: {shown}{more}"
+    """One line naming the first violations, each with every thread it applies to, and
+    how many more there were."""
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for v in found:
+        thread = f"pid {v.pid}" if v.tid == v.pid else f"pid {v.pid} thread {v.tid}"
+        groups.setdefault((v.field, v.asked, v.granted), []).append(thread)
+    parts = []
+    for (name, asked, granted), whom in list(groups.items())[:_MAX_SHOWN]:
+        threads = ", ".join(whom[:_MAX_SHOWN]) + (
+            f" and {len(whom) - _MAX_SHOWN} more" if len(whom) > _MAX_SHOWN else "")
+        parts.append(f"{threads}: {name} {asked}; the new pod grants {granted}")
+    more = (f"; and {len(groups) - _MAX_SHOWN} more"
+            if len(groups) > _MAX_SHOWN else "")
+    return f"its processes would hold more than the new pod grants: {'; '.join(parts)}{more}"
 
 
 def check(images: ImageCreds, granted: Granted, what: str) -> None:
@@ -435,6 +446,32 @@ def chain_length(filters: Sequence[Mapping[str, Any]], index: int) -> int:
     return len(seen)
 
 
+def chain_syncs(filters: Sequence[Mapping[str, Any]], index: int) -> bool:
+    """Whether a filter of the chain at ``index`` carries SECCOMP_FILTER_FLAG_TSYNC: CRIU
+    then installs the chain on every thread of the task at once, and dumps the other
+    threads that share it as disabled (seccomp.c: "will be propagated")."""
+    seen: set[int] = set()
+    while 0 <= index < len(filters) and index not in seen:
+        seen.add(index)
+        if int(filters[index].get("flags", 0)) & SECCOMP_FILTER_FLAG_TSYNC:
+            return True
+        prev = filters[index].get("prev")
+        if prev is None:
+            break
+        index = int(prev)
+    return False
+
+
+def with_leader_seccomp(thread: ThreadCreds, leader: ThreadCreds, syncs: bool) -> ThreadCreds:
+    """A non-leader thread dumped as seccomp-disabled gets its leader's chain when CRIU
+    restores that chain with TSYNC (``syncs``); otherwise it stays as dumped."""
+    if not syncs or thread.seccomp_mode != SECCOMP_DISABLED \
+            or leader.seccomp_mode != SECCOMP_FILTER:
+        return thread
+    return replace(thread, seccomp_mode=SECCOMP_FILTER,
+                   seccomp_filters=leader.seccomp_filters)
+
+
 def thread_creds(pid: int, tid: int, core: Mapping[str, Any],
                  filters: Sequence[Mapping[str, Any]]) -> ThreadCreds:
     """What a thread's core image (``core-<tid>.img``, first entry) asks; ``filters``:
@@ -521,15 +558,24 @@ def read_images(images_dir: Path) -> ImageCreds:
         task_userns = (ids or {}).get("user_ns_id")
         if task_userns is not None and task_userns != root_userns:
             userns.append(pid)
+        leader = thread_creds(pid, pid, main, filters)
+        tc = main.get("tc") or {}
+        thread = main.get("thread_core") or {}
+        # Images from before per-thread seccomp: CRIU forces TSYNC (seccomp_force_tsync).
+        syncs = "old_seccomp_filter" in tc or chain_syncs(
+            filters, int(thread.get("seccomp_filter", tc.get("old_seccomp_filter", 0))))
+        threads.append(leader)
         for tid in tids:
+            if tid == pid:
+                continue
             core_tid = images_dir / f"core-{tid}.img"
-            if tid != pid and not core_tid.exists():
+            if not core_tid.exists():
                 problems.append(f"thread {tid} of pid {pid} has no core-{tid}.img")
                 continue
-            entry = main if tid == pid else _first(core_tid, MAX_CORE_IMAGE_BYTES)
             # Per-task fields live in the main thread's core.
-            merged = {**entry, "tc": main.get("tc") or {}}
-            threads.append(thread_creds(pid, tid, merged, filters))
+            entry = {**_first(core_tid, MAX_CORE_IMAGE_BYTES), "tc": main.get("tc") or {}}
+            threads.append(with_leader_seccomp(thread_creds(pid, tid, entry, filters), leader,
+                                               syncs))
     return ImageCreds(tuple(threads), user_namespaces=tuple(userns),
                       apparmor_policies=(images_dir / "apparmor.img").exists(),
                       problems=tuple(problems))

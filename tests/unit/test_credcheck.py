@@ -256,9 +256,11 @@ def test_check_raises_one_message_naming_pid_field_image_and_pod() -> None:
                         nonroot_pod(), "checkpoint agents/c1")
     message = str(info.value)
     assert message.startswith("checkpoint agents/c1 is refused: its processes would hold "
-                              "more than the new pod grants: pid 12: uid asks uid 0; the new "
-                              "pod grants uids [1000] and no CAP_SETUID")
-    assert "\n" not in message and "and 20 more" in message
+                              "more than the new pod grants: pid 12, pid 12 thread 13: uid asks "
+                              "uid 0; the new pod grants uids [1000] and no CAP_SETUID")
+    # Each violation once, with every thread it applies to.
+    assert message.count(": uid asks") == 1 and "pid 12 thread 13: egid asks gid 0" in message
+    assert "\n" not in message and message.endswith("; and 7 more")
     credcheck.check(ImageCreds((proc(),)), pod(), "checkpoint agents/c1")
 
 
@@ -362,6 +364,21 @@ def test_seccomp_fields_of_old_images_and_chains() -> None:
     assert credcheck.chain_length(FILTERS, 5) == 0  # out of range: CRIU refuses it too
     cycle: list[dict[str, Any]] = [{"prev": 1}, {"prev": 0}]
     assert credcheck.chain_length(cycle, 0) == 2  # a cycle ends
+
+
+def test_threads_dumped_without_seccomp_take_their_leaders_tsync_chain() -> None:
+    # CRIU dumps threads that share the leader's chain as disabled and restores the
+    # leader's chain with TSYNC, which puts it on every thread.
+    tsync: list[dict[str, Any]] = [{"filter": "AA==", "flags": 1}]
+    assert credcheck.chain_syncs(tsync, 0) and not credcheck.chain_syncs(FILTERS, 1)
+    leader = credcheck.thread_creds(7, 7, core(seccomp_filter=0), tsync)
+    follower = credcheck.thread_creds(7, 8, core(seccomp_mode="disabled"), tsync)
+    synced = credcheck.with_leader_seccomp(follower, leader, True)
+    assert (synced.seccomp_mode, synced.seccomp_filters) == (SECCOMP_FILTER, 1)
+    assert fields(synced, nonroot_pod()) == []
+    # Without TSYNC the thread stays unconfined, and is refused.
+    alone = credcheck.with_leader_seccomp(follower, leader, False)
+    assert fields(alone, nonroot_pod()) == ["seccomp"]
 
 
 def test_rlimits_missing_from_a_core_image_are_none() -> None:

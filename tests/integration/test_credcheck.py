@@ -1,0 +1,234 @@
+"""A checkpoint whose processes hold more than the new pod grants is refused before CRIU runs.
+
+Real CRIU, containerd, runc and MinIO, two private containerd "nodes". The attack: a
+compromised node A forges the checkpoint of a sandbox it runs (its CRIU dump's core
+images rewritten with pycriu: every capability the node has, in every set), uploads it
+as any checkpoint, and the sandbox moves to node B. Without the check CRIU, as host
+root, gives the restored processes exactly that; with it the restore is refused,
+naming pid, field, what the images ask and what the pod grants, before the new
+container's files are touched or CRIU reads a byte. The same holds for a genuine
+checkpoint restored into a container that grants less (a capability dropped, seccomp
+on); a container that grants what the checkpoint's processes hold restores.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hermit_common.errors import CheckpointRefused
+from hermit_common.settings import StoreSettings
+from hermit_common.store import CheckpointStore
+from hermit_node import credcheck
+from hermit_node.checkpoint import CheckpointEngine, CheckpointTarget
+from hermit_node.criu import Criu, DumpRequest
+from hermit_node.restore import RestoreEngine, RestoreTarget
+from hermit_testbed.cni import CniNetwork
+from hermit_testbed.containerd import Containerd
+from hermit_testbed.errors import TestbedError
+from hermit_testbed.scenario import (
+    Node,
+    Sandbox,
+    build_sandbox_image,
+    destroy_sandbox,
+    process_tree,
+    start_sandbox,
+)
+from tests.support.containerd import require_containerd
+from tests.support.minio import MinioServer
+
+pytestmark = pytest.mark.integration
+
+NAMESPACE = "agents"
+CAP_NET_RAW = 1 << 13
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node]]:
+    require_containerd()
+    base = tmp_path_factory.mktemp("nodes")
+    try:
+        image_tar = build_sandbox_image(base)
+    except TestbedError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    with Containerd(base / "node-a") as cd_a, Containerd(base / "node-b") as cd_b:
+        pair = (Node("node-a", cd_a, base / "work-a"), Node("node-b", cd_b, base / "work-b"))
+        for node in pair:
+            node.work_dir.mkdir()
+            node.image_ref = node.containerd.import_image(image_tar)
+        yield pair
+
+
+@pytest.fixture
+def store(minio_server: MinioServer) -> CheckpointStore:
+    settings: StoreSettings = minio_server.settings(f"creds-{uuid.uuid4().hex[:8]}")
+    checkpoints = CheckpointStore(settings)
+    checkpoints.ensure_bucket()
+    return checkpoints
+
+
+def _host_caps() -> int:
+    """Every capability this node's CRIU (run by this process) can give."""
+    mine = credcheck.read_granted(os.getpid())
+    return mine.cap_prm & mine.cap_bnd
+
+
+class ForgingCriu(Criu):
+    """A compromised node's CRIU: after the real dump, every thread's core image asks for
+    ``caps`` in all five sets (and the uid, if given)."""
+
+    def __init__(self, binary: str, caps: int, uid: int | None = None) -> None:
+        super().__init__(binary)
+        self.caps = caps
+        self.uid = uid
+
+    def dump(self, req: DumpRequest) -> None:
+        super().dump(req)
+        import pycriu.images
+
+        words = [self.caps & 0xFFFFFFFF, self.caps >> 32]
+        for path in sorted(req.images_dir.glob("core-*.img")):
+            with path.open("rb") as f:
+                image = pycriu.images.load(f)
+            creds = image["entries"][0]["thread_core"]["creds"]
+            for name in ("cap_inh", "cap_prm", "cap_eff", "cap_bnd", "cap_amb"):
+                creds[name] = list(words)
+            if self.uid is not None:
+                for name in ("uid", "euid", "suid", "fsuid"):
+                    creds[name] = self.uid
+            with path.open("wb") as f:
+                pycriu.images.dump(image, f)
+
+
+def _checkpoint(node: Node, criu: Criu, store: CheckpointStore, source: Sandbox, uid: str,
+                name: str) -> None:
+    engine = CheckpointEngine(criu, store, node.work_dir)
+    engine.checkpoint(CheckpointTarget(namespace=NAMESPACE, sandbox="sbx", sandbox_uid=uid,
+                                       checkpoint=name, init_pid=source.init_pid,
+                                       image_digest=node.image_digest()))
+
+
+def _restore(node: Node, criu_bin: Path, store: CheckpointStore, target: Sandbox, uid: str,
+             name: str) -> None:
+    RestoreEngine(Criu(str(criu_bin)), store, node.work_dir).restore(
+        RestoreTarget(namespace=NAMESPACE, sandbox="sbx", sandbox_uid=uid, checkpoint=name,
+                      init_pid=target.init_pid, image_digest=node.image_digest()))
+
+
+def _refused(node: Node, criu_bin: Path, store: CheckpointStore, target: Sandbox, uid: str,
+             name: str, *expected: str) -> str:
+    """The restore is refused with every ``expected`` text in its one-line message, and
+    nothing reached the new container: CRIU never ran (no log kept), no restored tree,
+    no file of the checkpoint applied."""
+    with pytest.raises(CheckpointRefused) as info:
+        _restore(node, criu_bin, store, target, uid, name)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"checkpoint {NAMESPACE}/{name} is refused: its processes "
+                              "would hold more than the new pod grants: pid "), message
+    for text in expected:
+        assert re.search(text, message), (text, message)
+    staging = node.work_dir / "restores" / NAMESPACE / "sbx" / name
+    assert not staging.exists()
+    assert not staging.with_name(f"{name}.restore.log").exists(), "CRIU ran"
+    assert Path(f"/proc/{target.init_pid}/task/{target.init_pid}/children").read_text() == ""
+    assert not (target.container.rootfs() / "state/created.txt").exists()
+    return message
+
+
+def _status(pid: int) -> dict[str, str]:
+    return credcheck.parse_status(Path(f"/proc/{pid}/status").read_text())
+
+
+def test_a_forged_checkpoint_with_the_nodes_capabilities_is_refused(
+    nodes: tuple[Node, Node], cni_network: CniNetwork, criu_bin: Path, store: CheckpointStore,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    node_a, node_b = nodes
+    uid = str(uuid.uuid4())
+    caps = _host_caps()
+    alive = [start_sandbox(node_a, cni_network, "forger")]
+    try:
+        source = alive[0]
+        source.wait_ticks(3)
+        _checkpoint(node_a, ForgingCriu(str(criu_bin), caps), store, source, uid, "forged")
+        destroy_sandbox(source, cni_network)
+        alive.remove(source)
+
+        target = start_sandbox(node_b, cni_network, "victim", restore=True)
+        alive.append(target)
+        granted = _status(target.init_pid)
+        assert int(granted["CapBnd"], 16) & ~caps == 0 and int(granted["CapBnd"], 16) != caps
+        message = _refused(node_b, criu_bin, store, target, uid, "forged",
+                           r"cap_bnd asks [A-Z_, ]*CAP_SYS_ADMIN[A-Z_, ]* beyond the "
+                           r"container's bounding set; the new pod grants CAP_CHOWN",
+                           "cap_prm asks", "cap_eff asks")
+        print(f"\nrefused: {message}")
+
+        # The attack is real: without the check CRIU gives the restored processes every
+        # capability the forged images ask for, in a container that grants 14.
+        monkeypatch.setattr(credcheck, "check", lambda *_: None)
+        _restore(node_b, criu_bin, store, target, uid, "forged")
+        restored = process_tree(target.init_pid)[1:]
+        assert restored
+        held = {int(_status(pid)["CapEff"], 16) for pid in restored}
+        assert held == {caps}, (held, caps)
+    finally:
+        for sandbox in alive:
+            destroy_sandbox(sandbox, cni_network)
+
+
+def test_a_genuine_checkpoint_is_refused_by_a_pod_that_grants_less_and_restores_where_it_may(
+    nodes: tuple[Node, Node], cni_network: CniNetwork, criu_bin: Path, store: CheckpointStore,
+) -> None:
+    node_a, node_b = nodes
+    uid = str(uuid.uuid4())
+    criu = Criu(str(criu_bin))
+    narrow = ("--cap-drop", "CAP_NET_RAW", "--seccomp")
+    alive: list[Sandbox] = []
+    try:
+        # A routine checkpoint of a default sandbox (root, 14 capabilities, no seccomp),
+        # and one of a sandbox without CAP_NET_RAW and with the default seccomp profile.
+        alive.append(start_sandbox(node_a, cni_network, "wide"))
+        alive.append(start_sandbox(node_a, cni_network, "narrow", ctr_args=narrow))
+        for sandbox, name in zip(alive, ("wide", "narrow"), strict=True):
+            sandbox.wait_ticks(3)
+            _checkpoint(node_a, criu, store, sandbox, uid, name)
+        assert _status(alive[1].init_pid)["Seccomp"] == "2"
+
+        # Into a pod without CAP_NET_RAW: refused, naming it in the three sets.
+        no_raw = start_sandbox(node_b, cni_network, "no-raw", restore=True,
+                               ctr_args=("--cap-drop", "CAP_NET_RAW"))
+        alive.append(no_raw)
+        _refused(node_b, criu_bin, store, no_raw, uid, "wide",
+                 "cap_bnd asks CAP_NET_RAW beyond the container's bounding set",
+                 "cap_prm asks CAP_NET_RAW", "cap_eff asks CAP_NET_RAW")
+
+        # Into a pod with seccomp on: refused, the images' processes have none.
+        confined = start_sandbox(node_b, cni_network, "confined", restore=True,
+                                 ctr_args=("--seccomp",))
+        alive.append(confined)
+        _refused(node_b, criu_bin, store, confined, uid, "wide",
+                 "seccomp mode disabled; the new pod grants seccomp mode filter")
+
+        # Positive control: the narrow checkpoint into a pod as narrow restores, and its
+        # processes hold what the pod grants, no more.
+        same = start_sandbox(node_b, cni_network, "same", restore=True, ctr_args=narrow)
+        alive.append(same)
+        _restore(node_b, criu_bin, store, same, uid, "narrow")
+        restored = process_tree(same.init_pid)[1:]
+        assert restored
+        last = same.ticks()[-1]
+        same.wait_ticks(last + 3)
+        for pid in restored:
+            status = _status(pid)
+            assert int(status["CapBnd"], 16) & CAP_NET_RAW == 0
+            assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1"
+    finally:
+        for sandbox in alive:
+            destroy_sandbox(sandbox, cni_network)
