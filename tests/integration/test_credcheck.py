@@ -13,11 +13,15 @@ on); a container that grants what the checkpoint's processes hold restores.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import shutil
+import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -232,3 +236,95 @@ def test_a_genuine_checkpoint_is_refused_by_a_pod_that_grants_less_and_restores_
     finally:
         for sandbox in alive:
             destroy_sandbox(sandbox, cni_network)
+
+
+# -- the reader, on a real dump rewritten with pycriu ---------------------------------------
+
+@pytest.fixture(scope="module")
+def real_dump(tmp_path_factory: pytest.TempPathFactory, criu_bin: Path) -> tuple[Path, int]:
+    """CRIU's images of a host process (root, this process's capabilities)."""
+    images = tmp_path_factory.mktemp("dump")
+    proc = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, close_fds=True)
+    try:
+        Criu(str(criu_bin)).dump(DumpRequest(pid=proc.pid, images_dir=images,
+                                             leave_running=False, tcp_established=False))
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    return images, proc.pid
+
+
+def _rewrite(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    import pycriu.images
+
+    with path.open("rb") as f:
+        image = pycriu.images.load(f)
+    change(image["entries"][0])
+    with path.open("wb") as f:
+        pycriu.images.dump(image, f)
+
+
+def _copy(real_dump: tuple[Path, int], tmp_path: Path) -> tuple[Path, int]:
+    images = tmp_path / "images"
+    shutil.copytree(real_dump[0], images)
+    return images, real_dump[1]
+
+
+def test_the_reader_on_real_images(real_dump: tuple[Path, int], tmp_path: Path) -> None:
+    images, pid = real_dump
+    found = credcheck.read_images(images)
+    [thread] = found.threads
+    mine = credcheck.read_granted(os.getpid())
+    assert (thread.pid, thread.uids, thread.cap_bnd) == (pid, (0, 0, 0, 0), mine.cap_bnd)
+    assert thread.rlimits_max is not None and len(thread.rlimits_max) == 16
+    assert found.user_namespaces == () and found.problems == ()
+    assert credcheck.violations(found, mine) == []
+
+
+def test_forged_images_the_reader_refuses(real_dump: tuple[Path, int], tmp_path: Path) -> None:
+    images, pid = _copy(real_dump, tmp_path)
+    granted = credcheck.read_granted(os.getpid())
+    core = images / f"core-{pid}.img"
+
+    # No creds: CRIU would leave the thread with its own (host root's) credentials.
+    _rewrite(core, lambda e: e["thread_core"].pop("creds"))
+    # No rlimits: CRIU would leave the node-agent's limits.
+    _rewrite(core, lambda e: e["tc"].pop("rlimits"))
+    # Another user namespace than the dumping CRIU's: CRIU would create one.
+    _rewrite(images / f"ids-{pid}.img", lambda e: e.update(user_ns_id=e["user_ns_id"] + 100))
+    # AppArmor policies for CRIU to load.
+    shutil.copy(images / "inventory.img", images / "apparmor.img")
+    found = credcheck.read_images(images)
+    assert found.user_namespaces == (pid,) and found.apparmor_policies
+    assert found.threads[0].uids is None
+    narrow = dataclasses.replace(granted, cap_prm=0)  # CAP_SYS_RESOURCE not held
+    assert [v.field for v in credcheck.violations(found, narrow)] == [
+        "user namespace", "apparmor.img", "creds"]
+    _rewrite(core, lambda e: e["thread_core"].update(creds={
+        k: 0 for k in ("uid", "gid", "euid", "egid", "suid", "sgid", "fsuid", "fsgid",
+                       "secbits")}))
+    assert "rlimits" in [v.field for v in credcheck.violations(credcheck.read_images(images),
+                                                                narrow)]
+
+    # A thread pstree lists without its core image.
+    _rewrite(images / "pstree.img", lambda e: e.update(threads=[pid, pid + 1]))
+    assert credcheck.read_images(images).problems == (
+        f"thread {pid + 1} of pid {pid} has no core-{pid + 1}.img",)
+
+
+def test_oversize_or_corrupt_images_are_refused_before_parsing(
+    real_dump: tuple[Path, int], tmp_path: Path,
+) -> None:
+    images, pid = _copy(real_dump, tmp_path)
+    core = images / f"core-{pid}.img"
+    original = core.read_bytes()
+    with core.open("ab") as f:
+        f.write(b"\0" * credcheck.MAX_CORE_IMAGE_BYTES)
+    with pytest.raises(CheckpointRefused, match=rf"core-{pid}\.img is \d+ bytes, more than the "
+                                                rf"{credcheck.MAX_CORE_IMAGE_BYTES}"):
+        credcheck.read_images(images)
+    core.write_bytes(original[:8] + b"\xff" * 64)
+    with pytest.raises(CheckpointRefused, match=rf"core-{pid}\.img cannot be parsed"):
+        credcheck.read_images(images)
