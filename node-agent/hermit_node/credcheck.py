@@ -49,6 +49,7 @@ CAP_NAMES: Final = (
 CAP_SETGID: Final = 6
 CAP_SETUID: Final = 7
 CAP_SETPCAP: Final = 8
+CAP_SYS_ADMIN: Final = 21
 CAP_SYS_NICE: Final = 23
 CAP_SYS_RESOURCE: Final = 24
 

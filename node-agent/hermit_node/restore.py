@@ -34,6 +34,7 @@ from hermit_node import (
     criu,
     lazypages,
     metrics,
+    mountcheck,
     pagesource,
     staging,
     sysinfo,
@@ -176,12 +177,16 @@ def _apply_files(admitted: admit.Admitted, local: Path, view: container.Containe
 
 def check_images(target: RestoreTarget, images: Path, *, lazy: bool = False) -> None:
     """Before anything is applied or CRIU reads a byte: no process of the images holds
-    more than the new container's init (credcheck.py); the pagemaps a lazy restore
-    parses itself are within their bound. Raises CheckpointRefused."""
+    more than the new container's init (credcheck.py), their mounts are no wider than
+    its mounts (mountcheck.py), and the pagemaps a lazy restore parses itself are
+    within their bound. Raises CheckpointRefused."""
     what = f"checkpoint {target.namespace}/{target.checkpoint}"
     try:
-        credcheck.check(credcheck.read_images(images), credcheck.read_granted(target.init_pid),
-                        what)
+        granted = credcheck.read_granted(target.init_pid)
+        credcheck.check(credcheck.read_images(images), granted, what)
+        mountcheck.check(mountcheck.read_image_mounts(images),
+                         mountcheck.read_container_mounts(target.init_pid),
+                         granted.has(credcheck.CAP_SYS_ADMIN), what)
         if lazy:
             criu.read_pagemaps(images)
     except CheckpointRefused as exc:

@@ -28,7 +28,7 @@ import pytest
 from hermit_common.errors import CheckpointRefused
 from hermit_common.settings import StoreSettings
 from hermit_common.store import CheckpointStore
-from hermit_node import credcheck
+from hermit_node import credcheck, mountcheck
 from hermit_node.checkpoint import CheckpointEngine, CheckpointTarget
 from hermit_node.criu import Criu, DumpRequest
 from hermit_node.restore import RestoreEngine, RestoreTarget
@@ -82,31 +82,58 @@ def _host_caps() -> int:
     return mine.cap_prm & mine.cap_bnd
 
 
-class ForgingCriu(Criu):
-    """A compromised node's CRIU: after the real dump, every thread's core image asks for
-    ``caps`` in all five sets (and the uid, if given)."""
+def _rewrite(path: Path, change: Callable[[dict[str, Any]], object]) -> None:
+    """Rewrites the first entry of a CRIU image with pycriu."""
+    import pycriu.images
 
-    def __init__(self, binary: str, caps: int, uid: int | None = None) -> None:
+    with path.open("rb") as f:
+        image = pycriu.images.load(f)
+    change(image["entries"][0])
+    with path.open("wb") as f:
+        pycriu.images.dump(image, f)
+
+
+def _rewrite_all(path: Path, change: Callable[[dict[str, Any]], object]) -> None:
+    """Rewrites every entry of a CRIU image with pycriu."""
+    import pycriu.images
+
+    with path.open("rb") as f:
+        image = pycriu.images.load(f)
+    for entry in image["entries"]:
+        change(entry)
+    with path.open("wb") as f:
+        pycriu.images.dump(image, f)
+
+
+class ForgingCriu(Criu):
+    """A compromised node's CRIU: after the real dump, ``forge`` rewrites the images."""
+
+    def __init__(self, binary: str, forge: Callable[[Path], None]) -> None:
         super().__init__(binary)
-        self.caps = caps
-        self.uid = uid
+        self.forge = forge
 
     def dump(self, req: DumpRequest) -> None:
         super().dump(req)
-        import pycriu.images
+        self.forge(req.images_dir)
 
-        words = [self.caps & 0xFFFFFFFF, self.caps >> 32]
-        for path in sorted(req.images_dir.glob("core-*.img")):
-            with path.open("rb") as f:
-                image = pycriu.images.load(f)
-            creds = image["entries"][0]["thread_core"]["creds"]
-            for name in ("cap_inh", "cap_prm", "cap_eff", "cap_bnd", "cap_amb"):
-                creds[name] = list(words)
-            if self.uid is not None:
-                for name in ("uid", "euid", "suid", "fsuid"):
-                    creds[name] = self.uid
-            with path.open("wb") as f:
-                pycriu.images.dump(image, f)
+
+def _all_caps(caps: int) -> Callable[[Path], None]:
+    """Every thread's core image asks for ``caps`` in all five sets."""
+    words = [caps & 0xFFFFFFFF, caps >> 32]
+
+    def forge(images: Path) -> None:
+        for path in sorted(images.glob("core-*.img")):
+            _rewrite(path, lambda e: e["thread_core"]["creds"].update(
+                {name: list(words) for name in ("cap_inh", "cap_prm", "cap_eff", "cap_bnd",
+                                                "cap_amb")}))
+    return forge
+
+
+def _writable_proc_sys(images: Path) -> None:
+    """/proc/sys mounted read-write: root in the sandbox writes the node's sysctls."""
+    for path in sorted(images.glob("mountpoints-*.img")):
+        _rewrite_all(path, lambda e: e.update(flags=e["flags"] & ~1)
+                     if e["mountpoint"] == "/proc/sys" else None)
 
 
 def _checkpoint(node: Node, criu: Criu, store: CheckpointStore, source: Sandbox, uid: str,
@@ -160,7 +187,8 @@ def test_a_forged_checkpoint_with_the_nodes_capabilities_is_refused(
     try:
         source = alive[0]
         source.wait_ticks(3)
-        _checkpoint(node_a, ForgingCriu(str(criu_bin), caps), store, source, uid, "forged")
+        _checkpoint(node_a, ForgingCriu(str(criu_bin), _all_caps(caps)), store, source, uid,
+                    "forged")
         destroy_sandbox(source, cni_network)
         alive.remove(source)
 
@@ -256,16 +284,6 @@ def real_dump(tmp_path_factory: pytest.TempPathFactory, criu_bin: Path) -> tuple
     return images, proc.pid
 
 
-def _rewrite(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
-    import pycriu.images
-
-    with path.open("rb") as f:
-        image = pycriu.images.load(f)
-    change(image["entries"][0])
-    with path.open("wb") as f:
-        pycriu.images.dump(image, f)
-
-
 def _copy(real_dump: tuple[Path, int], tmp_path: Path) -> tuple[Path, int]:
     images = tmp_path / "images"
     shutil.copytree(real_dump[0], images)
@@ -328,3 +346,53 @@ def test_oversize_or_corrupt_images_are_refused_before_parsing(
     core.write_bytes(original[:8] + b"\xff" * 64)
     with pytest.raises(CheckpointRefused, match=rf"core-{pid}\.img cannot be parsed"):
         credcheck.read_images(images)
+
+
+def test_a_forged_checkpoint_with_a_writable_proc_sys_is_refused(
+    nodes: tuple[Node, Node], cni_network: CniNetwork, criu_bin: Path, store: CheckpointStore,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The node's sysctls (kernel.core_pattern: code run as root on the node) are behind
+    the container's read-only /proc/sys; a forged mount image drops the flag."""
+    node_a, node_b = nodes
+    uid = str(uuid.uuid4())
+    alive = [start_sandbox(node_a, cni_network, "forger-mnt")]
+    try:
+        source = alive[0]
+        source.wait_ticks(3)
+        _checkpoint(node_a, ForgingCriu(str(criu_bin), _writable_proc_sys), store, source, uid,
+                    "forged-mnt")
+        destroy_sandbox(source, cni_network)
+        alive.remove(source)
+
+        target = start_sandbox(node_b, cni_network, "victim-mnt", restore=True)
+        alive.append(target)
+        assert _proc_sys_options(target.init_pid)[0] == "ro"
+        with pytest.raises(CheckpointRefused) as info:
+            _restore(node_b, criu_bin, store, target, uid, "forged-mnt")
+        message = str(info.value)
+        assert message == ("checkpoint agents/forged-mnt is refused: its mounts would be "
+                           "wider than the new pod's: mount /proc/sys asks flags "
+                           "nosuid,nodev,noexec; the new pod mounts it ro,nosuid,nodev,noexec")
+        staging = node_b.work_dir / "restores" / NAMESPACE / "sbx" / "forged-mnt"
+        assert not staging.with_name("forged-mnt.restore.log").exists(), "CRIU ran"
+        assert Path(f"/proc/{target.init_pid}/task/{target.init_pid}/children").read_text() \
+            == ""
+
+        # The attack is real: without the check the restored tree's /proc/sys is writable.
+        monkeypatch.setattr(mountcheck, "check", lambda *_: None)
+        _restore(node_b, criu_bin, store, target, uid, "forged-mnt")
+        restored = process_tree(target.init_pid)[1:]
+        assert restored and _proc_sys_options(restored[-1])[0] == "rw"
+    finally:
+        for sandbox in alive:
+            destroy_sandbox(sandbox, cni_network)
+
+
+def _proc_sys_options(pid: int) -> list[str]:
+    """The per-mount options of /proc/sys as ``pid`` sees it."""
+    for m in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        fields = m.split()
+        if fields[4] == "/proc/sys":
+            return fields[5].split(",")
+    raise AssertionError(f"pid {pid} has no /proc/sys mount")
