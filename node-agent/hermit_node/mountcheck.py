@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from hermit_common.errors import CheckpointRefused
+from hermit_common.errors import CheckpointRefused, RestoreFailed
 from hermit_node import criu
 
 # CRIU's fstype enum (images/mnt.proto) -> the kernel's name; AUTO takes its fsname.
@@ -165,7 +165,8 @@ def read_container_mounts(init_pid: int) -> list[Mount]:
         with open(path, encoding="utf-8", errors="replace") as f:
             return parse_mountinfo(f.read(8 << 20))
     except OSError as exc:
-        raise CheckpointRefused(f"cannot read {path}: {exc}") from None
+        # The container's state, not the checkpoint's: another try may work.
+        raise RestoreFailed(f"cannot read {path} of the new container's init: {exc}") from None
 
 
 def check(namespaces: Sequence[Sequence[Mount]], container: Sequence[Mount], can_mount: bool,

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from hermit_common.errors import CheckpointRefused
+from hermit_common.errors import CheckpointRefused, RestoreFailed
 from hermit_node import mountcheck
 from hermit_node.mountcheck import Mount
 
@@ -128,3 +129,9 @@ def test_an_oversize_mount_image_is_refused_before_parsing(tmp_path: Path) -> No
         f.truncate(mountcheck.MAX_MOUNTS_IMAGE_BYTES + 1)
     with pytest.raises(CheckpointRefused, match=r"mountpoints-13\.img is 4194305 bytes"):
         mountcheck.read_image_mounts(tmp_path)
+
+
+def test_the_containers_mounts_of_a_gone_init_are_a_retryable_failure() -> None:
+    assert "/" in {m.mountpoint for m in mountcheck.read_container_mounts(os.getpid())}
+    with pytest.raises(RestoreFailed):
+        mountcheck.read_container_mounts(2**22 + 7)
