@@ -32,6 +32,7 @@ from hermit_node import (
     container,
     credcheck,
     criu,
+    fdcheck,
     lazypages,
     metrics,
     mountcheck,
@@ -177,13 +178,15 @@ def _apply_files(admitted: admit.Admitted, local: Path, view: container.Containe
 
 def check_images(target: RestoreTarget, images: Path, *, lazy: bool = False) -> None:
     """Before anything is applied or CRIU reads a byte: no process of the images holds
-    more than the new container's init (credcheck.py), their mounts are no wider than
-    its mounts (mountcheck.py), and the pagemaps a lazy restore parses itself are
+    more than the new container's init (credcheck.py) nor open a file that carries a
+    capability it lacks (fdcheck.py), their mounts are no wider than its mounts
+    (mountcheck.py), and the pagemaps a lazy restore parses itself are
     within their bound. Raises CheckpointRefused."""
     what = f"checkpoint {target.namespace}/{target.checkpoint}"
     try:
         granted = credcheck.read_granted(target.init_pid)
         credcheck.check(credcheck.read_images(images), granted, what)
+        fdcheck.check(images, granted, what)
         mountcheck.check(mountcheck.read_image_mounts(images),
                          mountcheck.read_container_mounts(target.init_pid),
                          granted.has(credcheck.CAP_SYS_ADMIN), what)

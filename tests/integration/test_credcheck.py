@@ -129,6 +129,13 @@ def _all_caps(caps: int) -> Callable[[Path], None]:
     return forge
 
 
+def _raw_sockets(images: Path) -> None:
+    """Every inet socket becomes a raw one (CRIU creates it as root: no CAP_NET_RAW needed
+    to use it afterwards)."""
+    _rewrite_all(images / "files.img", lambda e: e["isk"].update(type=3)
+                 if e["type"] == "INETSK" else None)
+
+
 def _writable_proc_sys(images: Path) -> None:
     """/proc/sys mounted read-write: root in the sandbox writes the node's sysctls."""
     for path in sorted(images.glob("mountpoints-*.img")):
@@ -396,3 +403,33 @@ def _proc_sys_options(pid: int) -> list[str]:
         if fields[4] == "/proc/sys":
             return fields[5].split(",")
     raise AssertionError(f"pid {pid} has no /proc/sys mount")
+
+
+def test_a_forged_checkpoint_with_a_raw_socket_is_refused_where_cap_net_raw_is_dropped(
+    nodes: tuple[Node, Node], cni_network: CniNetwork, criu_bin: Path, store: CheckpointStore,
+) -> None:
+    node_a, node_b = nodes
+    uid = str(uuid.uuid4())
+    no_raw = ("--cap-drop", "CAP_NET_RAW")
+    alive = [start_sandbox(node_a, cni_network, "forger-sk", ctr_args=no_raw)]
+    try:
+        source = alive[0]
+        source.wait_ticks(3)
+        _checkpoint(node_a, ForgingCriu(str(criu_bin), _raw_sockets), store, source, uid,
+                    "forged-sk")
+        destroy_sandbox(source, cni_network)
+        alive.remove(source)
+        target = start_sandbox(node_b, cni_network, "victim-sk", restore=True, ctr_args=no_raw)
+        alive.append(target)
+        with pytest.raises(CheckpointRefused, match=re.escape(
+                "checkpoint agents/forged-sk is refused: its open files would carry more than "
+                "the new pod grants: file ") + r"\d+ is a raw socket, which needs CAP_NET_RAW; "
+                "the new pod does not grant it"):
+            _restore(node_b, criu_bin, store, target, uid, "forged-sk")
+        staging = node_b.work_dir / "restores" / NAMESPACE / "sbx" / "forged-sk"
+        assert not staging.with_name("forged-sk.restore.log").exists(), "CRIU ran"
+        assert Path(f"/proc/{target.init_pid}/task/{target.init_pid}/children").read_text() \
+            == ""
+    finally:
+        for sandbox in alive:
+            destroy_sandbox(sandbox, cni_network)
