@@ -196,6 +196,10 @@ def check_images(target: RestoreTarget, images: Path, *, lazy: bool = False) -> 
         message = str(exc)
         raise CheckpointRefused(message if message.startswith(what)
                                 else f"{what} is refused: {message}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        # Decoded but not shaped as CRIU writes them (a field of the wrong type...).
+        raise CheckpointRefused(f"{what} is refused: its CRIU images are malformed: "
+                                f"{type(exc).__name__}: {str(exc)[:200]}") from None
 
 
 def _free_space(need: admit.SpaceNeed) -> admit.SpaceNeed:

@@ -446,3 +446,19 @@ def test_read_pagemaps_is_bounded_and_lean(tmp_path: Path) -> None:
     (tmp_path / "pagemap-8.img").write_bytes(b"\x19\x43\x56\x54junk")
     with pytest.raises(CheckpointRefused, match=r"pagemap-8\.img cannot be parsed"):
         criu.read_pagemaps(tmp_path)
+
+
+def test_images_of_the_wrong_shape_are_a_refusal(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from hermit_node import restore
+
+    def broken(_: Path) -> ImageCreds:
+        thread = credcheck.thread_creds(7, 7, {"thread_core": {"creds": {"uid": "x"}}}, [])
+        return ImageCreds((thread,))
+
+    monkeypatch.setattr(credcheck, "read_images", broken)
+    target = restore.RestoreTarget(namespace="agents", sandbox="s", sandbox_uid="u",
+                                   checkpoint="c1", init_pid=os.getpid())
+    with pytest.raises(CheckpointRefused, match=r"^checkpoint agents/c1 is refused: its CRIU "
+                                                r"images are malformed: ValueError"):
+        restore.check_images(target, tmp_path)
