@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hermit_common.errors import HermitError
+from hermit_common.errors import CheckpointRefused, HermitError
+from hermit_node import pagemap
 
 
 class CriuError(HermitError):
@@ -176,21 +178,59 @@ PAGEMAP_FILE = re.compile(r"pagemap-(\d+)\.img")
 
 
 def read_pagemaps(images_dir: Path) -> list[PageMap]:
-    """The task pagemaps of an images dir (shared-memory pagemaps are not included)."""
-    import pycriu.images
-
+    """The task pagemaps of an images dir (shared-memory pagemaps are not included).
+    Each is size-bounded before it is parsed (pagemap.MAX_PAGEMAP_BYTES); one too large
+    or malformed refuses the checkpoint."""
     maps = []
     for path in sorted(images_dir.iterdir()):
         match = PAGEMAP_FILE.fullmatch(path.name)
         if match is None:
             continue
-        with path.open("rb") as f:
-            entries = pycriu.images.load(f)["entries"]
-        maps.append(PageMap(
-            pid=int(match.group(1)), pages_id=int(entries[0]["pages_id"]),
-            entries=tuple((int(e["vaddr"]), int(e["nr_pages"]), int(e.get("flags", 0)))
-                          for e in entries[1:])))
+        raw = read_image_bytes(path, pagemap.MAX_PAGEMAP_BYTES)
+        try:
+            pages_id, entries = pagemap.pagemap_entries(raw)
+        except pagemap.PagemapError as exc:
+            raise CheckpointRefused(f"CRIU image {path.name} cannot be parsed: {exc}") from None
+        maps.append(PageMap(pid=int(match.group(1)), pages_id=pages_id,
+                            entries=tuple(entries)))
     return maps
+
+
+def read_image_bytes(path: Path, max_bytes: int) -> bytes:
+    """The bytes of a CRIU image of a checkpoint (untrusted: from the store), refused
+    before anything parses them when the file is not a regular file or holds more
+    than ``max_bytes`` (each caller's bound says why it is generous)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise CheckpointRefused(f"CRIU image {path.name} cannot be opened: {exc}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointRefused(f"CRIU image {path.name} is not a regular file")
+        data = f.read(max_bytes + 1) if st.st_size <= max_bytes else b""
+    if st.st_size > max_bytes or len(data) > max_bytes:
+        raise CheckpointRefused(
+            f"CRIU image {path.name} is {max(st.st_size, len(data))} bytes, more than the "
+            f"{max_bytes} a restore parses")
+    return data
+
+
+def load_image(path: Path, max_bytes: int) -> dict[str, Any]:
+    """A CRIU image decoded by pycriu ({"magic", "entries"}), size-bounded first
+    (read_image_bytes); one that does not decode refuses the checkpoint."""
+    raw = read_image_bytes(path, max_bytes)  # before pycriu sees a byte
+    import pycriu.images
+
+    try:
+        image = pycriu.images.loads(raw)
+    except Exception as exc:  # pycriu raises anything on a corrupt image
+        raise CheckpointRefused(
+            f"CRIU image {path.name} cannot be parsed: {type(exc).__name__}: "
+            f"{str(exc)[:200]}") from None
+    if not isinstance(image, dict) or not isinstance(image.get("entries"), list):
+        raise CheckpointRefused(f"CRIU image {path.name} cannot be parsed")
+    return image
 
 
 def _skip_network_lock(opts: Any, rpc: Any) -> None:

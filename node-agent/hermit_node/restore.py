@@ -2,8 +2,9 @@
 
 Order matters: read the manifest, check the node can run it and that it passes the
 manifest policy (admit.py) and fits on the node's disks, download and verify
-everything, apply the writable layer and the workspace, and only then let CRIU read
-the images.
+everything, check that no restored process would hold more privilege than the new
+container's init (credcheck.py), apply the writable layer and the workspace, and
+only then let CRIU read the images.
 """
 
 from __future__ import annotations
@@ -26,7 +27,19 @@ from hermit_common.chunkcache import CacheTally
 from hermit_common.errors import CheckpointRefused, RestoreFailed
 from hermit_common.manifest import Manifest
 from hermit_common.store import CheckpointStore, Deferred
-from hermit_node import admit, container, lazypages, metrics, pagesource, staging, sysinfo
+from hermit_node import (
+    admit,
+    container,
+    credcheck,
+    criu,
+    fdcheck,
+    lazypages,
+    metrics,
+    mountcheck,
+    pagesource,
+    staging,
+    sysinfo,
+)
 from hermit_node.checkpoint import NETNS_KEY, SECTION_IMAGES, SECTION_ROOTFS, SECTION_WORKSPACE
 from hermit_node.criu import Criu, RestoreRequest
 from hermit_node.fsapply import apply_tree
@@ -163,6 +176,32 @@ def _apply_files(admitted: admit.Admitted, local: Path, view: container.Containe
                    Path(source), replace=True)
 
 
+def check_images(target: RestoreTarget, images: Path, *, lazy: bool = False) -> None:
+    """Before anything is applied or CRIU reads a byte: no process of the images holds
+    more than the new container's init (credcheck.py) nor open a file that carries a
+    capability it lacks (fdcheck.py), their mounts are no wider than its mounts
+    (mountcheck.py), and the pagemaps a lazy restore parses itself are
+    within their bound. Raises CheckpointRefused."""
+    what = f"checkpoint {target.namespace}/{target.checkpoint}"
+    try:
+        granted = credcheck.read_granted(target.init_pid)
+        credcheck.check(credcheck.read_images(images), granted, what)
+        fdcheck.check(images, granted, what)
+        mountcheck.check(mountcheck.read_image_mounts(images),
+                         mountcheck.read_container_mounts(target.init_pid),
+                         granted.has(credcheck.CAP_SYS_ADMIN), what)
+        if lazy:
+            criu.read_pagemaps(images)
+    except CheckpointRefused as exc:
+        message = str(exc)
+        raise CheckpointRefused(message if message.startswith(what)
+                                else f"{what} is refused: {message}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        # Decoded but not shaped as CRIU writes them (a field of the wrong type...).
+        raise CheckpointRefused(f"{what} is refused: its CRIU images are malformed: "
+                                f"{type(exc).__name__}: {str(exc)[:200]}") from None
+
+
 def _free_space(need: admit.SpaceNeed) -> admit.SpaceNeed:
     """``need`` with its filesystem's device and the bytes free there (for unprivileged
     users: the blocks reserved for root stay for the node)."""
@@ -217,6 +256,7 @@ class RestoreEngine:
         try:
             manifest, admitted, deferred, download_ms = self._download(
                 target, view, local, store, tally)
+            check_images(target, local / SECTION_IMAGES, lazy=deferred is not None)
             mapped = _map_externals(manifest.restore, view)
 
             started = time.monotonic()

@@ -11,7 +11,7 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,8 +116,11 @@ class Sandbox:
 
 
 def start_sandbox(node: Node, network: CniNetwork, name: str, *, restore: bool = False,
-                  env: Mapping[str, str] | None = None) -> Sandbox:
-    """Run the sandbox on ``node``: fresh (init runs the workload) or awaiting a restore."""
+                  env: Mapping[str, str] | None = None,
+                  ctr_args: Sequence[str] = ()) -> Sandbox:
+    """Run the sandbox on ``node``: fresh (init runs the workload) or awaiting a restore.
+    ``ctr_args``: more ``ctr run`` options, e.g. ``--cap-drop CAP_NET_RAW`` or
+    ``--seccomp`` (what a pod's securityContext would change)."""
     workspace = node.work_dir / f"{name}-workspace"
     shutil.rmtree(workspace, ignore_errors=True)
     workspace.mkdir(parents=True)
@@ -128,6 +131,7 @@ def start_sandbox(node: Node, network: CniNetwork, name: str, *, restore: bool =
     container = node.containerd.run(
         name, node.image_ref, args, env=dict(env or {}),
         mounts=[Mount(workspace, "/workspace")], netns_path=netns.path, log_path=log_path,
+        extra_args=ctr_args,
     )
     return Sandbox(node, container, netns, workspace, log_path)
 
