@@ -754,8 +754,9 @@ class CheckpointStore:
         actual = digest_bytes(raw)
         if expect_digest is not None and actual != expect_digest:
             raise CheckpointRefused(
-                f"checkpoint {namespace}/{checkpoint}: manifest digest {actual} does not match "
-                f"the expected {expect_digest}")
+                f"checkpoint {namespace}/{checkpoint} is refused: its manifest's digest "
+                f"{actual} does not match the expected {expect_digest} (changed in the bucket "
+                "since it was taken)")
         plain, dek, context = self._unseal(raw, expect)
         return _Opened(Manifest.from_json(plain), actual,
                        ChunkCipher(dek) if dek is not None else None, dek, context)
