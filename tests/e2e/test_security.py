@@ -32,6 +32,7 @@ from tests.e2e.conftest import (
     wait_pod_phase,
     wait_until,
 )
+from tests.support.attacks import CONTAINED, REFUSED, Attack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -156,9 +157,10 @@ def _cordon(kube: Kube, node: str) -> dict[str, Any]:
     return {"spec": {"unschedulable": True, "taints": [*taints, taint]}}
 
 
+@pytest.mark.attack
 def test_a_node_agent_token_is_refused_on_another_nodes_objects(
         kube: Kube, namespace: str, e2e_config: E2EConfig,
-        node_agent: tuple[NodeAgentToken, str, str]) -> None:
+        node_agent: tuple[NodeAgentToken, str, str], attack: Attack) -> None:
     agent, mine, other = node_agent
     print(f"\nnode-agent of {mine}:")
     assert agent.attempt(agent.core.patch_node, mine, _cordon(kube, mine)) is None
@@ -199,12 +201,20 @@ def test_a_node_agent_token_is_refused_on_another_nodes_objects(
         raise AssertionError("the node-agent can list Secrets")
     except ApiException as exc:
         assert exc.status == 403
+    attack.record("node-agent token against another node's objects",
+                  tried=f"{mine}'s node-agent token: cordon and taint {other}, annotate a pod "
+                        f"on {other}, create a Checkpoint labelled {other} or marked verified, "
+                        "list Secrets",
+                  outcome=REFUSED,
+                  evidence="each refused by the API server (the node-scope policies, RBAC "
+                           "for Secrets); the same writes on its own node admitted")
 
 
 # -- Deliver 4: node-agent writes narrowed to what the protocol needs ----------------------
 
+@pytest.mark.attack
 def test_a_node_agent_token_changes_only_the_interruption_taint_and_cordon_of_its_node(
-        kube: Kube, node_agent: tuple[NodeAgentToken, str, str]) -> None:
+        kube: Kube, node_agent: tuple[NodeAgentToken, str, str], attack: Attack) -> None:
     """NodeRestriction keeps a kubelet from node-role.kubernetes.io/* and
     node-restriction.kubernetes.io/* labels; the node-agent's token must not be the way
     around it, nor change any other taint (say, to pull workloads onto its node)."""
@@ -229,11 +239,19 @@ def test_a_node_agent_token_changes_only_the_interruption_taint_and_cordon_of_it
     if taints:
         _refused(agent.attempt(agent.core.patch_node, mine, {"spec": {"taints": []}}),
                  "never another taint or spec field")
+    attack.record("node-agent token on its own Node",
+                  tried="label it node-role.kubernetes.io/control-plane and "
+                        "node-restriction.kubernetes.io/x, annotate it, add a taint, add the "
+                        "interruption taint as NoExecute, remove its taints",
+                  outcome=REFUSED,
+                  evidence="all refused (node-scope policy); only the interruption taint "
+                           "(NoSchedule) and spec.unschedulable admitted")
 
 
+@pytest.mark.attack
 def test_a_node_agent_token_writes_only_hermits_restore_annotations_on_its_pods(
         kube: Kube, namespace: str, e2e_config: E2EConfig,
-        node_agent: tuple[NodeAgentToken, str, str]) -> None:
+        node_agent: tuple[NodeAgentToken, str, str], attack: Attack) -> None:
     agent, mine, _ = node_agent
     kube.create_pod(namespace, pod_manifest("here", mine, e2e_config.sandbox_image,
                                             ["sleep", "3600"]))
@@ -253,10 +271,18 @@ def test_a_node_agent_token_writes_only_hermits_restore_annotations_on_its_pods(
     _refused(patch({"metadata": {"ownerReferences": [{
         "apiVersion": api.API_VERSION, "kind": api.SANDBOX_KIND, "name": "box",
         "uid": str(uuid.uuid4())}]}}), "labels, owners or finalizers")
+    attack.record("node-agent token on pods of its node",
+                  tried="set hermit.dev/restore-from, workspace-path or a foreign annotation, "
+                        "label a pod as a sandbox's, add a finalizer or an owner reference",
+                  outcome=REFUSED,
+                  evidence="all refused (pod-scope policy); only the three restore "
+                           "annotations admitted")
 
 
+@pytest.mark.attack
 def test_another_node_pre_creating_a_sandboxs_checkpoints_blocks_nothing(
-        kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig) -> None:
+        kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
+        attack: Attack) -> None:
     """A node that does not run the sandbox creates (for real) the Checkpoint names the
     sandbox's own node would use on a notice and a Pending request that used to hold
     interval checkpoints back. The operator fails them (CheckpointUntrusted), interval
@@ -326,10 +352,20 @@ def test_another_node_pre_creating_a_sandboxs_checkpoints_blocks_nothing(
     finally:
         out, _ = preempt.communicate(timeout=200)
     assert preempt.returncode == 0, f"preempt command failed: {out}"
+    attack.record("another node pre-creates a sandbox's checkpoints",
+                  tried=f"{there}'s node-agent token created {', '.join(squats)} (the names "
+                        f"{where.node} gives its stopping requests) and a Pending {pending}",
+                  outcome=CONTAINED,
+                  evidence=f"the operator failed them CheckpointUntrusted and ignored {pending}; "
+                           f"Interval checkpoint {interval['metadata']['name']} Completed; the "
+                           f"notice's checkpoint {real['metadata']['name']} Completed and the "
+                           f"sandbox moved to {after.node} from it")
 
 
+@pytest.mark.attack
 def test_a_pod_faked_with_the_sandbox_label_and_a_restore_from_is_not_restored(
-        kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig) -> None:
+        kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
+        attack: Attack) -> None:
     """Someone who may create pods (not the operator) makes one that looks like a
     sandbox's: its label, an owner reference to the AgentSandbox's uid, and
     hermit.dev/restore-from naming the sandbox's verified checkpoint. The node-agent
@@ -378,3 +414,9 @@ def test_a_pod_faked_with_the_sandbox_label_and_a_restore_from_is_not_restored(
     pod = kube.pod(namespace, "fake-restore") or {}
     assert pod.get("status", {}).get("phase") == "Running", "its own process runs on"
     assert sb.status(namespace, name)["podName"] == where.pod, "the sandbox is untouched"
+    attack.record("pod faked with the sandbox label and a restore-from",
+                  tried=f"a pod on {where.node} labelled as {name}'s, owned by its uid, "
+                        f"hermit.dev/restore-from: {manual} (Completed, verified)",
+                  outcome=REFUSED,
+                  evidence=f"restore-phase Failed, not retryable: {message[:120]}; a "
+                           "RestoreRefused Event; nothing restored into it")
