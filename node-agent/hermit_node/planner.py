@@ -116,10 +116,13 @@ def sandbox_pods(pods: Iterable[Mapping[str, Any]], node: str) -> list[SandboxPo
 
 
 def current_pods(pods: Iterable[SandboxPod]) -> dict[tuple[str, str], SandboxPod]:
-    """Per sandbox, the live pod with the highest incarnation."""
+    """Per sandbox, the live pod with the highest incarnation, among the pods named as the
+    operator names them (``<sandbox>-<incarnation>``): a pod someone else made with the
+    sandbox's label, owner and incarnation has another name (names are unique), and is
+    never checkpointed in the sandbox's stead."""
     out: dict[tuple[str, str], SandboxPod] = {}
     for sp in pods:
-        if not sp.has_live_tree:
+        if not sp.has_live_tree or sp.pod != operator_pod_name(sp.sandbox, sp.incarnation):
             continue
         seen = out.get(sp.key)
         if seen is None or sp.incarnation > seen.incarnation:

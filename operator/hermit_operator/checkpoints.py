@@ -178,8 +178,11 @@ def taken_from(ckpt: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
 
 def stopping_completed(ckpts: Sequence[KubeObject], pod: Mapping[str, Any],
                        reasons: Sequence[str] = protocol.STOPPING_REASONS) -> KubeObject | None:
-    """The newest Completed checkpoint with a stopping reason taken from ``pod``, or None."""
-    found = [c for c in completed(ckpts) if reason_of(c) in reasons and taken_from(c, pod)]
+    """The newest Completed checkpoint with a stopping reason taken from ``pod`` (and, when
+    it is labelled with an incarnation, of ``pod``'s: a checkpoint of another pod on the
+    same node never ends this one), or None."""
+    found = [c for c in completed(ckpts) if reason_of(c) in reasons and taken_from(c, pod)
+             and incarnation_of(c) in (None, incarnation_of(pod))]
     return found[-1] if found else None
 
 

@@ -272,3 +272,20 @@ def test_a_prefetch_reads_only_checkpoints_the_operator_verified() -> None:
     source = planner.prefetch_source([forged, good], sp)
     assert source is not None and source.checkpoint == "box-1-i1"
     assert planner.prefetch_source([forged], sp) is None
+
+
+def test_a_notice_checkpoints_the_operators_pod_not_a_look_alike(tmp_path: Path) -> None:
+    """A pod someone else made with the sandbox's label, owner and incarnation (on the same
+    node, listed first) is never checkpointed in the sandbox's stead: it has another name
+    than the operator gives that incarnation's pod."""
+    fake = pod("box-copy", incarnation=1)
+    kube = FakeKube([fake, pod("box-1")], [])
+    engine = FakeEngine()
+    agent = make_agent(tmp_path, kube, engine)
+    agent.on_notice(notice())
+    agent.shutdown()
+    [(target, _)] = engine.calls
+    assert target.checkpoint == "box-1-preempt"
+    assert [sp.pod for sp in planner.pods_to_checkpoint_on_notice(sps(fake, pod("box-1")))] \
+        == ["box-1"]
+    assert planner.pods_to_checkpoint_on_notice(sps(fake)) == []

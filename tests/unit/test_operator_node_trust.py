@@ -153,3 +153,16 @@ def test_a_verified_checkpoint_from_the_old_node_still_restores_after_a_move() -
              checkpoints=[ckpt("old", created="11:00:00", node=HERE)])
     assert p.create_pod is not None
     assert p.create_pod["metadata"]["annotations"][protocol.ANNOTATION_RESTORE_FROM] == "old"
+
+
+def test_a_stopping_checkpoint_of_another_incarnation_on_the_same_node_ends_nothing() -> None:
+    """A look-alike pod of the sandbox on its node (made by someone else, another
+    incarnation label) checkpointed there does not end, nor replace, the current pod."""
+    sb = sandbox({**RUNNING, "nodeName": HERE})
+    other = by_node("minimal-7-preempt", "Preemption", HERE, incarnation=7, status={
+        "phase": "Completed", "nodeName": HERE, "completedAt": "2026-01-01T11:59:00Z"})
+    p = plan(sb, pod(), NOW, settings=SETTINGS, checkpoints=[other])
+    assert p.delete_pod is None and p.create_pod is None
+    mine = by_node("minimal-1-preempt", "Preemption", HERE, status={
+        "phase": "Completed", "nodeName": HERE, "completedAt": "2026-01-01T11:59:00Z"})
+    assert plan(sb, pod(), NOW, settings=SETTINGS, checkpoints=[mine]).delete_pod == "minimal-1"
