@@ -93,6 +93,20 @@ ANNOTATION_RESTORE_RETRYABLE: Final = f"{GROUP}/restore-retryable"
 # Nodes, set by the node-agent with a cordon: this node is going away.
 TAINT_INTERRUPTION: Final = f"{GROUP}/interruption"
 
+# -- what a node-agent may write (the chart's node-agent-policy.yaml holds it to this) ---
+# The only pod annotations a node-agent writes: a restore's outcome.
+NODE_AGENT_POD_ANNOTATIONS: Final = (ANNOTATION_RESTORE_PHASE, ANNOTATION_RESTORE_MESSAGE,
+                                     ANNOTATION_RESTORE_RETRYABLE)
+# The only Checkpoints a node-agent creates (Interval and Suspend are the operator's,
+# Manual a user's).
+NODE_AGENT_REASONS: Final = (PREEMPTION, EVICTION, REBALANCE, TURN)
+# How every name a node-agent gives a Checkpoint ends (``checkpoint_name`` for its reasons;
+# when another node took that name first, a secret 8-hex-digit tag after it:
+# hermit_node/requests.py): the policy refuses any other, so a node can never take the
+# name of the operator's next Interval or Suspend request.
+NODE_AGENT_CHECKPOINT_NAMES: Final = \
+    "-[0-9]+-(preempt|evict|rebalance|turn[0-9]+)(-r[0-9]+)?(-[0-9a-f]{8})?$"
+
 DEFAULT_WORKSPACE_PATH: Final = "/workspace"
 NAME_LIMIT: Final = 253
 MESSAGE_LIMIT: Final = 1024  # status.message and restore-message stay short and on one line

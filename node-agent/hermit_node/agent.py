@@ -33,7 +33,16 @@ from hermit_common.s3errors import CheckpointNotFound
 from hermit_common.seal import Expected
 from hermit_common.settings import NodeSettings, redacted
 from hermit_common.store import UploadProgress
-from hermit_node import background, freezer, locate, metrics, planner, staging, turnserver
+from hermit_node import (
+    background,
+    freezer,
+    locate,
+    metrics,
+    planner,
+    requests,
+    staging,
+    turnserver,
+)
 from hermit_node import health as agent_health
 from hermit_node.checkpoint import CheckpointResult, CheckpointTarget
 from hermit_node.collect import Collector
@@ -60,9 +69,13 @@ FREEZING = 2
 STATUS_ATTEMPTS = 5
 CLAIM_ATTEMPTS = 3  # claims of one Checkpoint per loop (each 409 re-reads it)
 EVENT_CHECKPOINT_FAILED = "CheckpointFailed"
+# A pod asked for a restore the node-agent refuses to start (planner.restore_authority).
+EVENT_RESTORE_REFUSED = "RestoreRefused"
 # How often the loop looks at a checkpoint in flight on another node that a pod here waits
 # for: a restore starts at most this long after it is Completed.
 REMOTE_POLL_SECONDS = 0.25
+# While a pod waits for the operator to name it or to verify its checkpoint.
+AUTHORITY_POLL_SECONDS = 1.0
 CHUNK_CACHE_DIR = "chunk-cache"  # under HERMIT_WORK_DIR
 
 
@@ -313,6 +326,8 @@ class NodeAgent:
         # A waiting pod's checkpoint is in flight on another node (its phase is read, not
         # watched): the loop looks again sooner (``next_wait``).
         self._remote_wait = False
+        # Pods (uids) whose restore waits for the operator (planner.restore_authority).
+        self._authority_waits: set[str] = set()
 
     # -- notices --------------------------------------------------------------------
 
@@ -360,12 +375,13 @@ class NodeAgent:
         if reason is None:
             return []
         made = []
-        for sp, name in planner.stop_requests(pods, reason, checkpoints, self._clock()):
+        for sp, tag in planner.stop_requests(pods, reason, checkpoints, self._clock()):
             try:
-                made.append(self._kube.create_checkpoint(protocol.checkpoint_object(
-                    sp.sandbox, name, reason, sp.incarnation, node=self.node), sp.namespace))
-            except KubeError as exc:
-                log.warning("cannot request checkpoint %s/%s yet: %s", sp.namespace, name, exc)
+                # No operator round trip: the request is made here, and served at once.
+                made.append(requests.create(self._kube, sp, reason, self.node, tag))
+            except (KubeError, requests.NameTaken) as exc:
+                log.warning("cannot request a %s checkpoint of %s/%s yet: %s", reason,
+                            sp.namespace, sp.pod, exc)
                 continue
             # Its job starts now, not once all the node's requests are made (thirty of
             # them took 3 s of a 120 s notice).
@@ -386,15 +402,14 @@ class NodeAgent:
         done = notice is not None
         if not done:
             done = True
-            for sp, name in planner.early_requests(pods, checkpoints):
+            for sp, tag in planner.early_requests(pods, checkpoints):
                 try:
-                    made.append(self._kube.create_checkpoint(protocol.checkpoint_object(
-                        sp.sandbox, name, protocol.REBALANCE, sp.incarnation, node=self.node),
-                        sp.namespace))
-                except KubeError as exc:
+                    made.append(requests.create(self._kube, sp, protocol.REBALANCE,
+                                                self.node, tag))
+                except (KubeError, requests.NameTaken) as exc:
                     done = False
-                    log.warning("cannot request checkpoint %s/%s yet: %s", sp.namespace,
-                                name, exc)
+                    log.warning("cannot request a Rebalance checkpoint of %s/%s yet: %s",
+                                sp.namespace, sp.pod, exc)
         if done:
             with self._lock:
                 if self._advised is advised:
@@ -435,7 +450,11 @@ class NodeAgent:
     def next_wait(self, interval: float) -> float:
         """How long the loop may wait for a change: less while a pod here waits for a
         checkpoint in flight on another node (its Completed is not watched from here)."""
-        return min(interval, REMOTE_POLL_SECONDS) if self._remote_wait else interval
+        if self._remote_wait:
+            return min(interval, REMOTE_POLL_SECONDS)
+        with self._lock:
+            waiting = bool(self._authority_waits)
+        return min(interval, AUTHORITY_POLL_SECONDS) if waiting else interval
 
     def _with_sources(self, pods: list[SandboxPod], checkpoints: list[KubeObject] | None
                       ) -> list[KubeObject] | None:
@@ -524,6 +543,7 @@ class NodeAgent:
         waiting = planner.awaiting(checkpoints, pods)
         with self._lock:
             self._taken = {uid for uid in self._taken if uid in waiting or uid in self._running}
+            self._authority_waits &= waiting
 
     def _start(self, uid: str, key: tuple[str, str], fn: Callable[[], None], *,
                priority: int, freezes: bool = False) -> None:
@@ -821,6 +841,8 @@ class NodeAgent:
 
     def run_restore(self, sp: SandboxPod) -> None:
         name = str(sp.restore_from)
+        if not self._authorized(sp):
+            return
         if self._fenced(sp):
             self._release(sp.uid)  # not started: the next loop looks again
             return
@@ -852,6 +874,39 @@ class NodeAgent:
         metrics.record_chunks(cached=result.chunks_cached, fetched=result.chunks_fetched)
         self._annotate(sp, planner.restore_annotations(
             protocol.RESTORED, planner.restored_message(name, result)))
+
+    def _authorized(self, sp: SandboxPod) -> bool:
+        """Only a pod of the operator's, from a checkpoint it verified (planner.restore_authority).
+        A refusal is written on the pod (Failed, with why) and in an Event, and nothing else
+        is done; a wait leaves the pod for a later loop."""
+        try:
+            sandbox = self._kube.get_sandbox(sp.namespace, sp.sandbox)
+            ckpt = self._kube.get_checkpoint(sp.namespace, str(sp.restore_from))
+        except KubeError as exc:
+            log.warning("%s", exc)
+            self._release(sp.uid)
+            return False
+        verdict = planner.restore_authority(sp, sandbox, ckpt, self._clock())
+        with self._lock:
+            if verdict.verdict == planner.WAIT:
+                self._authority_waits.add(sp.uid)
+            else:
+                self._authority_waits.discard(sp.uid)
+        if verdict.verdict == planner.ALLOW:
+            return True
+        if verdict.verdict == planner.WAIT:
+            log.info("restore of %s/%s waits: %s", sp.namespace, sp.pod, verdict.message)
+            self._release(sp.uid)
+            return False
+        log.warning("restore of %s/%s %s", sp.namespace, sp.pod, verdict.message)
+        self._annotate(sp, planner.restore_annotations(
+            protocol.RESTORE_FAILED, verdict.message, retryable=verdict.retryable))
+        try:
+            self._kube.pod_event(sp.namespace, sp.pod, sp.uid, "Warning",
+                                 EVENT_RESTORE_REFUSED, protocol.one_line(verdict.message))
+        except KubeError as exc:
+            log.warning("%s", exc)
+        return False
 
     def _fenced(self, sp: SandboxPod) -> bool:
         """An older incarnation of the sandbox may still run (fence.py): do not start."""

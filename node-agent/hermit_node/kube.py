@@ -225,16 +225,27 @@ class Kube(KubeApi):
                          message: str) -> None:
         """Record an Event on a Checkpoint."""
         meta = ckpt.get("metadata") or {}
-        namespace, name = str(meta.get("namespace")), str(meta.get("name"))
+        self._event({"apiVersion": api.API_VERSION, "kind": api.CHECKPOINT_KIND,
+                     "name": str(meta.get("name")), "namespace": str(meta.get("namespace")),
+                     "uid": meta.get("uid")}, event_type, reason, message)
+
+    def pod_event(self, namespace: str, name: str, uid: str, event_type: str, reason: str,
+                  message: str) -> None:
+        """Record an Event on a pod (a restore it asked for and was refused)."""
+        self._event({"apiVersion": "v1", "kind": "Pod", "name": name, "namespace": namespace,
+                     "uid": uid}, event_type, reason, message)
+
+    def _event(self, involved: KubeObject, event_type: str, reason: str,
+               message: str) -> None:
+        namespace, name = str(involved["namespace"]), str(involved["name"])
         now = protocol.rfc3339(datetime.now(UTC))
         body = {
             "metadata": {"generateName": f"{name}.", "namespace": namespace},
-            "involvedObject": {"apiVersion": api.API_VERSION, "kind": api.CHECKPOINT_KIND,
-                               "name": name, "namespace": namespace, "uid": meta.get("uid")},
+            "involvedObject": involved,
             "type": event_type, "reason": reason, "message": message,
             "source": {"component": COMPONENT, "host": self.node_name},
             "reportingComponent": COMPONENT, "reportingInstance": self.node_name,
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
-        self._call(f"recording an Event on Checkpoint {namespace}/{name}",
+        self._call(f"recording an Event on {involved['kind']} {namespace}/{name}",
                    self._core.create_namespaced_event, namespace, body)

@@ -40,6 +40,7 @@ class SandboxPod:
     restore_from: str | None
     restore_phase: str | None
     on_preemption: bool = True  # false: no checkpoint on a notice or a drain
+    created: str = ""  # metadata.creationTimestamp, as the API wrote it
 
     @property
     def key(self) -> tuple[str, str]:
@@ -88,6 +89,7 @@ def sandbox_pod(pod: Mapping[str, Any]) -> SandboxPod | None:
         restore_from=annotations.get(protocol.ANNOTATION_RESTORE_FROM) or None,
         restore_phase=annotations.get(protocol.ANNOTATION_RESTORE_PHASE) or None,
         on_preemption=annotations.get(protocol.ANNOTATION_ON_PREEMPTION) != "false",
+        created=str(meta.get("creationTimestamp") or ""),
     )
 
 
@@ -114,10 +116,13 @@ def sandbox_pods(pods: Iterable[Mapping[str, Any]], node: str) -> list[SandboxPo
 
 
 def current_pods(pods: Iterable[SandboxPod]) -> dict[tuple[str, str], SandboxPod]:
-    """Per sandbox, the live pod with the highest incarnation."""
+    """Per sandbox, the live pod with the highest incarnation, among the pods named as the
+    operator names them (``<sandbox>-<incarnation>``): a pod someone else made with the
+    sandbox's label, owner and incarnation has another name (names are unique), and is
+    never checkpointed in the sandbox's stead."""
     out: dict[tuple[str, str], SandboxPod] = {}
     for sp in pods:
-        if not sp.has_live_tree:
+        if not sp.has_live_tree or sp.pod != operator_pod_name(sp.sandbox, sp.incarnation):
             continue
         seen = out.get(sp.key)
         if seen is None or sp.incarnation > seen.incarnation:
@@ -153,29 +158,44 @@ def stop_backoff(failures: int) -> float:
 def stop_requests(pods: Iterable[SandboxPod], reason: str,
                   checkpoints: Iterable[Mapping[str, Any]] | None,
                   now: datetime | None = None) -> list[tuple[SandboxPod, str]]:
-    """(pod, Checkpoint name) for each sandbox pod that needs a stopping request now.
+    """(pod, name tag) for each sandbox pod that needs a stopping request now: the request
+    is ``protocol.checkpoint_name(sandbox, incarnation, reason, tag)`` (hermit_node.requests
+    creates it, under a secret longer name when another node took that one).
 
-    The first request is named by incarnation; when it Failed (the sandbox was left
-    running) and the node is still going away, another is made once ``stop_backoff``
-    has passed since it failed (its ``completedAt``; at once when ``now`` is None), up to
-    STOP_ATTEMPTS. With no list of checkpoints (the API did not answer), only first
-    requests."""
-    by_name = {str(protocol.meta(c).get("name")): c for c in checkpoints or []}
+    ``checkpoints`` are this node's (labelled with it). A pod's requests are found by their
+    labels (sandbox, incarnation, reason), not their names, so a request made under the
+    longer name counts as well. The first has no tag; when every one so far Failed (the
+    sandbox was left running) and the node is still going away, another is made (``-r2``,
+    ``-r3``, ...) once ``stop_backoff`` has passed since the last one failed (its
+    ``completedAt``; at once when ``now`` is None), up to STOP_ATTEMPTS. With no list of
+    checkpoints (the API did not answer), only first requests."""
+    listed = list(checkpoints or [])
     out = []
     for sp in pods_to_checkpoint_on_notice(pods):
-        names = [protocol.checkpoint_name(sp.sandbox, sp.incarnation, reason,
-                                          f"-r{n}" if n > 1 else "")
-                 for n in range(1, STOP_ATTEMPTS + 1)]
-        for n, name in enumerate(names, start=1):
-            existing = by_name.get(name)
-            if existing is None:
-                out.append((sp, name))
-                break
-            if protocol.phase_of(existing) != protocol.FAILED or checkpoints is None:
-                break  # in flight or done: nothing to add
-            if not _backed_off(existing, n, now):
-                break
+        made = [c for c in listed if _request_of(c, sp, reason)]
+        if checkpoints is None:
+            out.append((sp, ""))
+            continue
+        if any(protocol.phase_of(c) != protocol.FAILED for c in made):
+            continue  # in flight or done: nothing to add
+        if len(made) >= STOP_ATTEMPTS:
+            continue
+        if made and not _backed_off(max(made, key=_failed_at), len(made), now):
+            continue
+        out.append((sp, f"-r{len(made) + 1}" if made else ""))
     return out
+
+
+def _request_of(ckpt: Mapping[str, Any], sp: SandboxPod, reason: str) -> bool:
+    """Whether ``ckpt`` is a request of ``reason`` for ``sp``'s incarnation."""
+    return (str(protocol.meta(ckpt).get("namespace") or "default") == sp.namespace
+            and protocol.sandbox_of(ckpt) == sp.sandbox
+            and protocol.incarnation_of(ckpt) == sp.incarnation
+            and protocol.reason_of(ckpt) == reason)
+
+
+def _failed_at(ckpt: Mapping[str, Any]) -> str:
+    return str((ckpt.get("status") or {}).get("completedAt") or "")
 
 
 def _backed_off(failed: Mapping[str, Any], failures: int, now: datetime | None) -> bool:
@@ -214,30 +234,30 @@ def pods_to_checkpoint_on_notice(pods: Iterable[SandboxPod]) -> list[SandboxPod]
 def early_requests(pods: Iterable[SandboxPod],
                    checkpoints: Iterable[Mapping[str, Any]] | None
                    ) -> list[tuple[SandboxPod, str]]:
-    """(pod, Checkpoint name) for each sandbox pod that needs an early routine checkpoint
+    """(pod, name tag: always "") for each sandbox pod that needs an early routine checkpoint
     after an advisory notice (an AWS rebalance recommendation): the node may be reclaimed
     soon, so each sandbox gets a durable base now while it keeps running, and the stopping
     checkpoint of a later interruption notice uploads only what changed since (chunks are
     deduplicated per sandbox).
 
-    One ``Rebalance`` request per incarnation, named by it (so a repeated recommendation or a
-    restarted agent makes none twice); none for a sandbox that has a checkpoint in flight
-    (it is being checkpointed anyway, or is stopping) or that turned ``onPreemption`` off.
+    One ``Rebalance`` request per incarnation, named by it and found by its labels (so a
+    repeated recommendation or a restarted agent makes none twice); none for a sandbox
+    that has a checkpoint in flight (it is being checkpointed anyway, or is stopping) or
+    that turned ``onPreemption`` off.
     With no list of checkpoints (the API did not answer), none: the caller tries again."""
     if checkpoints is None:
         return []
-    names: set[str] = set()
+    listed = list(checkpoints)
     busy: set[tuple[str, str]] = set()
-    for c in checkpoints:
-        names.add(protocol.name_of(c))
+    for c in listed:
         if protocol.phase_of(c) in protocol.IN_FLIGHT:
             busy.add((str(protocol.meta(c).get("namespace") or "default"),
                       str(protocol.sandbox_of(c) or "")))
     out = []
     for sp in pods_to_checkpoint_on_notice(pods):
-        name = protocol.checkpoint_name(sp.sandbox, sp.incarnation, protocol.REBALANCE)
-        if name not in names and sp.key not in busy:
-            out.append((sp, name))
+        made = any(_request_of(c, sp, protocol.REBALANCE) for c in listed)
+        if not made and sp.key not in busy:
+            out.append((sp, ""))
     return out
 
 
@@ -419,6 +439,99 @@ def pods_to_prefetch(pods: Iterable[SandboxPod],
             and (sp.namespace, sp.restore_from) in in_flight]
 
 
+# -- who may be restored ----------------------------------------------------------------
+
+ALLOW = "allow"
+WAIT = "wait"  # not yet: the operator has not written what would allow it; look again soon
+REFUSE = "refuse"
+# How long a pod of the operator's may wait for the operator to name it in the sandbox's
+# status, or to mark its checkpoint verified (both land within a second of the pod's
+# creation when the operator is up; a failover takes about 15 s), before it is refused.
+AUTHORITY_WAIT_SECONDS = 120.0
+
+
+@dataclass(frozen=True)
+class Authority:
+    """Whether a restore into a pod may start, and why not."""
+
+    verdict: str  # ALLOW, WAIT, REFUSE
+    message: str = ""
+    retryable: bool = False  # with REFUSE: whether the operator may try the same again
+
+
+def operator_pod_name(sandbox: str, incarnation: int) -> str:
+    """The name the operator gives a sandbox's pod of ``incarnation`` (podspec.pod_name)."""
+    return f"{sandbox}-{incarnation}"
+
+
+def verified(ckpt: Mapping[str, Any]) -> bool:
+    """The operator marked the Checkpoint: it saw its node label match the node its
+    incarnation ran on (only the operator may set the mark: the chart's policies)."""
+    annotations = protocol.meta(ckpt).get("annotations") or {}
+    return annotations.get(protocol.ANNOTATION_NODE_VERIFIED) == "true"
+
+
+def restore_authority(sp: SandboxPod, sandbox: Mapping[str, Any] | None,
+                      ckpt: Mapping[str, Any] | None, now: datetime) -> Authority:
+    """Whether the restore ``sp`` asks for (its ``restore-from``) may start: only into a pod
+    the operator made, and only from a checkpoint the operator verified. Anyone who may
+    create pods can label one as a sandbox's, give it an owner reference and a
+    ``restore-from``; only the operator writes an AgentSandbox's status and the mark.
+
+    The pod must be the one the sandbox's status names (pod and incarnation), with the
+    owner reference's uid that sandbox's; or the pod of the next incarnation, named as the
+    operator names it, restoring a stopping checkpoint of the current incarnation (a move's
+    replacement, created while that checkpoint is taken and named in the status only once
+    it is adopted: docs/protocol.md flow 2). The Checkpoint must carry
+    ``hermit.dev/node-verified``. What the operator has not written yet (the status of a
+    pod it just created, the mark of a checkpoint it trusts now) is waited for, for at most
+    AUTHORITY_WAIT_SECONDS from the pod's creation. A missing, unfinished or failed
+    Checkpoint is left to the restore, which reports it as before (``restore_origin``)."""
+    where = f"{sp.namespace}/{sp.pod}"
+    if sandbox is None:
+        return Authority(REFUSE, f"refused: pod {where} names AgentSandbox {sp.sandbox}, which "
+                                 "does not exist; nothing is restored into it")
+    uid = str(protocol.meta(sandbox).get("uid") or "")
+    if uid != sp.sandbox_uid:
+        return Authority(REFUSE, f"refused: pod {where} is owned by AgentSandbox uid "
+                                 f"{sp.sandbox_uid}, not by {sp.sandbox} (uid {uid}); only the "
+                                 "operator's pods are restored")
+    status = sandbox.get("status") or {}
+    try:
+        incarnation = int(status.get("incarnation") or 0)
+    except (TypeError, ValueError):
+        incarnation = 0
+    named = str(status.get("podName") or "")
+    current = named == sp.pod and incarnation == sp.incarnation
+    next_pod = (sp.incarnation == incarnation + 1
+                and sp.pod == operator_pod_name(sp.sandbox, sp.incarnation))
+    replacement = (next_pod and ckpt is not None and protocol.sandbox_of(ckpt) == sp.sandbox
+                   and protocol.reason_of(ckpt) in protocol.MIGRATING_REASONS
+                   and protocol.incarnation_of(ckpt) == incarnation)
+    waited = _age(sp, now) >= AUTHORITY_WAIT_SECONDS
+    if not (current or replacement):
+        message = (f"pod {where} is not the pod of AgentSandbox {sp.sandbox} its status names "
+                   f"({named or 'none'}, incarnation {incarnation}); only the operator's "
+                   "pods are restored")
+        if next_pod and not waited:  # just created: the status is written after the pod
+            return Authority(WAIT, message)
+        return Authority(REFUSE, f"refused: {message}")
+    if ckpt is None or protocol.phase_of(ckpt) != protocol.COMPLETED or verified(ckpt):
+        return Authority(ALLOW)
+    message = (f"Checkpoint {sp.restore_from} is not marked {protocol.ANNOTATION_NODE_VERIFIED} "
+               "by the operator (its node label was never seen to match the node its "
+               "sandbox ran on)")
+    if not waited:
+        return Authority(WAIT, message)
+    return Authority(REFUSE, f"refused: {message}; nothing was restored", retryable=True)
+
+
+def _age(sp: SandboxPod, now: datetime) -> float:
+    """Seconds since the pod was created (0 when unknown: it may still wait)."""
+    created = protocol.parse_time(sp.created)
+    return 0.0 if created is None else (now - created).total_seconds()
+
+
 @dataclass(frozen=True)
 class PrefetchSource:
     """The checkpoint a prefetch reads: its name and what its manifest must match."""
@@ -431,13 +544,15 @@ class PrefetchSource:
 def prefetch_source(checkpoints: Iterable[Mapping[str, Any]],
                     sp: SandboxPod) -> PrefetchSource | None:
     """The newest Completed checkpoint of ``sp``'s sandbox other than the one it waits for
-    (most of that one's chunks are usually the same), or None. Only a cache is filled
-    from it: the restore verifies every chunk it takes from there."""
+    (most of that one's chunks are usually the same) that the operator verified, or None.
+    Only a cache is filled from it: the restore verifies every chunk it takes from there."""
     best: tuple[str, str, RestoreOrigin, Mapping[str, Any]] | None = None
     for ckpt in checkpoints:
         name = protocol.name_of(ckpt)
         if (str(protocol.meta(ckpt).get("namespace") or "default") != sp.namespace
                 or protocol.sandbox_of(ckpt) != sp.sandbox or name == sp.restore_from):
+            continue
+        if not verified(ckpt):  # a node may create Checkpoints for any sandbox: not read
             continue
         origin = restore_origin(ckpt, name)
         if isinstance(origin, str) or origin.sandbox != sp.sandbox:

@@ -43,7 +43,7 @@ from typing import Any, Final, Protocol
 from hermit_common import api, protocol
 from hermit_common.errors import HermitError
 from hermit_common.settings import TURN_AUDIENCE
-from hermit_node import inspector, metrics, planner, turnlimits
+from hermit_node import inspector, metrics, planner, requests, turnlimits
 from hermit_node.inspector import Decision, Snapshot
 from hermit_node.kube import KubeError
 from hermit_node.planner import KubeObject, SandboxPod
@@ -388,9 +388,9 @@ class TurnService:
     def _request(self, sp: SandboxPod, turn: int, decision: Decision) -> str:
         """Create the Turn Checkpoint (labelled with this node and the pod's incarnation,
         so only this pod's node-agent serves it) and record the decision in its status."""
-        name = protocol.checkpoint_name(sp.sandbox, sp.incarnation, protocol.TURN, str(turn))
-        self._kube.create_checkpoint(protocol.checkpoint_object(
-            sp.sandbox, name, protocol.TURN, sp.incarnation, node=self.node), sp.namespace)
+        # Under a secret longer name when another node took the protocol's (requests.py).
+        name = protocol.name_of(requests.create(self._kube, sp, protocol.TURN, self.node,
+                                                str(turn)))
         self._kube.patch_checkpoint_status(sp.namespace, name, turn_status(turn, decision))
         return name
 

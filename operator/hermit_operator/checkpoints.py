@@ -178,8 +178,11 @@ def taken_from(ckpt: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
 
 def stopping_completed(ckpts: Sequence[KubeObject], pod: Mapping[str, Any],
                        reasons: Sequence[str] = protocol.STOPPING_REASONS) -> KubeObject | None:
-    """The newest Completed checkpoint with a stopping reason taken from ``pod``, or None."""
-    found = [c for c in completed(ckpts) if reason_of(c) in reasons and taken_from(c, pod)]
+    """The newest Completed checkpoint with a stopping reason taken from ``pod`` (and, when
+    it is labelled with an incarnation, of ``pod``'s: a checkpoint of another pod on the
+    same node never ends this one), or None."""
+    found = [c for c in completed(ckpts) if reason_of(c) in reasons and taken_from(c, pod)
+             and incarnation_of(c) in (None, incarnation_of(pod))]
     return found[-1] if found else None
 
 
@@ -398,19 +401,38 @@ def trusted(ckpt: Mapping[str, Any], where: Where) -> bool:
     return verified(ckpt) or _node_matches(ckpt, where)
 
 
-def mislabelled(ckpt: Mapping[str, Any], where: Where) -> bool:
-    """A checkpoint of the current incarnation labelled with another node than the one it
-    runs on: written by a node-agent that never had the sandbox."""
+def counts(ckpt: Mapping[str, Any], where: Where) -> bool:
+    """Whether the operator takes ``ckpt`` into account at all (in flight, finished, due,
+    restorable, retained): verified, or unlabelled (a user's request, which the operator
+    binds to the current node when it adopts it), or labelled with the node the current
+    incarnation runs on. Any node-agent may create Checkpoints labelled with its own node
+    for any sandbox (the API server's policy cannot tell where a sandbox runs), so one
+    labelled with another node, or with a node while the sandbox runs on none, is never
+    the sandbox's: it neither blocks an interval request nor stands for a stopping one."""
+    if verified(ckpt):
+        return True
     node = protocol.node_of(ckpt)
+    return node is None or (where.node is not None and node == where.node)
+
+
+def mislabelled(ckpt: Mapping[str, Any], where: Where) -> bool:
+    """A checkpoint the operator fails as untrusted: never verified, labelled with another
+    node than the one the current incarnation runs on, and of that incarnation, a later one
+    or none. No node-agent that ran the sandbox made it: each labels its requests with the
+    incarnation of the pod it serves, so only an older incarnation's may legitimately name
+    an older node (those are only ignored: ``counts``)."""
+    node = protocol.node_of(ckpt)
+    incarnation = incarnation_of(ckpt)
     return (not verified(ckpt) and where.node is not None and node is not None
-            and node != where.node and incarnation_of(ckpt) == where.incarnation)
+            and node != where.node and (incarnation is None or incarnation >= where.incarnation))
 
 
 def untrusted_status(ckpt: Mapping[str, Any], where: Where, now: datetime) -> KubeObject:
     """The status that fails a mislabelled checkpoint."""
     return {"phase": FAILED, "completedAt": protocol.rfc3339(now),
             "message": f"refused: labelled for node {protocol.node_of(ckpt)}, but incarnation "
-                       f"{where.incarnation} runs on node {where.node}; it is never restored"}
+                       f"{where.incarnation} runs on node {where.node}; it is ignored and "
+                       "never restored"}
 
 
 def _label_patch(ckpt: Mapping[str, Any], where: Where) -> tuple[KubeObject, KubeObject]:

@@ -118,6 +118,9 @@ class _State:
     protect: set[str] = field(default_factory=set)  # checkpoints retention must keep
     adopt: tuple[tuple[str, KubeObject], ...] = ()
     fail: tuple[tuple[str, KubeObject], ...] = ()
+    # Mislabelled checkpoints already failed (oldest first): ignored; retention keeps the
+    # newest ``retain`` of them as evidence and deletes the rest, so a node cannot pile them up.
+    refused: list[str] = field(default_factory=list)
     create_checkpoint: KubeObject | None = None
     pdb: KubeObject | None = None
     delete_pdb: str | None = None
@@ -259,15 +262,21 @@ def _where(st: _State, pod: KubeObject | None) -> ck.Where:
 
 
 def _trusted(st: _State, ckpts: list[KubeObject], where: ck.Where) -> list[KubeObject]:
-    """The sandbox's checkpoints without the Completed ones it must never restore (see
-    ck.trusted); a mislabelled one is failed, with a Warning."""
+    """The sandbox's checkpoints the operator takes into account (ck.counts), without the
+    Completed ones it must never restore (ck.trusted); a mislabelled one is failed, with a
+    Warning (once: a Failed one is only ignored)."""
     keep = []
     for ckpt in ckpts:
-        if ck.mislabelled(ckpt, where) and ck.phase_of(ckpt) != ck.FAILED:
-            status = ck.untrusted_status(ckpt, where, st.now)
-            st.fail = (*st.fail, (ck.name_of(ckpt), status))
-            st.events.append(Event(WARNING, api.REASON_CHECKPOINT_UNTRUSTED,
-                                   f"checkpoint {ck.name_of(ckpt)} {status['message']}"))
+        if ck.mislabelled(ckpt, where):
+            if ck.phase_of(ckpt) != ck.FAILED:
+                status = ck.untrusted_status(ckpt, where, st.now)
+                st.fail = (*st.fail, (ck.name_of(ckpt), status))
+                st.events.append(Event(WARNING, api.REASON_CHECKPOINT_UNTRUSTED,
+                                       f"checkpoint {ck.name_of(ckpt)} {status['message']}"))
+            else:
+                st.refused.append(ck.name_of(ckpt))
+            continue
+        if not ck.counts(ckpt, where):
             continue
         if ck.phase_of(ckpt) != ck.COMPLETED or ck.trusted(ckpt, where):
             keep.append(ckpt)
@@ -901,7 +910,7 @@ def _finish(st: _State, out: KubeObject, pod: KubeObject | None, situation: sit.
     out["phase"] = derive_phase(conditions, pod_phase)
     protect = {*st.protect, (out.get("lastCheckpoint") or {}).get("name"),
                _restore_source(create)}
-    drop = tuple(ck.to_delete(st.ckpts, st.retain, protect))
+    drop = (*ck.to_delete(st.ckpts, st.retain, protect), *st.refused[:-st.retain])
     if create is None:
         create = st.early_pod
     return Plan(create_pod=create, delete_pod=delete, status_patch=out,

@@ -1,10 +1,13 @@
 """Least privilege on the cluster: each service account holds exactly the rules
 docs/security.md lists, and a node-agent's own token is refused on another node's objects
-(the chart's ValidatingAdmissionPolicy). Its writes are server-side dry runs: admission
-runs, nothing changes."""
+and on everything of its own node the protocol does not need (the chart's
+ValidatingAdmissionPolicies). Its writes are server-side dry runs (admission runs, nothing
+changes), except where another node's Checkpoints must really exist to show they block
+nothing, and a faked restore pod must really run to show it is not restored."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -18,16 +21,22 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from hermit_common import api, protocol
+from tests.e2e import sandboxes as sb
 from tests.e2e.conftest import (
     RELEASE_NS,
     REPO,
     E2EConfig,
     Kube,
     pod_manifest,
+    run_cluster_command,
     wait_pod_phase,
+    wait_until,
 )
+from tests.support.attacks import CONTAINED, REFUSED, Attack
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+Obj = dict[str, Any]
 
 COMPONENTS = ("operator", "node-agent")
 # Rules every authenticated user has (system:basic-user, system:discovery, ...).
@@ -139,21 +148,30 @@ def _refused(why: str | None, says: str) -> None:
     print(f"  refused: {why[:200]}")
 
 
+def _cordon(kube: Kube, node: str) -> dict[str, Any]:
+    """The merge patch a node-agent makes on a notice (planner.node_taint_patch): the
+    interruption taint added to the node's own taints, and the cordon."""
+    taints = [t for t in (kube.node(node) or {}).get("spec", {}).get("taints") or []
+              if t.get("key") != protocol.TAINT_INTERRUPTION]
+    taint = {"key": protocol.TAINT_INTERRUPTION, "value": "e2e", "effect": "NoSchedule"}
+    return {"spec": {"unschedulable": True, "taints": [*taints, taint]}}
+
+
+@pytest.mark.attack
 def test_a_node_agent_token_is_refused_on_another_nodes_objects(
         kube: Kube, namespace: str, e2e_config: E2EConfig,
-        node_agent: tuple[NodeAgentToken, str, str]) -> None:
+        node_agent: tuple[NodeAgentToken, str, str], attack: Attack) -> None:
     agent, mine, other = node_agent
-    label = {"metadata": {"labels": {"hermit.dev/e2e": "x"}}}
     print(f"\nnode-agent of {mine}:")
-    assert agent.attempt(agent.core.patch_node, mine, label) is None
-    _refused(agent.attempt(agent.core.patch_node, other, label),
+    assert agent.attempt(agent.core.patch_node, mine, _cordon(kube, mine)) is None
+    _refused(agent.attempt(agent.core.patch_node, other, _cordon(kube, other)),
              f"may change only its own node ({mine})")
 
     for name, node in (("here", mine), ("there", other)):
         kube.create_pod(namespace, pod_manifest(name, node, e2e_config.sandbox_image,
                                                 ["sleep", "3600"]))
         wait_pod_phase(kube, namespace, name, {"Running"})
-    note = {"metadata": {"annotations": {"hermit.dev/e2e": "x"}}}
+    note = {"metadata": {"annotations": {protocol.ANNOTATION_RESTORE_MESSAGE: "e2e"}}}
     assert agent.attempt(agent.core.patch_namespaced_pod, "here", namespace, note) is None
     _refused(agent.attempt(agent.core.patch_namespaced_pod, "there", namespace, note),
              f"only pods on its own node ({mine})")
@@ -163,9 +181,10 @@ def test_a_node_agent_token_is_refused_on_another_nodes_objects(
              "never its spec")
 
     def checkpoint(node: str, **annotations: str) -> dict[str, Any]:
-        obj: Any = protocol.checkpoint_object("box", f"box-{uuid.uuid4().hex[:6]}",
-                                              protocol.PREEMPTION, 1, namespace=namespace,
-                                              node=node)
+        box = f"box{uuid.uuid4().hex[:6]}"
+        obj: Any = protocol.checkpoint_object(
+            box, protocol.checkpoint_name(box, 1, protocol.PREEMPTION), protocol.PREEMPTION,
+            1, namespace=namespace, node=node)
         if annotations:
             obj["metadata"]["annotations"] = annotations
         return dict(obj)
@@ -182,3 +201,222 @@ def test_a_node_agent_token_is_refused_on_another_nodes_objects(
         raise AssertionError("the node-agent can list Secrets")
     except ApiException as exc:
         assert exc.status == 403
+    attack.record("node-agent token against another node's objects",
+                  tried=f"{mine}'s node-agent token: cordon and taint {other}, annotate a pod "
+                        f"on {other}, create a Checkpoint labelled {other} or marked verified, "
+                        "list Secrets",
+                  outcome=REFUSED,
+                  evidence="each refused by the API server (the node-scope policies, RBAC "
+                           "for Secrets); the same writes on its own node admitted")
+
+
+# -- Deliver 4: node-agent writes narrowed to what the protocol needs ----------------------
+
+@pytest.mark.attack
+def test_a_node_agent_token_changes_only_the_interruption_taint_and_cordon_of_its_node(
+        kube: Kube, node_agent: tuple[NodeAgentToken, str, str], attack: Attack) -> None:
+    """NodeRestriction keeps a kubelet from node-role.kubernetes.io/* and
+    node-restriction.kubernetes.io/* labels; the node-agent's token must not be the way
+    around it, nor change any other taint (say, to pull workloads onto its node)."""
+    agent, mine, _ = node_agent
+    print(f"\nnode-agent of {mine}:")
+    assert agent.attempt(agent.core.patch_node, mine, _cordon(kube, mine)) is None
+    assert agent.attempt(agent.core.patch_node, mine, {"spec": {"unschedulable": True}}) is None
+    for label in ("node-role.kubernetes.io/control-plane", "node-restriction.kubernetes.io/x",
+                  "hermit.dev/e2e"):
+        _refused(agent.attempt(agent.core.patch_node, mine,
+                               {"metadata": {"labels": {label: "x"}}}), "never its labels")
+    _refused(agent.attempt(agent.core.patch_node, mine,
+                           {"metadata": {"annotations": {"hermit.dev/e2e": "x"}}}),
+             "never its labels, annotations")
+    taints = [t for t in (kube.node(mine) or {}).get("spec", {}).get("taints") or []
+              if t.get("key") != protocol.TAINT_INTERRUPTION]
+    for wrong in ({"key": "e2e/other", "effect": "NoSchedule"},
+                  {"key": protocol.TAINT_INTERRUPTION, "effect": "NoExecute"}):
+        _refused(agent.attempt(agent.core.patch_node, mine,
+                               {"spec": {"taints": [*taints, wrong]}}),
+                 "never another taint or spec field")
+    if taints:
+        _refused(agent.attempt(agent.core.patch_node, mine, {"spec": {"taints": []}}),
+                 "never another taint or spec field")
+    attack.record("node-agent token on its own Node",
+                  tried="label it node-role.kubernetes.io/control-plane and "
+                        "node-restriction.kubernetes.io/x, annotate it, add a taint, add the "
+                        "interruption taint as NoExecute, remove its taints",
+                  outcome=REFUSED,
+                  evidence="all refused (node-scope policy); only the interruption taint "
+                           "(NoSchedule) and spec.unschedulable admitted")
+
+
+@pytest.mark.attack
+def test_a_node_agent_token_writes_only_hermits_restore_annotations_on_its_pods(
+        kube: Kube, namespace: str, e2e_config: E2EConfig,
+        node_agent: tuple[NodeAgentToken, str, str], attack: Attack) -> None:
+    agent, mine, _ = node_agent
+    kube.create_pod(namespace, pod_manifest("here", mine, e2e_config.sandbox_image,
+                                            ["sleep", "3600"]))
+    wait_pod_phase(kube, namespace, "here", {"Running"})
+    patch = functools.partial(agent.attempt, agent.core.patch_namespaced_pod, "here",
+                              namespace)
+    print(f"\nnode-agent of {mine}:")
+    for key in protocol.NODE_AGENT_POD_ANNOTATIONS:
+        assert patch({"metadata": {"annotations": {key: "x"}}}) is None, key
+    for key in ("e2e/note", protocol.ANNOTATION_RESTORE_FROM,
+                protocol.ANNOTATION_WORKSPACE_PATH):
+        _refused(patch({"metadata": {"annotations": {key: "x"}}}),
+                 "only the pod annotations it reports a restore with")
+    _refused(patch({"metadata": {"labels": {protocol.LABEL_SANDBOX: "box"}}}),
+             "labels, owners or finalizers")
+    _refused(patch({"metadata": {"finalizers": ["e2e/hold"]}}), "labels, owners or finalizers")
+    _refused(patch({"metadata": {"ownerReferences": [{
+        "apiVersion": api.API_VERSION, "kind": api.SANDBOX_KIND, "name": "box",
+        "uid": str(uuid.uuid4())}]}}), "labels, owners or finalizers")
+    attack.record("node-agent token on pods of its node",
+                  tried="set hermit.dev/restore-from, workspace-path or a foreign annotation, "
+                        "label a pod as a sandbox's, add a finalizer or an owner reference",
+                  outcome=REFUSED,
+                  evidence="all refused (pod-scope policy); only the three restore "
+                           "annotations admitted")
+
+
+@pytest.mark.attack
+def test_another_node_pre_creating_a_sandboxs_checkpoints_blocks_nothing(
+        kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
+        attack: Attack) -> None:
+    """A node that does not run the sandbox creates (for real) the Checkpoint names the
+    sandbox's own node would use on a notice and a Pending request that used to hold
+    interval checkpoints back. The operator fails them (CheckpointUntrusted), interval
+    checkpoints go on, and a real spot notice on the sandbox's node still checkpoints and
+    moves it (its request under another name, hermit_node/requests.py)."""
+    name, where = sb.start_on_spot(kube, e2e_config, hermit_release, namespace,
+                                   checkpoint={"intervalSeconds": 30})
+    incarnation = int(sb.status(namespace, name)["incarnation"])
+    agents = kube.api.list_namespaced_pod(
+        RELEASE_NS, label_selector="app.kubernetes.io/component=node-agent").items
+    squatter: Any = next(p for p in agents if p.status.phase == "Running"
+                         and p.spec.node_name and p.spec.node_name != where.node)
+    there = str(squatter.spec.node_name)
+    token = NodeAgentToken(e2e_config, kube, str(squatter.metadata.name))
+    # The names the sandbox's own node would give its stopping requests on a notice...
+    squats = [protocol.checkpoint_name(name, incarnation, protocol.PREEMPTION, tag)
+              for tag in ("", "-r2")]
+    # ...and a request of an earlier incarnation that nobody will ever serve: Pending, it
+    # held interval checkpoints back for an hour.
+    pending = protocol.checkpoint_name(name, incarnation - 1, protocol.TURN, "1")
+    for squat, reason, of in [*((n, protocol.PREEMPTION, incarnation) for n in squats),
+                              (pending, protocol.TURN, incarnation - 1)]:
+        token.custom.create_namespaced_custom_object(
+            api.GROUP, api.VERSION, namespace, api.CHECKPOINT_PLURAL,
+            protocol.checkpoint_object(name, squat, reason, of, node=there))
+    print(f"\n{there} created {[*squats, pending]} for {name}, which runs on {where.node}")
+
+    def untrusted() -> list[str] | None:
+        failed = [c for c in sb.checkpoints(namespace) if c["metadata"]["name"] in squats
+                  and (c.get("status") or {}).get("phase") == "Failed"]
+        return [c["status"]["message"] for c in failed] if len(failed) == len(squats) else None
+
+    messages = wait_until("the squatted Checkpoints failed by the operator", 60, untrusted)
+    assert all(f"labelled for node {there}" in m for m in messages), messages
+    assert any(e["reason"] == api.REASON_CHECKPOINT_UNTRUSTED
+               for e in sb.events(kube, namespace, name)), "no CheckpointUntrusted Event"
+
+    def interval_done() -> Obj | None:
+        return next((c for c in sb.checkpoints(namespace)
+                     if c["spec"]["reason"] == protocol.INTERVAL
+                     and (c.get("status") or {}).get("phase") == "Completed"), None)
+
+    interval = wait_until("an Interval checkpoint despite the squatted requests", 150,
+                          interval_done, 2)
+    print(f"  interval checkpoint {interval['metadata']['name']} Completed; {pending} is "
+          "still Pending, ignored")
+
+    sb.wait_agent_ready(kube, RELEASE_NS, where.node)
+    preempt = run_cluster_command(e2e_config.preempt_cmd, node=where.node, notice="20")
+    try:
+        def stopped() -> Obj | None:
+            for c in sb.checkpoints(namespace):
+                labels = c["metadata"].get("labels") or {}
+                if (c["spec"]["reason"] == protocol.PREEMPTION
+                        and labels.get(protocol.LABEL_NODE) == where.node
+                        and (c.get("status") or {}).get("phase") == "Completed"):
+                    return c
+            return None
+
+        real = wait_until("the real Preemption checkpoint Completed", 20, stopped, 0.2)
+        assert real["metadata"]["name"] not in squats
+        print(f"  the notice's checkpoint: {real['metadata']['name']}")
+        after = sb.wait_running(kube, namespace, name, restores=1, avoid=where.node,
+                                timeout=180, min_ticks=1)
+        assert sb.status(namespace, name)["restoredFrom"]["name"] == real["metadata"]["name"]
+        print(f"  moved to {after.node}")
+    finally:
+        out, _ = preempt.communicate(timeout=200)
+    assert preempt.returncode == 0, f"preempt command failed: {out}"
+    attack.record("another node pre-creates a sandbox's checkpoints",
+                  tried=f"{there}'s node-agent token created {', '.join(squats)} (the names "
+                        f"{where.node} gives its stopping requests) and a Pending {pending}",
+                  outcome=CONTAINED,
+                  evidence=f"the operator failed them CheckpointUntrusted and ignored {pending}; "
+                           f"Interval checkpoint {interval['metadata']['name']} Completed; the "
+                           f"notice's checkpoint {real['metadata']['name']} Completed and the "
+                           f"sandbox moved to {after.node} from it")
+
+
+@pytest.mark.attack
+def test_a_pod_faked_with_the_sandbox_label_and_a_restore_from_is_not_restored(
+        kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
+        attack: Attack) -> None:
+    """Someone who may create pods (not the operator) makes one that looks like a
+    sandbox's: its label, an owner reference to the AgentSandbox's uid, and
+    hermit.dev/restore-from naming the sandbox's verified checkpoint. The node-agent
+    refuses (the sandbox's status names another pod): a Failed restore-phase saying why,
+    a RestoreRefused Event, nothing restored into it."""
+    name, where = sb.start_on_spot(kube, e2e_config, hermit_release, namespace)
+    manual = f"{name}-manual"
+    sb.custom().create_namespaced_custom_object(
+        api.GROUP, api.VERSION, namespace, api.CHECKPOINT_PLURAL,
+        protocol.checkpoint_object(name, manual, protocol.MANUAL))
+
+    def verified() -> Obj | None:
+        c = next((c for c in sb.checkpoints(namespace) if c["metadata"]["name"] == manual),
+                 None)
+        if c is None or (c.get("status") or {}).get("phase") != "Completed":
+            return None
+        marks = c["metadata"].get("annotations") or {}
+        return c if marks.get(protocol.ANNOTATION_NODE_VERIFIED) == "true" else None
+
+    wait_until(f"checkpoint {manual} Completed and verified", 120, verified)
+    owner = sb.sandbox(namespace, name)
+    fake = pod_manifest("fake-restore", where.node, e2e_config.sandbox_image,
+                        ["sleep", "3600"])
+    fake["metadata"]["labels"].update({protocol.LABEL_SANDBOX: name,
+                                       protocol.LABEL_INCARNATION: "7"})
+    fake["metadata"]["annotations"] = {protocol.ANNOTATION_RESTORE_FROM: manual}
+    fake["metadata"]["ownerReferences"] = [{
+        "apiVersion": api.API_VERSION, "kind": api.SANDBOX_KIND, "name": name,
+        "uid": owner["metadata"]["uid"]}]
+    kube.create_pod(namespace, fake)
+
+    def refused() -> str | None:
+        phase = sb.pod_annotation(kube, namespace, "fake-restore",
+                                  protocol.ANNOTATION_RESTORE_PHASE)
+        assert phase in (None, protocol.RESTORE_FAILED), f"a restore started: {phase}"
+        return sb.pod_annotation(kube, namespace, "fake-restore",
+                                 protocol.ANNOTATION_RESTORE_MESSAGE) if phase else None
+
+    message = wait_until("the fake pod's restore refused", 90, refused)
+    print(f"\nrefused: {message}")
+    assert "only the operator's pods are restored" in message, message
+    assert sb.pod_annotation(kube, namespace, "fake-restore",
+                             protocol.ANNOTATION_RESTORE_RETRYABLE) == "false"
+    assert any(e["reason"] == "RestoreRefused" for e in sb.events(kube, namespace,
+                                                                  "fake-restore"))
+    pod = kube.pod(namespace, "fake-restore") or {}
+    assert pod.get("status", {}).get("phase") == "Running", "its own process runs on"
+    assert sb.status(namespace, name)["podName"] == where.pod, "the sandbox is untouched"
+    attack.record("pod faked with the sandbox label and a restore-from",
+                  tried=f"a pod on {where.node} labelled as {name}'s, owned by its uid, "
+                        f"hermit.dev/restore-from: {manual} (Completed, verified)",
+                  outcome=REFUSED,
+                  evidence=f"restore-phase Failed, not retryable: {message[:120]}; a "
+                           "RestoreRefused Event; nothing restored into it")

@@ -191,7 +191,8 @@ def test_helm_template_renders() -> None:
         "ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding",
         "DaemonSet", "Deployment", "Role", "RoleBinding", "Secret", "Service", "Service",
         "ServiceAccount", "ServiceAccount", "ServiceMonitor", "ServiceMonitor",
-        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+        # the node-agent's node, pod and checkpoint scopes; the operator's verified mark
+        *["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"] * 4,
     ])
     missing = subprocess.run(
         [helm, "template", "hermit", str(CHART)], capture_output=True, text=True, timeout=60)
@@ -344,3 +345,90 @@ def test_the_pod_policy_is_restricted_by_default_and_each_exemption_is_a_value()
     assert env["HERMIT_POD_POLICY_ALLOW"] == "placement,hostPath"
     assert env["HERMIT_POD_POLICY_SERVICE_ACCOUNTS"] == "agent,team-a/deployer"
     assert env["HERMIT_POD_POLICY_SECRET_NAMESPACES"] == "team-a"
+
+
+# -- the node-agent's writes (node-agent-policy.yaml; docs/protocol.md) ---------------------
+
+def _policies(*sets: str) -> dict[str, dict[str, Any]]:
+    """The ValidatingAdmissionPolicies by name (their bindings are named alike)."""
+    return {d["metadata"]["name"]: d for d in _render(*sets)
+            if d["kind"] == "ValidatingAdmissionPolicy"}
+
+
+def _cel_strings(expression: str) -> list[str]:
+    """The string literals of a CEL expression, in order."""
+    return [a or b for a, b in re.findall(r"'([^']*)'|\"([^\"]*)\"", expression)]
+
+
+def test_the_node_agent_policies_hold_the_protocols_own_vocabulary() -> None:
+    from hermit_common import protocol
+
+    policies = _policies()
+    scopes = {s: policies[f"hermit-node-agent-{s}-scope"]["spec"]
+              for s in ("node", "pod", "checkpoint")}
+    resources = {s: {r for rule in spec["matchConstraints"]["resourceRules"]
+                     for r in rule["resources"]} for s, spec in scopes.items()}
+    # one kind each (type-checked against its own schema), every subresource too: a
+    # node-agent writes no Node or pod status, eviction, binding, ...
+    assert resources == {"node": {"nodes", "nodes/*"}, "pod": {"pods", "pods/*"},
+                         "checkpoint": {"checkpoints", "checkpoints/*"}}
+    for spec in scopes.values():
+        assert spec["failurePolicy"] == "Fail"
+        assert spec["matchConditions"] == [{
+            "name": "node-agent",
+            "expression": 'request.userInfo.username == '
+                          '"system:serviceaccount:default:hermit-node-agent"'}]
+    variables = {s: {v["name"]: v["expression"] for v in spec["variables"]}
+                 for s, spec in scopes.items()}
+    assert _cel_strings(variables["pod"]["podAnnotations"]) == \
+        list(protocol.NODE_AGENT_POD_ANNOTATIONS)
+    assert _cel_strings(variables["node"]["taint"]) == [protocol.TAINT_INTERRUPTION]
+    text = {s: "\n".join(v["expression"] for v in spec["validations"])
+            for s, spec in scopes.items()}
+    assert f'matches("{protocol.NODE_AGENT_CHECKPOINT_NAMES}")' in text["checkpoint"]
+    [reasons] = re.findall(r"object\.spec\.reason in \[([^\]]*)\]", text["checkpoint"])
+    assert _cel_strings(reasons) == list(protocol.NODE_AGENT_REASONS)
+    assert f"'{protocol.ANNOTATION_NODE_VERIFIED}'" in text["checkpoint"]
+    assert f"'{protocol.LABEL_NODE}'" in text["checkpoint"]
+    messages = {s: " ".join(v.get("message") or v.get("messageExpression") or ""
+                            for v in spec["validations"]) for s, spec in scopes.items()}
+    for scope, says in [
+            ("node", "deletes nothing"), ("node", "never creates a Node"),
+            ("node", "never its labels, annotations"),
+            ("node", "never another taint or spec field"),
+            ("pod", "deletes nothing"), ("pod", "only annotates pods"),
+            ("pod", "never its spec"), ("pod", "labels, owners or finalizers"),
+            ("pod", "the pod annotations it reports a restore with"),
+            ("checkpoint", "deletes nothing"),
+            ("checkpoint", "only Checkpoints labelled hermit.dev/node="),
+            ("checkpoint", "never changes their metadata"),
+            ("checkpoint", "only the operator marks"),
+            ("checkpoint", "under the names the protocol gives them"),
+            ("checkpoint", "no owner references or finalizers")]:
+        assert says in messages[scope], (scope, says)
+    bindings = {d["spec"]["policyName"]: d["spec"]["validationActions"] for d in _render()
+                if d["kind"] == "ValidatingAdmissionPolicyBinding"}
+    assert bindings == {"hermit-node-agent-node-scope": ["Deny"],
+                        "hermit-node-agent-pod-scope": ["Deny"],
+                        "hermit-node-agent-checkpoint-scope": ["Deny"],
+                        "hermit-checkpoint-trust": ["Deny"]}
+
+
+def test_only_the_operator_may_mark_a_checkpoint_verified() -> None:
+    from hermit_common import protocol
+
+    policy = _policies()["hermit-checkpoint-trust"]
+    spec = policy["spec"]
+    assert spec["matchConstraints"]["resourceRules"] == [{
+        "apiGroups": ["hermit.dev"], "apiVersions": ["*"], "operations": ["CREATE", "UPDATE"],
+        "resources": ["checkpoints"]}]
+    assert spec["matchConditions"] == [{
+        "name": "not-the-operator",
+        "expression": 'request.userInfo.username != '
+                      '"system:serviceaccount:default:hermit-operator"'}]
+    variables = {v["name"]: v["expression"] for v in spec["variables"]}
+    assert _cel_strings(variables["mark"]) == [protocol.ANNOTATION_NODE_VERIFIED]
+    # the node scope is a value of its own; the mark is guarded whenever the operator runs
+    off = _policies("nodeAgent.nodeScopedPolicy=false")
+    assert "hermit-node-agent-node-scope" not in off and "hermit-checkpoint-trust" in off
+    assert "hermit-checkpoint-trust" not in _policies("operator.enabled=false")

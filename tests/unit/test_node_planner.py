@@ -65,19 +65,30 @@ def pod(name: str = "box-1", *, sandbox: str | None = "box", incarnation: int = 
 
 def ckpt(name: str, *, sandbox: str = "box", reason: str = "Manual",
          status: dict[str, Any] | None = None, created: str = "2026-01-02T03:00:00Z",
-         namespace: str = "agents", node: str | None = NODE) -> dict[str, Any]:
+         namespace: str = "agents", node: str | None = NODE,
+         incarnation: int | None = None, verified: bool = True) -> dict[str, Any]:
+    """A Checkpoint; ``verified``: the operator's hermit.dev/node-verified mark on it."""
     labels = {protocol.LABEL_SANDBOX: sandbox}
     if node is not None:
         labels[protocol.LABEL_NODE] = node
+    if incarnation is not None:
+        labels[protocol.LABEL_INCARNATION] = str(incarnation)
     out: dict[str, Any] = {
         "apiVersion": api.API_VERSION, "kind": api.CHECKPOINT_KIND,
         "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}",
-                     "creationTimestamp": created, "labels": labels},
+                     "creationTimestamp": created, "labels": labels,
+                     "annotations": {protocol.ANNOTATION_NODE_VERIFIED: "true"}
+                     if verified else {}},
         "spec": {"sandboxRef": {"name": sandbox}, "reason": reason},
     }
     if status is not None:
         out["status"] = status
     return out
+
+
+def named(sp: planner.SandboxPod, reason: str, tag: str) -> str:
+    """The name of the request a planner asks for with ``tag`` (requests.create makes it)."""
+    return protocol.checkpoint_name(sp.sandbox, sp.incarnation, reason, tag)
 
 
 def sps(*pods: dict[str, Any]) -> list[planner.SandboxPod]:
@@ -380,6 +391,22 @@ def test_schema_check_catches_a_bad_status() -> None:
 
 # -- the agent applying these decisions (fake API, fake engines, fake /proc) -----------
 
+def as_operator_wrote(sandbox: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, Any]:
+    """``sandbox`` as the operator keeps it for ``pods`` (the pods of the tests are the
+    operator's): the owner uid they carry, and a status naming the newest of them."""
+    name = sandbox["metadata"]["name"]
+    mine = [p for p in pods
+            if (p["metadata"].get("labels") or {}).get(protocol.LABEL_SANDBOX) == name]
+    if not mine:
+        return sandbox
+    newest = max(mine, key=lambda p: int(p["metadata"]["labels"][protocol.LABEL_INCARNATION]))
+    owner = newest["metadata"]["ownerReferences"][0]["uid"]
+    return {**sandbox, "metadata": {**sandbox["metadata"], "uid": owner},
+            "status": {**(sandbox.get("status") or {}), "podName": newest["metadata"]["name"],
+                       "incarnation": int(newest["metadata"]["labels"][
+                           protocol.LABEL_INCARNATION])}}
+
+
 class FakeKube:
     def __init__(self, pods: list[dict[str, Any]], checkpoints: list[dict[str, Any]]) -> None:
         self.node_name = NODE
@@ -418,14 +445,21 @@ class FakeKube:
         return self.checkpoints.get(name)
 
     def get_sandbox(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return {"metadata": {"name": name, "uid": f"uid-of-{name}"}}
+        return as_operator_wrote({"metadata": {"name": name, "uid": f"uid-of-{name}"}},
+                                 self.pods)
 
     def create_checkpoint(self, body: dict[str, Any], namespace: str) -> dict[str, Any]:
         name = body["metadata"]["name"]
         if name not in self.checkpoints:
-            self.checkpoints[name] = ckpt(name, reason=body["spec"]["reason"],
-                                          sandbox=body["spec"]["sandboxRef"]["name"])
+            made = ckpt(name, reason=body["spec"]["reason"],
+                        sandbox=body["spec"]["sandboxRef"]["name"], verified=False)
+            made["metadata"]["labels"].update(body["metadata"].get("labels") or {})
+            self.checkpoints[name] = made
         return self.checkpoints[name]
+
+    def pod_event(self, namespace: str, name: str, uid: str, kind: str, reason: str,
+                  msg: str) -> None:
+        self.events.append((name, kind, reason))
 
     def claim_checkpoint(self, namespace: str, name: str, status: dict[str, Any],
                          resource_version: str | None) -> None:
@@ -593,14 +627,17 @@ def test_early_requests_one_per_incarnation_none_while_one_is_in_flight() -> Non
                pod("e-1", sandbox="e", annotations={protocol.ANNOTATION_ON_PREEMPTION: "false"}),
                pod("f-1", sandbox="f", running=False))
     checkpoints = [
-        ckpt("c-1-rebalance", sandbox="c", reason="Rebalance", status={"phase": "Completed"}),
+        ckpt("c-1-rebalance", sandbox="c", reason="Rebalance", status={"phase": "Completed"},
+             incarnation=1),
         ckpt("d-1-i1", sandbox="d", reason="Interval", status={"phase": "Uploading"}),
         ckpt("a-1-i1", sandbox="a", reason="Interval", status={"phase": "Completed"}),
     ]
-    assert [(sp.pod, name) for sp, name in planner.early_requests(pods, checkpoints)] == [
+    assert [(sp.pod, named(sp, "Rebalance", tag))
+            for sp, tag in planner.early_requests(pods, checkpoints)] == [
         ("a-1", "a-1-rebalance"), ("b-2", "b-2-rebalance")]
     # Not even a failed one is asked for again: the recommendation was acted upon.
-    failed = ckpt("a-1-rebalance", sandbox="a", reason="Rebalance", status={"phase": "Failed"})
+    failed = ckpt("a-1-rebalance", sandbox="a", reason="Rebalance", status={"phase": "Failed"},
+                  incarnation=1)
     assert [n for _, n in planner.early_requests(pods[:1], [failed])] == []
     assert planner.early_requests(pods, None) == []  # cannot tell: the caller retries
 
@@ -931,17 +968,38 @@ def test_refused_restore_is_not_retryable(tmp_path: Path) -> None:
 
 def test_a_failed_stopping_request_is_made_again_while_the_node_goes_away() -> None:
     pods = sps(pod("box-1"))
-    assert [n for _, n in planner.stop_requests(pods, "Preemption", [])] == ["box-1-preempt"]
-    failed = ckpt("box-1-preempt", reason="Preemption", status={"phase": "Failed"})
-    assert [n for _, n in planner.stop_requests(pods, "Preemption", [failed])] == [
-        "box-1-preempt-r2"]
-    running = ckpt("box-1-preempt-r2", reason="Preemption", status={"phase": "Uploading"})
+
+    def asked(reason: str, checkpoints: list[dict[str, Any]] | None) -> list[str]:
+        return [named(sp, reason, t) for sp, t in planner.stop_requests(pods, reason,
+                                                                         checkpoints)]
+
+    assert asked("Preemption", []) == ["box-1-preempt"]
+    failed = ckpt("box-1-preempt", reason="Preemption", status={"phase": "Failed"},
+                  incarnation=1)
+    assert asked("Preemption", [failed]) == ["box-1-preempt-r2"]
+    running = ckpt("box-1-preempt-r2", reason="Preemption", status={"phase": "Uploading"},
+                   incarnation=1)
     assert planner.stop_requests(pods, "Preemption", [failed, running]) == []
     every = [ckpt("box-1-preempt" + (f"-r{n}" if n > 1 else ""), reason="Preemption",
-                  status={"phase": "Failed"}) for n in range(1, planner.STOP_ATTEMPTS + 1)]
+                  status={"phase": "Failed"}, incarnation=1)
+             for n in range(1, planner.STOP_ATTEMPTS + 1)]
     assert planner.stop_requests(pods, "Preemption", every) == []
     # Without a list (the API did not answer) only the first request is (re)made.
-    assert [n for _, n in planner.stop_requests(pods, "Eviction", None)] == ["box-1-evict"]
+    assert asked("Eviction", None) == ["box-1-evict"]
+
+
+def test_a_stopping_request_is_found_by_its_labels_whatever_its_name() -> None:
+    """A request made under the longer name (another node took the protocol's: requests.py)
+    counts as the request; one of another incarnation, sandbox or reason does not."""
+    pods = sps(pod("box-1"))
+    tagged = ckpt("box-1-preempt-0a1b2c3d", reason="Preemption", incarnation=1)
+    assert planner.stop_requests(pods, "Preemption", [tagged]) == []
+    others = [ckpt("box-0-preempt", reason="Preemption", incarnation=0),
+              ckpt("cat-1-preempt", sandbox="cat", reason="Preemption", incarnation=1),
+              ckpt("box-1-evict", reason="Eviction", incarnation=1)]
+    assert [t for _, t in planner.stop_requests(pods, "Preemption", others)] == [""]
+    failed = {**tagged, "status": {"phase": "Failed"}}
+    assert [t for _, t in planner.stop_requests(pods, "Preemption", [failed])] == ["-r2"]
 
 
 def test_a_failed_stopping_request_is_made_again_only_after_a_growing_backoff() -> None:
@@ -952,18 +1010,19 @@ def test_a_failed_stopping_request_is_made_again_only_after_a_growing_backoff() 
 
     def failed(name: str) -> dict[str, Any]:
         return ckpt(name, reason="Preemption",
-                    status={"phase": "Failed", "completedAt": "2026-12-01T12:00:00Z"})
+                    status={"phase": "Failed", "completedAt": "2026-12-01T12:00:00Z"},
+                    incarnation=1)
+
+    def asked(checkpoints: list[dict[str, Any]], seconds: float) -> list[str]:
+        return [named(sp, "Preemption", t) for sp, t in planner.stop_requests(
+            pods, "Preemption", checkpoints, at + timedelta(seconds=seconds))]
 
     first = [failed("box-1-preempt")]
     assert planner.stop_requests(pods, "Preemption", first, at + timedelta(seconds=0.5)) == []
-    assert [n for _, n in planner.stop_requests(pods, "Preemption", first,
-                                                at + timedelta(seconds=1))] == [
-        "box-1-preempt-r2"]
+    assert asked(first, 1) == ["box-1-preempt-r2"]
     four = [failed("box-1-preempt" + (f"-r{n}" if n > 1 else "")) for n in range(1, 5)]
     assert planner.stop_requests(pods, "Preemption", four, at + timedelta(seconds=7)) == []
-    assert [n for _, n in planner.stop_requests(pods, "Preemption", four,
-                                                at + timedelta(seconds=8))] == [
-        "box-1-preempt-r5"]
+    assert asked(four, 8) == ["box-1-preempt-r5"]
     assert [planner.stop_backoff(n) for n in (1, 2, 3, 4, 9)] == [1.0, 2.0, 4.0, 8.0, 8.0]
 
 

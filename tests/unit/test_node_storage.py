@@ -25,6 +25,7 @@ from tests.unit.test_node_planner import (
     FakeKube,
     FakeStores,
     _with_status,
+    as_operator_wrote,
     ckpt,
     make_agent,
     pod,
@@ -368,7 +369,8 @@ class SandboxKube(FakeKube):
         self.sandboxes = sandboxes
 
     def get_sandbox(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return self.sandboxes.get(name)
+        found = self.sandboxes.get(name)
+        return None if found is None else as_operator_wrote(found, self.pods)
 
 
 def real_stores(secrets: Secrets) -> Stores:
@@ -513,6 +515,7 @@ def test_a_restarted_agent_looks_for_the_manifest_where_it_was_being_written(
                       clock=lambda: NOW)
     agent.reconcile_once()
     agent.shutdown()
-    assert fake.asked[0] == ("box-1-preempt", team_sandbox())  # its record and its owner
+    # its record and its owner (as the API returns it: with the operator's status)
+    assert fake.asked[0] == ("box-1-preempt", kube.get_sandbox("agents", "box"))
     assert kube.checkpoints["box-1-preempt"]["status"]["phase"] == "Completed"
     assert kube.checkpoints["box-1-preempt"]["status"]["storage"] == where

@@ -1,0 +1,324 @@
+"""The chart's ValidatingAdmissionPolicies on a real kube-apiserver (a throwaway control
+plane, tests/support/controlplane.py): every write a node-agent, a tenant or the operator
+makes is admitted or refused as
+docs/protocol.md ("Who may write what") says. The callers are impersonated, with the
+node-name claim a node-agent's bound token carries (Impersonate-Extra-...). The server
+authorizes everything (AlwaysAllow): only the policies refuse here, so what RBAC would also
+refuse (a Node's status, a Checkpoint's metadata) is shown refused by the policy itself.
+Writes are server-side dry runs. (A policy's type-checking status is written by
+kube-controller-manager, which this control plane does not run: a CEL error shows here as a
+refusal that names the expression, which every case below would reveal.)"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from hermit_common import api, protocol
+from tests.support.controlplane import ControlPlane, control_plane
+
+__all__ = ["control_plane"]
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+RELEASE_NS = "hermit-system"
+AGENT = f"system:serviceaccount:{RELEASE_NS}:hermit-node-agent"
+OPERATOR = f"system:serviceaccount:{RELEASE_NS}:hermit-operator"
+NODE_CLAIM = "authentication.kubernetes.io%2fnode-name"
+NS = "agents"
+G, V, P = api.GROUP, api.VERSION, api.CHECKPOINT_PLURAL
+MERGE = "application/merge-patch+json"
+Obj = dict[str, Any]
+
+
+def _helm() -> str:
+    cached = Path.home() / ".cache/hermit/bin"
+    found = shutil.which("helm") or shutil.which("helm", path=str(cached))
+    if found is None:
+        pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
+    return found
+
+
+def _policies() -> list[Obj]:
+    out = subprocess.run(
+        [_helm(), "template", "hermit", str(ROOT / "charts/hermit"), "--namespace", RELEASE_NS,
+         "--set", "s3.bucket=checkpoints", "--show-only",
+         "templates/node-agent-policy.yaml"],
+        check=True, capture_output=True, text=True, timeout=60).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+class Caller:
+    """API calls as one identity (impersonated by the control plane's admin token)."""
+
+    def __init__(self, plane: ControlPlane, user: str | None, node: str | None = None) -> None:
+        from hermit_common.kubeclient import load_configuration
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("KUBECONFIG", str(plane.kubeconfig))
+            conf = load_configuration()
+        self.plane = plane
+        self.client = client.ApiClient(conf)
+        if user is not None:
+            self.client.set_default_header("Impersonate-User", user)
+            self.client.set_default_header("Impersonate-Group", "system:authenticated")
+        if node is not None:
+            self.client.set_default_header(f"Impersonate-Extra-{NODE_CLAIM}", node)
+        self.core = client.CoreV1Api(self.client)
+        self.custom = client.CustomObjectsApi(self.client)
+
+    @staticmethod
+    def attempt(call: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None:
+        """None when admitted (a server-side dry run), else the refusal."""
+        try:
+            call(*args, dry_run="All", **kwargs)
+        except ApiException as exc:
+            return f"{exc.status}: {exc.body}"
+        return None
+
+
+def _ckpt(name: str, node: str, reason: str = protocol.PREEMPTION, **annotations: str) -> Obj:
+    obj = protocol.checkpoint_object("box", name, reason, 1, node=node)
+    if annotations:
+        obj["metadata"]["annotations"] = annotations
+    return obj
+
+
+@pytest.fixture(scope="module")
+def plane(control_plane: ControlPlane) -> Iterator[ControlPlane]:
+    admin = Caller(control_plane, None)
+    ext = client.ApiextensionsV1Api(admin.client)
+    for path in sorted((ROOT / "crds").glob("*.yaml")):
+        ext.create_custom_resource_definition(yaml.safe_load(path.read_text()))
+    admin.core.create_namespace({"metadata": {"name": NS}})
+    admin.core.create_namespaced_service_account(NS, {"metadata": {"name": "default"}})
+    for node in ("node-a", "node-b"):
+        admin.core.create_node({
+            "metadata": {"name": node, "labels": {"zone": "z1"}, "annotations": {"n": "1"}},
+            "spec": {"taints": [{"key": "other/taint", "effect": "NoSchedule"}],
+                     "providerID": f"aws:///{node}"}})
+    for pod, node in (("here", "node-a"), ("there", "node-b")):
+        admin.core.create_namespaced_pod(NS, {
+            "metadata": {"name": pod, "labels": {"app": "x"}, "annotations": {"team": "a"}},
+            "spec": {"nodeName": node, "containers": [{"name": "c", "image": "busybox"}]}})
+    _wait("the Checkpoint CRD served", lambda: _served(admin))
+    for name, node in (("mine-1-preempt", "node-a"), ("theirs-1-preempt", "node-b")):
+        admin.custom.create_namespaced_custom_object(G, V, NS, P, _ckpt(name, node))
+    regs = client.AdmissionregistrationV1Api(admin.client)
+    for doc in _policies():
+        if doc["kind"] == "ValidatingAdmissionPolicy":
+            regs.create_validating_admission_policy(doc)
+        else:
+            regs.create_validating_admission_policy_binding(doc)
+    yield control_plane
+
+
+def _served(admin: Caller) -> bool:
+    try:
+        admin.custom.list_namespaced_custom_object(G, V, NS, P)
+        return True
+    except ApiException:
+        return False
+
+
+def _wait(what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def agent(plane: ControlPlane) -> Caller:
+    """The node-agent of node-a, once the policies are in force."""
+    caller = Caller(plane, AGENT, "node-a")
+    _wait("the policies in force", lambda: caller.attempt(
+        caller.core.patch_node, "node-b", {"spec": {"unschedulable": True}},
+        _content_type=MERGE) is not None)
+    return caller
+
+
+def _check(cases: list[tuple[str, str | None, str | None]]) -> None:
+    """(what, None: admitted / a piece of the refusal, the refusal or None); all at once."""
+    wrong = [f"{what}: wanted {'admitted' if want is None else repr(want)}, got "
+             f"{'admitted' if got is None else got[:300]}"
+             for what, want, got in cases if _wrong(want, got)]
+    assert not wrong, "\n".join(wrong)
+
+
+def _wrong(want: str | None, got: str | None) -> bool:
+    if want is None:
+        return got is not None
+    return got is None or want not in got
+
+
+def test_a_node_agent_changes_only_the_interruption_taint_and_cordon_of_its_node(
+        agent: Caller, plane: ControlPlane) -> None:
+    patch = agent.core.patch_node
+    # As the agent patches (planner.node_taint_patch): the node's own taints (here also the
+    # not-ready taint the API server adds to a new Node), the interruption taint appended.
+    node = client.CoreV1Api(Caller(plane, None).client).read_node("node-a")
+    taints = [{"key": t.key, "effect": t.effect, **({"value": t.value} if t.value else {})}
+              for t in node.spec.taints or []]
+    taint = {"key": protocol.TAINT_INTERRUPTION, "value": "spot", "effect": "NoSchedule"}
+    refused_field = "never another taint or spec field"
+    _check([
+        ("taint and cordon", None, agent.attempt(
+            patch, "node-a", {"spec": {"unschedulable": True, "taints": [*taints, taint]}},
+            _content_type=MERGE)),
+        ("uncordon", None, agent.attempt(patch, "node-a", {"spec": {"unschedulable": False}},
+                                         _content_type=MERGE)),
+        *[(f"label {k}", "never its labels", agent.attempt(
+            patch, "node-a", {"metadata": {"labels": {k: "x"}}}, _content_type=MERGE))
+          for k in ("node-role.kubernetes.io/control-plane",
+                    "node-restriction.kubernetes.io/x", "zone")],
+        ("annotation", "never its labels, annotations", agent.attempt(
+            patch, "node-a", {"metadata": {"annotations": {"x": "y"}}}, _content_type=MERGE)),
+        ("owner", "owners or finalizers", agent.attempt(patch, "node-a", {"metadata": {
+            "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": "node-b",
+                                 "uid": "u"}]}}, _content_type=MERGE)),
+        ("another taint", refused_field, agent.attempt(
+            patch, "node-a",
+            {"spec": {"taints": [*taints, {"key": "evil", "effect": "NoSchedule"}]}},
+            _content_type=MERGE)),
+        ("a taint removed", refused_field, agent.attempt(
+            patch, "node-a", {"spec": {"taints": []}}, _content_type=MERGE)),
+        ("interruption NoExecute", refused_field, agent.attempt(
+            patch, "node-a", {"spec": {"taints": [*taints, {**taint, "effect": "NoExecute"}]}},
+            _content_type=MERGE)),
+        ("podCIDR", refused_field, agent.attempt(
+            patch, "node-a", {"spec": {"podCIDR": "10.9.0.0/24"}}, _content_type=MERGE)),
+        ("status", "never writes a Node's status", agent.attempt(
+            agent.core.patch_node_status, "node-a", {"status": {"conditions": []}},
+            _content_type=MERGE)),
+        ("another node", "only its own node (node-a)", agent.attempt(
+            patch, "node-b", {"spec": {"unschedulable": True}}, _content_type=MERGE)),
+        ("no node claim", "names no node", Caller.attempt(
+            Caller(agent.plane, AGENT).core.patch_node, "node-a",
+            {"spec": {"unschedulable": True}}, _content_type=MERGE)),
+    ])
+
+
+def test_a_node_agent_writes_only_the_restore_annotations_of_pods_on_its_node(
+        agent: Caller) -> None:
+    patch = agent.core.patch_namespaced_pod
+    only = "only the pod annotations it reports a restore with"
+
+    def annotate(pod: str, annotations: dict[str, str | None]) -> str | None:
+        return agent.attempt(patch, pod, NS, {"metadata": {"annotations": annotations}},
+                             _content_type=MERGE)
+
+    _check([
+        ("restore annotations", None, annotate("here", {
+            k: "x" for k in protocol.NODE_AGENT_POD_ANNOTATIONS})),
+        ("restore-from", only, annotate("here", {protocol.ANNOTATION_RESTORE_FROM: "c"})),
+        ("another annotation", only, annotate("here", {"e2e": "x"})),
+        ("an annotation removed", only, annotate("here", {"team": None})),
+        ("on another node", "only pods on its own node", annotate("there", {
+            protocol.ANNOTATION_RESTORE_PHASE: "Failed"})),
+        ("label", "labels, owners or finalizers", agent.attempt(
+            patch, "here", NS, {"metadata": {"labels": {protocol.LABEL_SANDBOX: "box"}}},
+            _content_type=MERGE)),
+        ("owner", "labels, owners or finalizers", agent.attempt(
+            patch, "here", NS, {"metadata": {"ownerReferences": [{
+                "apiVersion": api.API_VERSION, "kind": api.SANDBOX_KIND, "name": "box",
+                "uid": "u"}]}}, _content_type=MERGE)),
+        ("finalizer", "labels, owners or finalizers", agent.attempt(
+            patch, "here", NS, {"metadata": {"finalizers": ["x/y"]}}, _content_type=MERGE)),
+        ("image", "never its spec", agent.attempt(
+            patch, "here", NS, {"spec": {"containers": [{"name": "c", "image": "evil"}]}},
+            _content_type="application/strategic-merge-patch+json")),
+        ("status", "writes no subresource", agent.attempt(
+            agent.core.patch_namespaced_pod_status, "here", NS, {"status": {"phase": "Failed"}},
+            _content_type=MERGE)),
+        ("create", "creates none", agent.attempt(
+            agent.core.create_namespaced_pod, NS, {
+                "metadata": {"name": "new"},
+                "spec": {"nodeName": "node-a", "containers": [{"name": "c", "image": "x"}]}})),
+        ("delete", "deletes nothing", agent.attempt(
+            agent.core.delete_namespaced_pod, "here", NS)),
+    ])
+
+
+def test_a_node_agent_creates_only_its_own_checkpoints_and_reports_only_its_nodes(
+        agent: Caller) -> None:
+    create = agent.custom.create_namespaced_custom_object
+    names = "under the names the protocol gives them"
+    owned = _ckpt("box-1-evict", "node-a", protocol.EVICTION)
+    owned["metadata"]["ownerReferences"] = [{"apiVersion": api.API_VERSION,
+                                             "kind": api.SANDBOX_KIND, "name": "box",
+                                             "uid": "u"}]
+    _check([
+        *[(f"create {n}", None, agent.attempt(create, G, V, NS, P, _ckpt(n, "node-a", r)))
+          for n, r in (("box-1-preempt", protocol.PREEMPTION),
+                       ("box-1-preempt-r2-0a1b2c3d", protocol.PREEMPTION),
+                       ("box-1-evict-r3", protocol.EVICTION),
+                       ("box-1-rebalance", protocol.REBALANCE),
+                       ("box-1-turn7-0a1b2c3d", protocol.TURN))],
+        ("another node's label", "labelled hermit.dev/node=node-a",
+         agent.attempt(create, G, V, NS, P, _ckpt("box-1-preempt", "node-b"))),
+        ("marked verified", "only the operator marks", agent.attempt(create, G, V, NS, P, _ckpt(
+            "box-1-preempt", "node-a", **{protocol.ANNOTATION_NODE_VERIFIED: "true"}))),
+        ("an Interval", names, agent.attempt(create, G, V, NS, P, _ckpt(
+            "box-1-i1767268800", "node-a", protocol.INTERVAL))),
+        ("the Suspend name", names, agent.attempt(create, G, V, NS, P, _ckpt(
+            "box-1-suspend", "node-a"))),
+        ("a user's name", names, agent.attempt(create, G, V, NS, P, _ckpt(
+            "my-checkpoint", "node-a"))),
+        ("an owner", "no owner references or finalizers",
+         agent.attempt(create, G, V, NS, P, owned)),
+        ("its node's status", None, agent.attempt(
+            agent.custom.patch_namespaced_custom_object_status, G, V, NS, P, "mine-1-preempt",
+            {"status": {"phase": protocol.DUMPING, "nodeName": "node-a"}},
+            _content_type=MERGE)),
+        ("another node's status", "labelled hermit.dev/node=node-a", agent.attempt(
+            agent.custom.patch_namespaced_custom_object_status, G, V, NS, P,
+            "theirs-1-preempt", {"status": {"phase": protocol.FAILED}}, _content_type=MERGE)),
+        ("metadata", "never changes their metadata", agent.attempt(
+            agent.custom.patch_namespaced_custom_object, G, V, NS, P, "mine-1-preempt",
+            {"metadata": {"labels": {protocol.LABEL_NODE: "node-b"}}}, _content_type=MERGE)),
+        ("delete", "deletes nothing", agent.attempt(
+            agent.custom.delete_namespaced_custom_object, G, V, NS, P, "mine-1-preempt")),
+    ])
+
+
+def test_only_the_operator_marks_a_checkpoint_verified(agent: Caller, plane: ControlPlane
+                                                       ) -> None:
+    tenant = Caller(plane, "alice")
+    operator = Caller(plane, OPERATOR)
+    mark = {protocol.ANNOTATION_NODE_VERIFIED: "true"}
+    operator.custom.create_namespaced_custom_object(G, V, NS, P, _ckpt("marked-1-i5", "node-a",
+                                                                       protocol.INTERVAL, **mark))
+    only = "only the operator ("
+
+    def annotate(who: Caller, name: str, annotations: dict[str, str | None]) -> str | None:
+        return who.attempt(who.custom.patch_namespaced_custom_object, G, V, NS, P, name,
+                           {"metadata": {"annotations": annotations}}, _content_type=MERGE)
+
+    _check([
+        ("tenant creates one marked", only, tenant.attempt(
+            tenant.custom.create_namespaced_custom_object, G, V, NS, P,
+            _ckpt("t-1", "node-a", protocol.MANUAL, **mark))),
+        ("tenant creates one", None, tenant.attempt(
+            tenant.custom.create_namespaced_custom_object, G, V, NS, P,
+            _ckpt("t-2", "node-a", protocol.MANUAL))),
+        ("tenant marks one", only, annotate(tenant, "mine-1-preempt", mark)),
+        ("tenant changes the mark", only, annotate(
+            tenant, "marked-1-i5", {protocol.ANNOTATION_NODE_VERIFIED: "yes"})),
+        ("tenant keeps the mark, changes a label", None, tenant.attempt(
+            tenant.custom.patch_namespaced_custom_object, G, V, NS, P, "marked-1-i5",
+            {"metadata": {"labels": {"x": "y"}}}, _content_type=MERGE)),
+        ("tenant removes the mark", None, annotate(
+            tenant, "marked-1-i5", {protocol.ANNOTATION_NODE_VERIFIED: None})),
+        ("operator marks one", None, annotate(operator, "mine-1-preempt", mark)),
+    ])
