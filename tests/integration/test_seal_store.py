@@ -18,6 +18,7 @@ from hermit_common.errors import CheckpointRefused
 from hermit_common.manifest import Binding
 from hermit_common.seal import Expected, Keyring, KeyringWrapper, Sealing
 from hermit_common.store import CheckpointStore, make_s3_client
+from tests.support import attacks
 from tests.support.minio import MinioServer
 
 pytestmark = pytest.mark.integration
@@ -189,8 +190,9 @@ def test_tampered_swapped_and_foreign_manifests_are_refused(
              "is sealed, and this node-agent has no sealing keys")
 
 
+@pytest.mark.attack
 def test_tampered_chunk_is_refused(minio_server: MinioServer, bucket: str,
-                                   tmp_path: Path) -> None:
+                                   tmp_path: Path, attack: attacks.Attack) -> None:
     secret = _Secret()
     secret.add("k1")
     store = _store(minio_server, bucket, secret.sealing())
@@ -199,8 +201,14 @@ def test_tampered_chunk_is_refused(minio_server: MinioServer, bucket: str,
     body = bytearray(_get(minio_server, bucket, chunk))
     body[-1] ^= 0x01
     _put(minio_server, bucket, chunk, bytes(body))
-    with pytest.raises(CheckpointRefused, match="does not decrypt"):
+    with pytest.raises(CheckpointRefused, match="does not decrypt") as refused:
         store.download(NS, BOX, "c1", tmp_path / "out", expect_uid=UID)
+    left = [p for p in (tmp_path / "out").rglob("*") if not p.is_dir()]
+    assert left == [], f"a refused download left files behind: {left}"
+    attack.record("bucket: a tampered chunk", tried="one bit flipped in a sealed chunk in real "
+                  "MinIO, then the checkpoint downloaded as a restore does",
+                  outcome=attacks.REFUSED,
+                  evidence=f"refused before any file was written: {str(refused.value)[:120]}")
 
 
 def test_rotation(minio_server: MinioServer, bucket: str, tmp_path: Path) -> None:
