@@ -754,7 +754,7 @@ class CheckpointStore:
         actual = digest_bytes(raw)
         if expect_digest is not None and actual != expect_digest:
             raise CheckpointRefused(
-                f"checkpoint {namespace}/{checkpoint} is refused: its manifest's digest "
+                f"checkpoint {namespace}/{checkpoint} is refused: manifest digest "
                 f"{actual} does not match the expected {expect_digest} (changed in the bucket "
                 "since it was taken)")
         plain, dek, context = self._unseal(raw, expect)

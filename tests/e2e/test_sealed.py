@@ -277,7 +277,7 @@ def test_tampered_foreign_and_swapped_checkpoints_are_refused_and_setuid_strippe
         s3c.put_object(Bucket=BUCKET, Key=_manifest_key(first), Body=body)
         swap = _fork(e2e_config, namespace, f"{name}-swap", first["metadata"]["name"])
         _refused(kube, namespace, swap, first["metadata"]["name"],
-                 "its manifest's digest")
+                 "manifest digest")
     finally:
         kube.api.delete_namespace(other_ns, grace_period_seconds=0)
     print(f"refused before CRIU: flipped byte, another namespace, swapped manifest; setuid "
