@@ -17,16 +17,14 @@ still reads, are refused: this project's CRIU never writes them.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 from hermit_common.errors import CheckpointRefused
-from hermit_node import credcheck, criu
+from hermit_node import credcheck, criu, protowire
 
-IMG_COMMON_MAGIC: Final = 0x54564319
 FILES_MAGIC: Final = 0x56303138
 # file_entry.type (images/fdinfo.proto) -> (what, capability it needs, its name)
 FD_INETSK: Final = 4
@@ -52,10 +50,6 @@ LEGACY_IMAGES: Final = ("inetsk.img", "packetsk.img", "netlinksk.img", "tunfile.
 MAX_FILES_IMAGE_BYTES: Final = 64 << 20
 
 
-class _Malformed(ValueError):
-    pass
-
-
 @dataclass(frozen=True)
 class PrivilegedFile:
     id: int  # file_entry.id (the fdinfo images of each task point at it)
@@ -63,67 +57,20 @@ class PrivilegedFile:
     cap: int
 
 
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise _Malformed("truncated varint")
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-
-
-def _fields(message: bytes) -> Iterator[tuple[int, int | bytes]]:
-    """(field number, varint value or length-delimited bytes) of a protobuf message;
-    fixed-size fields are skipped."""
-    pos = 0
-    while pos < len(message):
-        key, pos = _varint(message, pos)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, pos = _varint(message, pos)
-            yield number, value
-        elif wire == 2:
-            length, pos = _varint(message, pos)
-            if pos + length > len(message):
-                raise _Malformed("truncated field")
-            yield number, message[pos:pos + length]
-            pos += length
-        elif wire in (1, 5):
-            pos += 8 if wire == 1 else 4
-        else:
-            raise _Malformed(f"unsupported wire type {wire}")
-    if pos != len(message):
-        raise _Malformed("truncated message")
-
-
 def file_kinds(raw: bytes) -> Iterator[tuple[int, int, int | None]]:
     """(file_entry.type, id, inet socket type or None) of each entry of a ``files.img``
-    (pure; raises _Malformed)."""
-    if len(raw) < 8 or struct.unpack_from("<II", raw) != (IMG_COMMON_MAGIC, FILES_MAGIC):
-        raise _Malformed("not a files image")
-    pos = 8
-    while pos < len(raw):
-        if pos + 4 > len(raw):
-            raise _Malformed("truncated entry")
-        (size,) = struct.unpack_from("<I", raw, pos)
-        pos += 4
-        if pos + size > len(raw):
-            raise _Malformed("truncated entry")
+    (pure; raises protowire.WireError)."""
+    for entry in protowire.entries(raw, FILES_MAGIC, "files"):
         kind = ident = 0
         isk_type = None
-        for number, value in _fields(raw[pos:pos + size]):
+        for number, value in protowire.fields(entry):
             if number == 1 and isinstance(value, int):
                 kind = value
             elif number == 2 and isinstance(value, int):
                 ident = value
             elif number == 4 and isinstance(value, bytes):  # inet_sk_entry
-                found = next((v for n, v in _fields(value) if n == 4), None)
+                found = next((v for n, v in protowire.fields(value) if n == 4), None)
                 isk_type = found if isinstance(found, int) else None
-        pos += size
         yield kind, ident, isk_type
 
 
@@ -158,7 +105,7 @@ def read_files(images_dir: Path) -> tuple[list[PrivilegedFile], list[str]]:
     raw = criu.read_image_bytes(path, MAX_FILES_IMAGE_BYTES)
     try:
         return privileged_files(raw), legacy
-    except _Malformed as exc:
+    except protowire.WireError as exc:
         raise CheckpointRefused(f"CRIU image files.img cannot be parsed: {exc}") from None
 
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import os
 import re
-import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Final
 
-IMG_COMMON_MAGIC: Final = 0x54564319
+from hermit_node import protowire
+
 PAGEMAP_MAGIC: Final = 0x56084025
 PAGE_SIZE: Final = 4096
 # pagemap_entry.flags
@@ -47,57 +47,18 @@ class PagemapError(ValueError):
     """A pagemap image this module cannot read (the caller keeps fixed-size chunks)."""
 
 
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise PagemapError("truncated varint")
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-
-
 def _fields(message: bytes) -> dict[int, int]:
-    """The varint fields of a protobuf message (others are skipped): number -> value."""
-    out: dict[int, int] = {}
-    pos = 0
-    while pos < len(message):
-        key, pos = _varint(message, pos)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            out[number], pos = _varint(message, pos)
-        elif wire == 1:
-            pos += 8
-        elif wire == 5:
-            pos += 4
-        elif wire == 2:
-            length, pos = _varint(message, pos)
-            pos += length
-        else:
-            raise PagemapError(f"unsupported wire type {wire}")
-    if pos != len(message):
-        raise PagemapError("truncated message")
-    return out
+    try:
+        return protowire.varint_fields(message)
+    except protowire.WireError as exc:
+        raise PagemapError(str(exc)) from None
 
 
 def _messages(raw: bytes, partial: bool) -> Iterator[bytes]:
-    """The entries of a CRIU protobuf image: two magics, then (u32 size, message)*.
-    ``partial``: the image is still being written; a cut-off last entry ends it."""
-    if len(raw) < 8 or struct.unpack_from("<II", raw) != (IMG_COMMON_MAGIC, PAGEMAP_MAGIC):
-        raise PagemapError("not a pagemap image")
-    pos = 8
-    while pos < len(raw):
-        (size,) = struct.unpack_from("<I", raw, pos) if pos + 4 <= len(raw) else (-1,)
-        pos += 4
-        if size < 0 or pos + size > len(raw):
-            if partial:
-                return
-            raise PagemapError("truncated entry")
-        yield raw[pos:pos + size]
-        pos += size
+    try:
+        yield from protowire.entries(raw, PAGEMAP_MAGIC, "pagemap", partial=partial)
+    except protowire.WireError as exc:
+        raise PagemapError(str(exc)) from None
 
 
 def parse_pagemap(raw: bytes, *, partial: bool = False) -> tuple[int, list[Run]]:

@@ -29,7 +29,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.stream import stream
 from prometheus_client.parser import text_string_to_metric_families
 
-from hermit_common import api
+from hermit_common import api, protocol
 from tests.e2e.conftest import (
     E2EConfig,
     Kube,
@@ -203,6 +203,27 @@ def completed_checkpoint(ns: str, reason: str, *, sandbox_name: str,
         return None
 
     return probe
+
+
+def checkpoint_now(ns: str, sandbox: str, name: str, timeout: float = 120) -> Obj:
+    """A Manual checkpoint of ``sandbox``, once Completed (the operator adopts and verifies
+    it: it is labelled with the node the sandbox runs on)."""
+    custom().create_namespaced_custom_object(
+        api.GROUP, api.VERSION, ns, api.CHECKPOINT_PLURAL, {
+            "apiVersion": api.API_VERSION, "kind": api.CHECKPOINT_KIND,
+            "metadata": {"name": name},
+            "spec": {"sandboxRef": {"name": sandbox}, "reason": "Manual"}})
+
+    def done() -> Obj | None:
+        c: Any = custom().get_namespaced_custom_object(
+            api.GROUP, api.VERSION, ns, api.CHECKPOINT_PLURAL, name)
+        phase = (c.get("status") or {}).get("phase")
+        assert phase != "Failed", f"checkpoint {name} failed: {c['status'].get('message')}"
+        verified = (c["metadata"].get("annotations") or {}).get(
+            protocol.ANNOTATION_NODE_VERIFIED) == "true"
+        return dict(c) if phase == "Completed" and verified else None
+
+    return wait_until(f"checkpoint {name} Completed and verified", timeout, done, 0.3)
 
 
 def since(started: float) -> float:

@@ -28,7 +28,6 @@ import pytest
 from kubernetes import client
 from kubernetes.stream import stream
 
-from hermit_common import api, protocol
 from hermit_common.seal import Keyring, KeyringWrapper, Sealing
 from hermit_common.settings import StoreSettings
 from hermit_common.store import CheckpointStore
@@ -102,25 +101,6 @@ def _judge_store(kube: Kube, s3: S3) -> tuple[CheckpointStore, list[bytes]]:
         base64.b64encode(k) for k in keyring.keys.values()]
 
 
-def _checkpoint(ns: str, sandbox: str, name: str) -> dict[str, Any]:
-    sb.custom().create_namespaced_custom_object(
-        api.GROUP, api.VERSION, ns, api.CHECKPOINT_PLURAL, {
-            "apiVersion": api.API_VERSION, "kind": api.CHECKPOINT_KIND,
-            "metadata": {"name": name},
-            "spec": {"sandboxRef": {"name": sandbox}, "reason": "Manual"}})
-
-    def done() -> dict[str, Any] | None:
-        c: Any = sb.custom().get_namespaced_custom_object(
-            api.GROUP, api.VERSION, ns, api.CHECKPOINT_PLURAL, name)
-        phase = (c.get("status") or {}).get("phase")
-        assert phase != "Failed", f"checkpoint {name} failed: {c['status'].get('message')}"
-        verified = (c["metadata"].get("annotations") or {}).get(
-            protocol.ANNOTATION_NODE_VERIFIED) == "true"
-        return dict(c) if phase == "Completed" and verified else None
-
-    return wait_until(f"checkpoint {name} Completed and verified", 120, done, 0.3)
-
-
 def _download(store: CheckpointStore, ns: str, uid: str, ckpt: dict[str, Any],
               dest: Path) -> None:
     status = ckpt["status"]
@@ -192,7 +172,7 @@ def test_symlink_race_from_inside_the_sandbox_copies_nothing_else(
         swaps_before = _swaps(namespace, pod)
         with tempfile.TemporaryDirectory(prefix="hermit-attack-") as work:
             for i in range(CHECKPOINTS):
-                ckpt = _checkpoint(namespace, name, f"{name}-race-{i}")
+                ckpt = sb.checkpoint_now(namespace, name, f"{name}-race-{i}")
                 dest = Path(work) / str(i)
                 _download(store, namespace, uid, ckpt, dest)
                 assert (dest / "workspace" / "race").is_dir(), \

@@ -141,27 +141,6 @@ def _manifest_key(ckpt: dict[str, Any]) -> str:
     return uri[len(f"s3://{BUCKET}/"):]
 
 
-def _checkpoint_now(ns: str, sandbox: str, name: str) -> dict[str, Any]:
-    """A Manual checkpoint of ``sandbox``, once Completed (the operator adopts and verifies
-    it: it is labelled with the node the sandbox runs on)."""
-    sb.custom().create_namespaced_custom_object(
-        api.GROUP, api.VERSION, ns, api.CHECKPOINT_PLURAL, {
-            "apiVersion": api.API_VERSION, "kind": api.CHECKPOINT_KIND,
-            "metadata": {"name": name},
-            "spec": {"sandboxRef": {"name": sandbox}, "reason": "Manual"}})
-
-    def done() -> dict[str, Any] | None:
-        c: Any = sb.custom().get_namespaced_custom_object(
-            api.GROUP, api.VERSION, ns, api.CHECKPOINT_PLURAL, name)
-        phase = (c.get("status") or {}).get("phase")
-        assert phase != "Failed", f"checkpoint {name} failed: {c['status'].get('message')}"
-        verified = (c["metadata"].get("annotations") or {}).get(
-            protocol.ANNOTATION_NODE_VERIFIED) == "true"
-        return dict(c) if phase == "Completed" and verified else None
-
-    return wait_until(f"checkpoint {name} Completed and verified", 90, done, 0.3)
-
-
 def _flip_a_byte(s3c: Any, key: str) -> None:
     raw = bytearray(s3c.get_object(Bucket=BUCKET, Key=key)["Body"].read())
     at = raw.index(b'"ciphertext":"') + 40
@@ -234,7 +213,7 @@ def test_tampered_foreign_and_swapped_checkpoints_are_refused_and_setuid_strippe
     name, where = sb.start_on_spot(kube, e2e_config, RELEASE_NS, namespace)
     _exec(namespace, where.pod, f"{BUSYBOX} cp {BUSYBOX} {SUID} && {BUSYBOX} chmod 4755 {SUID}")
     assert _exec(namespace, where.pod, f"{BUSYBOX} stat -c %a {SUID}").strip() == "4755"
-    flipped, clean = (_checkpoint_now(namespace, name, f"{name}-{s}") for s in ("c1", "c2"))
+    flipped, clean = (sb.checkpoint_now(namespace, name, f"{name}-{s}") for s in ("c1", "c2"))
     s3c = _s3c(s3_for_pods)
     other_ns = f"{namespace[:50]}-b"
     body: Any = {"metadata": {"name": other_ns}}
@@ -263,7 +242,7 @@ def test_tampered_foreign_and_swapped_checkpoints_are_refused_and_setuid_strippe
 
         # The fork's first checkpoint: signed for its lineage, and (same store, inherited
         # data key) its chunks copied from the source's rather than uploaded.
-        first = _checkpoint_now(namespace, forks[1], f"{forks[1]}-f1")
+        first = sb.checkpoint_now(namespace, forks[1], f"{forks[1]}-f1")
         uids = [sb.sandbox(namespace, n)["metadata"]["uid"] for n in (name, forks[1])]
         assert first["status"]["lineage"] == uids, first["status"]
         # Without the inherited key it would send about what the source's first did.

@@ -28,7 +28,6 @@ from hermit_node.checkpoint import CheckpointEngine, CheckpointTarget
 from hermit_node.criu import Criu
 from hermit_node.restore import RestoreEngine, RestoreTarget
 from hermit_testbed.cni import CniNetwork
-from hermit_testbed.containerd import Containerd
 from hermit_testbed.errors import TestbedError
 from hermit_testbed.scenario import (
     DELETED_FROM_IMAGE,
@@ -40,7 +39,7 @@ from hermit_testbed.scenario import (
     process_tree,
     start_sandbox,
 )
-from tests.support.containerd import require_containerd
+from tests.support.containerd import require_containerd, two_nodes
 from tests.support.minio import MinioServer
 
 pytestmark = pytest.mark.integration
@@ -56,11 +55,7 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node
         image_tar = build_sandbox_image(base)
     except TestbedError as exc:
         pytest.fail(str(exc), pytrace=False)
-    with Containerd(base / "node-a") as cd_a, Containerd(base / "node-b") as cd_b:
-        pair = (Node("node-a", cd_a, base / "work-a"), Node("node-b", cd_b, base / "work-b"))
-        for node in pair:
-            node.work_dir.mkdir()
-            node.image_ref = node.containerd.import_image(image_tar)
+    with two_nodes(base, image_tar) as pair:
         yield pair
 
 

@@ -9,6 +9,9 @@ Fixtures (hack/install-containerd installs containerd, runc and the CNI plugins)
 - ``busybox_rootfs_dir`` / ``busybox_image`` (session): a busybox rootfs and its image
   (``BUSYBOX_REF``) imported into ``containerd_daemon``.
 
+``two_nodes(base, image_tar)`` (a context manager, for the migration tests' module
+fixtures): node A and node B, each a private containerd with ``image_tar`` imported.
+
 Missing binaries fail the test (never skip) and name the script to run.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,6 +28,7 @@ from hermit_testbed.cni import CniNetwork, Netns, plugin_dir
 from hermit_testbed.containerd import Containerd
 from hermit_testbed.errors import TestbedError
 from hermit_testbed.image import build_image, busybox_rootfs
+from hermit_testbed.scenario import Node
 
 BUSYBOX_REF = "hermit.local/busybox:latest"
 REQUIRED_BINARIES = ("containerd", "containerd-shim-runc-v2", "ctr", "runc")
@@ -40,6 +45,18 @@ def require_containerd() -> None:
         plugin_dir()
     except TestbedError as exc:
         pytest.fail(f"{exc}", pytrace=False)
+
+
+@contextmanager
+def two_nodes(base: Path, image_tar: Path) -> Iterator[tuple[Node, Node]]:
+    """Node A and node B: two private containerd daemons under ``base``, each with the
+    sandbox image ``image_tar`` imported and a work dir of its own."""
+    with Containerd(base / "node-a") as cd_a, Containerd(base / "node-b") as cd_b:
+        pair = (Node("node-a", cd_a, base / "work-a"), Node("node-b", cd_b, base / "work-b"))
+        for node in pair:
+            node.work_dir.mkdir()
+            node.image_ref = node.containerd.import_image(image_tar)
+        yield pair
 
 
 @pytest.fixture(scope="session")

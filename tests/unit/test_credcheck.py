@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from hermit_common.errors import CheckpointRefused, RestoreFailed
-from hermit_node import credcheck, criu, pagemap
+from hermit_node import credcheck, criu, pagemap, protowire
 from hermit_node.credcheck import (
     CAP_SETGID,
     CAP_SETPCAP,
@@ -432,7 +432,7 @@ def _pagemap(*entries: tuple[int, int, int]) -> bytes:
         body = b"".join(varint(num << 3) + varint(v) for num, v in fs)
         return struct.pack("<I", len(body)) + body
 
-    head = struct.pack("<II", pagemap.IMG_COMMON_MAGIC, pagemap.PAGEMAP_MAGIC) + msg((1, 3))
+    head = struct.pack("<II", protowire.IMG_COMMON_MAGIC, pagemap.PAGEMAP_MAGIC) + msg((1, 3))
     return head + b"".join(msg((1, v), (4, f), (5, n)) for v, n, f in entries)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hermit_common.errors import CheckpointRefused
-from hermit_node import credcheck, fdcheck
+from hermit_node import credcheck, fdcheck, protowire
 from hermit_node.credcheck import Granted
 
 DEFAULT_CAPS = 0x00000000A80425FB  # includes CAP_NET_RAW
@@ -46,7 +46,7 @@ def entry(kind: int, ident: int, inner: bytes = b"", inner_field: int = 3) -> by
 
 
 def files_img(*entries: bytes) -> bytes:
-    return struct.pack("<II", fdcheck.IMG_COMMON_MAGIC, fdcheck.FILES_MAGIC) + b"".join(entries)
+    return struct.pack("<II", protowire.IMG_COMMON_MAGIC, fdcheck.FILES_MAGIC) + b"".join(entries)
 
 
 def inet(sock_type: int) -> bytes:

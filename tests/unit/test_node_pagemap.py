@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from hermit_node.pagemap import (
-    IMG_COMMON_MAGIC,
     PAGE_SIZE,
     PAGEMAP_MAGIC,
     PE_LAZY,
@@ -19,6 +18,7 @@ from hermit_node.pagemap import (
     image_layout,
     parse_pagemap,
 )
+from hermit_node.protowire import IMG_COMMON_MAGIC
 
 P = PAGE_SIZE
 MIB4 = 4 << 20

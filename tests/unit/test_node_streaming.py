@@ -8,7 +8,8 @@ import threading
 import time
 from pathlib import Path
 
-from hermit_node.pagemap import IMG_COMMON_MAGIC, PAGE_SIZE, PAGEMAP_MAGIC, PE_PRESENT
+from hermit_node.pagemap import PAGE_SIZE, PAGEMAP_MAGIC, PE_PRESENT
+from hermit_node.protowire import IMG_COMMON_MAGIC
 from hermit_node.streaming import ImageStreamer, final_chunks
 from tests.unit.test_node_pagemap import _msg
 
