@@ -128,8 +128,8 @@ class Kube:
         self.api.create_namespaced_pod(ns, body)
 
     def pod_log(self, ns: str, name: str) -> str:
-        log: str = self.api.read_namespaced_pod_log(name, ns)
-        return log
+        log: str | None = self.api.read_namespaced_pod_log(name, ns)
+        return log or ""  # the client gives None for an empty body
 
 
 def name_of(obj: Obj) -> str:

@@ -251,7 +251,8 @@ def _suspend_change_storage_resume(kube: Kube, ns: str, name: str, s3: S3,
     """The Suspend checkpoint is written to the sandbox's bucket; its storage then changes;
     the resume still restores it from where it was written."""
     pod = sb.status(ns, name)["podName"]
-    seen_last = [sb.ticks(kube, ns, pod)[-1]]
+    seen_last = [wait_until(f"ticks in pod {pod}", 60,
+                            lambda: sb.ticks(kube, ns, pod) or None)[-1]]
 
     def suspended() -> bool:
         seen_last.append(max([*sb.ticks(kube, ns, pod), seen_last[-1]]))
