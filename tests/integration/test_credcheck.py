@@ -21,7 +21,6 @@ import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -42,6 +41,7 @@ from hermit_testbed.scenario import (
     process_tree,
     start_sandbox,
 )
+from tests.support import forge
 from tests.support.containerd import require_containerd, two_nodes
 from tests.support.minio import MinioServer
 
@@ -77,65 +77,31 @@ def _host_caps() -> int:
     return mine.cap_prm & mine.cap_bnd
 
 
-def _rewrite(path: Path, change: Callable[[dict[str, Any]], object]) -> None:
-    """Rewrites the first entry of a CRIU image with pycriu."""
-    import pycriu.images
-
-    with path.open("rb") as f:
-        image = pycriu.images.load(f)
-    change(image["entries"][0])
-    with path.open("wb") as f:
-        pycriu.images.dump(image, f)
-
-
-def _rewrite_all(path: Path, change: Callable[[dict[str, Any]], object]) -> None:
-    """Rewrites every entry of a CRIU image with pycriu."""
-    import pycriu.images
-
-    with path.open("rb") as f:
-        image = pycriu.images.load(f)
-    for entry in image["entries"]:
-        change(entry)
-    with path.open("wb") as f:
-        pycriu.images.dump(image, f)
-
-
 class ForgingCriu(Criu):
-    """A compromised node's CRIU: after the real dump, ``forge`` rewrites the images."""
+    """A compromised node's CRIU: after the real dump, ``forger`` rewrites the images
+    (tests/support/forge.py)."""
 
-    def __init__(self, binary: str, forge: Callable[[Path], None]) -> None:
+    def __init__(self, binary: str, forger: Callable[[Path], None]) -> None:
         super().__init__(binary)
-        self.forge = forge
+        self.forger = forger
 
     def dump(self, req: DumpRequest) -> None:
         super().dump(req)
-        self.forge(req.images_dir)
-
-
-def _all_caps(caps: int) -> Callable[[Path], None]:
-    """Every thread's core image asks for ``caps`` in all five sets."""
-    words = [caps & 0xFFFFFFFF, caps >> 32]
-
-    def forge(images: Path) -> None:
-        for path in sorted(images.glob("core-*.img")):
-            _rewrite(path, lambda e: e["thread_core"]["creds"].update(
-                {name: list(words) for name in ("cap_inh", "cap_prm", "cap_eff", "cap_bnd",
-                                                "cap_amb")}))
-    return forge
+        self.forger(req.images_dir)
 
 
 def _raw_sockets(images: Path) -> None:
     """Every inet socket becomes a raw one (CRIU creates it as root: no CAP_NET_RAW needed
     to use it afterwards)."""
-    _rewrite_all(images / "files.img", lambda e: e["isk"].update(type=3)
-                 if e["type"] == "INETSK" else None)
+    forge.rewrite_all(images / "files.img", lambda e: e["isk"].update(type=3)
+                      if e["type"] == "INETSK" else None)
 
 
 def _writable_proc_sys(images: Path) -> None:
     """/proc/sys mounted read-write: root in the sandbox writes the node's sysctls."""
     for path in sorted(images.glob("mountpoints-*.img")):
-        _rewrite_all(path, lambda e: e.update(flags=e["flags"] & ~1)
-                     if e["mountpoint"] == "/proc/sys" else None)
+        forge.rewrite_all(path, lambda e: e.update(flags=e["flags"] & ~1)
+                          if e["mountpoint"] == "/proc/sys" else None)
 
 
 def _checkpoint(node: Node, criu: Criu, store: CheckpointStore, source: Sandbox, uid: str,
@@ -189,8 +155,8 @@ def test_a_forged_checkpoint_with_the_nodes_capabilities_is_refused(
     try:
         source = alive[0]
         source.wait_ticks(3)
-        _checkpoint(node_a, ForgingCriu(str(criu_bin), _all_caps(caps)), store, source, uid,
-                    "forged")
+        _checkpoint(node_a, ForgingCriu(str(criu_bin), forge.all_caps(caps)), store, source,
+                    uid, "forged")
         destroy_sandbox(source, cni_network)
         alive.remove(source)
 
@@ -309,11 +275,12 @@ def test_forged_images_the_reader_refuses(real_dump: tuple[Path, int], tmp_path:
     core = images / f"core-{pid}.img"
 
     # No creds: CRIU would leave the thread with its own (host root's) credentials.
-    _rewrite(core, lambda e: e["thread_core"].pop("creds"))
+    forge.rewrite(core, lambda e: e["thread_core"].pop("creds"))
     # No rlimits: CRIU would leave the node-agent's limits.
-    _rewrite(core, lambda e: e["tc"].pop("rlimits"))
+    forge.rewrite(core, lambda e: e["tc"].pop("rlimits"))
     # Another user namespace than the dumping CRIU's: CRIU would create one.
-    _rewrite(images / f"ids-{pid}.img", lambda e: e.update(user_ns_id=e["user_ns_id"] + 100))
+    forge.rewrite(images / f"ids-{pid}.img",
+                  lambda e: e.update(user_ns_id=e["user_ns_id"] + 100))
     # AppArmor policies for CRIU to load.
     shutil.copy(images / "inventory.img", images / "apparmor.img")
     found = credcheck.read_images(images)
@@ -322,14 +289,14 @@ def test_forged_images_the_reader_refuses(real_dump: tuple[Path, int], tmp_path:
     narrow = dataclasses.replace(granted, cap_prm=0)  # CAP_SYS_RESOURCE not held
     assert [v.field for v in credcheck.violations(found, narrow)] == [
         "user namespace", "apparmor.img", "creds"]
-    _rewrite(core, lambda e: e["thread_core"].update(creds={
+    forge.rewrite(core, lambda e: e["thread_core"].update(creds={
         k: 0 for k in ("uid", "gid", "euid", "egid", "suid", "sgid", "fsuid", "fsgid",
                        "secbits")}))
     assert "rlimits" in [v.field for v in credcheck.violations(credcheck.read_images(images),
                                                                 narrow)]
 
     # A thread pstree lists without its core image.
-    _rewrite(images / "pstree.img", lambda e: e.update(threads=[pid, pid + 1]))
+    forge.rewrite(images / "pstree.img", lambda e: e.update(threads=[pid, pid + 1]))
     assert credcheck.read_images(images).problems == (
         f"thread {pid + 1} of pid {pid} has no core-{pid + 1}.img",)
 
