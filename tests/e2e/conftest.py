@@ -51,6 +51,8 @@ class E2EConfig:
     preempt_cmd: str
     add_node_cmd: str
     rebalance_cmd: str = ""
+    # A node lost without any notice (the instance gone at once): no checkpoint is taken.
+    lose_node_cmd: str = ""
 
 
 def _e2e_config() -> E2EConfig:
@@ -65,6 +67,8 @@ def _e2e_config() -> E2EConfig:
         add_node_cmd=env.get("HERMIT_E2E_ADD_NODE_CMD", f"{REPO}/hack/cluster add-node --spot"),
         rebalance_cmd=env.get("HERMIT_E2E_REBALANCE_CMD",
                               f"{REPO}/hack/cluster rebalance-node {{node}}"),
+        lose_node_cmd=env.get("HERMIT_E2E_LOSE_NODE_CMD",
+                              f"{REPO}/hack/cluster preempt-node {{node}} --no-notice"),
     )
 
 

@@ -388,3 +388,42 @@ def draining(cfg: E2EConfig, node: str) -> Iterator[subprocess.Popen[str]]:
             drain.kill()
         subprocess.run([kubectl, "uncordon", node, "--kubeconfig", cfg.kubeconfig],
                        capture_output=True, check=False)
+
+
+# -- acting as a node-agent (the attack suite): its service account and a token bound to ---
+# -- one of its pods, which names that pod's node as the real agent's does ------------------
+
+def service_account(kube: Kube, release_ns: str, component: str) -> str:
+    """The service account the chart's pods of this component run as."""
+    pods = kube.api.list_namespaced_pod(
+        release_ns, label_selector=f"app.kubernetes.io/component={component}").items
+    assert pods, f"no {component} pod in {release_ns}"
+    return str(pods[0].spec.service_account_name)
+
+
+def node_agent_pod(kube: Kube, release_ns: str, node: str) -> str:
+    """The name of the running node-agent pod on ``node``."""
+    pods = kube.api.list_namespaced_pod(
+        release_ns, label_selector="app.kubernetes.io/component=node-agent",
+        field_selector=f"spec.nodeName={node}").items
+    running = [p.metadata.name for p in pods if p.status.phase == "Running"]
+    assert running, f"no running node-agent pod on {node}"
+    return str(running[0])
+
+
+def node_agent_api_client(cfg: E2EConfig, kube: Kube, release_ns: str,
+                          pod: str) -> client.ApiClient:
+    """An API client holding a token of the node-agent's service account bound to its pod
+    ``pod`` (``kubectl create token --bound-object-kind Pod``): since Kubernetes 1.32 it
+    carries the pod's node, so the chart's node-scoped policies judge it exactly as they
+    judge that node-agent."""
+    token = subprocess.run(
+        [kubectl_binary(), "--kubeconfig", cfg.kubeconfig, "-n", release_ns, "create",
+         "token", service_account(kube, release_ns, "node-agent"), "--bound-object-kind",
+         "Pod", "--bound-object-name", pod, "--duration", "10m"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    admin = kube.api.api_client.configuration
+    conf = client.Configuration()
+    conf.host, conf.ssl_ca_cert = admin.host, admin.ssl_ca_cert
+    conf.api_key = {"authorization": f"Bearer {token}"}
+    return client.ApiClient(conf)

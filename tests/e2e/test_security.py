@@ -80,10 +80,7 @@ def granted_rules(cfg: E2EConfig, account: str) -> dict[str, set[str]]:
 
 def service_account(kube: Kube, component: str) -> str:
     """The service account the chart's pods of this component run as."""
-    pods = kube.api.list_namespaced_pod(
-        RELEASE_NS, label_selector=f"app.kubernetes.io/component={component}").items
-    assert pods, f"no {component} pod in {RELEASE_NS}"
-    return str(pods[0].spec.service_account_name)
+    return sb.service_account(kube, RELEASE_NS, component)
 
 
 def test_each_account_holds_exactly_the_documented_rules(
@@ -106,16 +103,7 @@ class NodeAgentToken:
     """API calls as one node-agent pod (its bound token names its node), as dry runs."""
 
     def __init__(self, cfg: E2EConfig, kube: Kube, pod: str) -> None:
-        token = subprocess.run(
-            [kubectl(cfg), "--kubeconfig", cfg.kubeconfig, "-n", RELEASE_NS, "create", "token",
-             service_account(kube, "node-agent"), "--bound-object-kind", "Pod",
-             "--bound-object-name", pod, "--duration", "10m"],
-            capture_output=True, text=True, check=True).stdout.strip()
-        admin = kube.api.api_client.configuration
-        conf = client.Configuration()
-        conf.host, conf.ssl_ca_cert = admin.host, admin.ssl_ca_cert
-        conf.api_key = {"authorization": f"Bearer {token}"}
-        api_client = client.ApiClient(conf)
+        api_client = sb.node_agent_api_client(cfg, kube, RELEASE_NS, pod)
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
 
