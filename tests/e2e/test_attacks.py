@@ -14,13 +14,28 @@ the content it wrote, and that nothing of the three targets is anywhere in it.
 
 (A second container mounting the workspace, the way the attack was first found, is refused
 by the pod policy: tests/e2e/test_policy.py.)
+
+A compromised node, the second attack here, forges a checkpoint of a sandbox it runs: it
+holds the sealing keys (every node does), so it takes a genuine checkpoint from the
+bucket, rewrites its CRIU core images so every thread holds every capability, uploads it
+as a new checkpoint with the store's own API and reports it as its node-agent reports a
+Turn checkpoint, with the node-agent's own token. The admission layer and the operator
+trust it (it is labelled with the node the sandbox runs on); the node is then lost
+without notice, and the next node must refuse the forged images before CRIU runs.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
+import os
+import signal
 import tempfile
+import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +43,27 @@ import pytest
 from kubernetes import client
 from kubernetes.stream import stream
 
+from hermit_common import api, protocol
+from hermit_common.kubeapi import KubeConflict
+from hermit_common.manifest import Manifest
 from hermit_common.seal import Keyring, KeyringWrapper, Sealing
 from hermit_common.settings import StoreSettings
-from hermit_common.store import CheckpointStore
+from hermit_common.store import CheckpointStore, UploadResult
+from hermit_node import planner, requests
+from hermit_node.checkpoint import CheckpointResult
+from hermit_node.kube import Kube as NodeAgentKube
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import BUCKET, RELEASE_NS, S3, E2EConfig, Kube, wait_until
-from tests.support.attacks import CONTAINED, Attack
+from tests.e2e.conftest import (
+    BUCKET,
+    RELEASE_NS,
+    S3,
+    E2EConfig,
+    Kube,
+    run_cluster_command,
+    wait_until,
+)
+from tests.support import forge
+from tests.support.attacks import CONTAINED, REFUSED, Attack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.attack, pytest.mark.timeout(900)]
 
@@ -102,13 +132,13 @@ def _judge_store(kube: Kube, s3: S3) -> tuple[CheckpointStore, list[bytes]]:
 
 
 def _download(store: CheckpointStore, ns: str, uid: str, ckpt: dict[str, Any],
-              dest: Path) -> None:
+              dest: Path) -> Manifest:
     status = ckpt["status"]
     lineage = status.get("lineage")
-    store.download(ns, ckpt["spec"]["sandboxRef"]["name"], ckpt["metadata"]["name"], dest,
-                   expect_uid=uid, expect_digest=status["manifestDigest"],
-                   expect_parent=str(status.get("parent") or ""),
-                   expect_lineage=tuple(lineage) if lineage else None)
+    return store.download(ns, ckpt["spec"]["sandboxRef"]["name"], ckpt["metadata"]["name"],
+                          dest, expect_uid=uid, expect_digest=status["manifestDigest"],
+                          expect_parent=str(status.get("parent") or ""),
+                          expect_lineage=tuple(lineage) if lineage else None)
 
 
 def _leaks(root: Path, secrets: list[bytes]) -> list[str]:
@@ -202,3 +232,208 @@ def test_symlink_race_from_inside_the_sandbox_copies_nothing_else(
 def _swaps(ns: str, pod: str) -> int:
     out = _exec(ns, pod, "cat /workspace/race.swaps /workspace/race-exec.swaps")
     return sum(int(x) for x in out.split() if x.isdigit())
+
+
+# -- a compromised node forges a checkpoint with every capability ---------------------------
+
+FORGED_TURN = "7"  # the forged checkpoint poses as the node-agent's request of turn 7
+
+
+@contextmanager
+def _node_agent_stopped(node: str) -> Iterator[None]:
+    """The node's real node-agent stopped (SIGSTOP) for a moment: the compromised node
+    runs its own code in its place, so the honest agent must not take the forged Pending
+    request first (it would dump the sandbox under the forged name). On this machine every
+    node's processes are the host's (sb.node_agent_pids)."""
+    pids = sb.node_agent_pids(node)
+    assert pids, f"no node-agent process for {node} on this host"
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
+def _forge(store: CheckpointStore, ns: str, uid: str, genuine: dict[str, Any], forged: str,
+           parent: str, caps: int, work: Path) -> tuple[UploadResult, dict[str, set[int]]]:
+    """Download ``genuine``, give every thread ``caps`` in every set, upload it as
+    ``forged`` (the same binding but the name; ``parent`` as a node-agent records the
+    checkpoint its pod was restored from): a checkpoint the store opens like any other."""
+    dest = work / "forged"
+    manifest = _download(store, ns, uid, genuine, dest)
+    images = dest / "criu"
+    forge.all_caps(caps)(images)
+    held = forge.caps_of(images)
+    binding = dataclasses.replace(manifest.binding, checkpoint=forged)
+    result = store.upload(binding, {name: dest / name for name in manifest.sections},
+                          manifest.restore, parent=parent)
+    return result, held
+
+
+def _report(agent: NodeAgentKube, sp: planner.SandboxPod, genuine: dict[str, Any],
+            result: UploadResult) -> dict[str, Any]:
+    """As the node's node-agent: create its Turn request for the sandbox's pod
+    (requests.create: labelled with the node and the incarnation), claim it (Dumping, the
+    parent and storage recorded as planner.status_dumping does) and report it Completed
+    with the forged manifest's digest and lineage (planner.status_completed)."""
+    made = requests.create(agent, sp, protocol.TURN, sp.node, FORGED_TURN)
+    name = protocol.name_of(made)
+    now = datetime.now(UTC)
+    storage = (genuine.get("status") or {}).get("storage")
+    current: dict[str, Any] | None = made
+    for _ in range(5):
+        assert current is not None and planner.claimable(current), \
+            f"someone else took {name} first: {current}"
+        try:
+            agent.claim_checkpoint(sp.namespace, name, planner.status_dumping(
+                sp.node, now, sp.restore_from, storage),
+                protocol.meta(current).get("resourceVersion") or None)
+            break
+        except KubeConflict:  # the operator adopted it meanwhile: claim that version
+            current = agent.get_checkpoint(sp.namespace, name)
+    else:
+        pytest.fail(f"could not claim {name}: it kept changing")
+    g = genuine["status"]
+    agent.patch_checkpoint_status(sp.namespace, name, planner.status_completed(
+        CheckpointResult(
+            frozen_ms=int(g.get("frozenMs") or 0), dump_ms=int(g.get("dumpMs") or 0),
+            capture_ms=0, upload_ms=int(result.duration * 1000),
+            image_bytes=result.image_bytes, uploaded_bytes=result.uploaded_bytes,
+            stored_bytes=result.stored_bytes, manifest_uri=result.manifest_uri,
+            manifest_digest=result.manifest_digest, criu_version=str(g.get("criuVersion")),
+            kernel=str(g.get("kernel")), cpu_flags=tuple(g.get("cpuFeatures") or ()),
+            chunks_total=result.chunks_total, chunks_uploaded=result.chunks_uploaded,
+            lineage=result.lineage),
+        datetime.now(UTC), stopped=False, seconds=result.duration))
+    return made
+
+
+def _verified(ns: str, name: str) -> dict[str, Any] | None:
+    c: Any = sb.custom().get_namespaced_custom_object(
+        api.GROUP, api.VERSION, ns, api.CHECKPOINT_PLURAL, name)
+    phase = (c.get("status") or {}).get("phase")
+    assert phase != "Failed", f"checkpoint {name} failed: {c['status'].get('message')}"
+    marks = c["metadata"].get("annotations") or {}
+    return dict(c) if phase == "Completed" and \
+        marks.get(protocol.ANNOTATION_NODE_VERIFIED) == "true" else None
+
+
+# First what the pod grants (a process kubectl exec starts in it: awk reading its own
+# status), then every process of the pod: pid, CapEff, CapBnd (hex), command line.
+CAPS_SCRIPT = r"""
+caps() { awk '/^CapEff:/{e=$2} /^CapBnd:/{b=$2} END{print e" "b}' "$1" 2>/dev/null; }
+echo "granted $(caps /proc/self/status)"
+for d in /proc/[0-9]*; do
+  echo "${d#/proc/} $(caps $d/status) $(tr '\0' ' ' <$d/cmdline 2>/dev/null)"
+done
+"""
+
+
+def _caps_in_pod(ns: str, pod: str) -> tuple[tuple[int, int], list[tuple[int, int, int, str]]]:
+    """(CapEff, CapBnd) a process exec'd into the pod holds, and (pid, CapEff, CapBnd,
+    command line) of every process in the pod, read from inside it (kubectl exec)."""
+    granted: tuple[int, int] | None = None
+    out = []
+    for line in _exec(ns, pod, CAPS_SCRIPT).splitlines():
+        fields = line.split(maxsplit=3)
+        if len(fields) < 3:
+            continue  # a process that went away while it was read
+        try:
+            eff, bnd = int(fields[1], 16), int(fields[2], 16)
+        except ValueError:
+            continue
+        if fields[0] == "granted":
+            granted = (eff, bnd)
+        elif fields[0].isdigit():
+            out.append((int(fields[0]), eff, bnd, fields[3] if len(fields) > 3 else ""))
+    assert granted is not None, f"could not read what pod {pod} grants"
+    return granted, out
+
+
+def test_a_forged_checkpoint_with_full_capabilities_is_refused_on_the_next_node(
+        kube: Kube, e2e_config: E2EConfig, hermit_release: str, namespace: str,
+        s3_for_pods: S3, attack: Attack) -> None:
+    started = time.monotonic()
+    name, where = sb.start_on_spot(kube, e2e_config, hermit_release, namespace)
+    uid = sb.sandbox(namespace, name)["metadata"]["uid"]
+    genuine = sb.checkpoint_now(namespace, name, f"{name}-manual")
+    assert protocol.node_of(genuine) == where.node, genuine["metadata"]
+    print(f"\n{name} on {where.node}: genuine checkpoint {genuine['metadata']['name']}")
+
+    # The compromised node: the sealing keys (as every node holds them), its node-agent's
+    # token, and the sandbox's pod as its node-agent sees it.
+    store, _ = _judge_store(kube, s3_for_pods)
+    pods = [kube.pod(namespace, where.pod) or {}]
+    [sp] = [p for p in planner.sandbox_pods(pods, where.node) if p.pod == where.pod]
+    agent = NodeAgentKube(sb.node_agent_api_client(
+        e2e_config, kube, RELEASE_NS, sb.node_agent_pod(kube, RELEASE_NS, where.node)),
+        where.node)
+    forged = protocol.checkpoint_name(name, sp.incarnation, protocol.TURN, FORGED_TURN)
+    # Every capability the node's own node-agent holds: the most its CRIU could restore.
+    everything = forge.capabilities_of(sb.node_agent_pids(where.node)[0])
+    with tempfile.TemporaryDirectory(prefix="hermit-forge-") as work:
+        result, held = _forge(store, namespace, uid, genuine, forged, sp.restore_from or "",
+                              everything, Path(work))
+    assert all(masks == {everything} for masks in held.values()), held
+    with _node_agent_stopped(where.node):
+        _report(agent, sp, genuine, result)
+    ckpt = wait_until(f"forged checkpoint {forged} Completed and verified by the operator",
+                      60, lambda: _verified(namespace, forged), 0.5)
+    # It is a checkpoint like any other: the store opens it (digest, parent, lineage as
+    # reported) and its threads ask for every capability.
+    with tempfile.TemporaryDirectory(prefix="hermit-forge-") as work:
+        _download(store, namespace, uid, ckpt, Path(work) / "check")
+        again = forge.caps_of(Path(work) / "check" / "criu")
+    assert again == held, again
+    print(f"forged {forged}: Completed, verified, {len(again['cap_eff'])} mask(s) "
+          f"{everything:#x} in every set; lineage {ckpt['status'].get('lineage')}")
+
+    # The node is lost without notice: nothing newer is taken, the sandbox moves.
+    last = sb.ticks(kube, namespace, where.pod)
+    lose = run_cluster_command(e2e_config.lose_node_cmd, node=where.node)
+    out, _ = lose.communicate(timeout=180)
+    assert lose.returncode == 0, f"losing {where.node} failed: {out}"
+    after = sb.wait_running(kube, namespace, name, restores=1, avoid=where.node, timeout=300,
+                            min_ticks=1)
+    seen = sb.assert_continues(kube, namespace, after.pod, last[-1] if last else 0,
+                               exact=False)
+    status = sb.status(namespace, name)
+    restored = status.get("restoredFrom") or {}
+    assert restored.get("name") == genuine["metadata"]["name"], status
+    assert restored.get("fallback") is True, status
+
+    fallbacks = [e for e in sb.events(kube, namespace, name)
+                 if e["type"] == "Warning" and e["reason"] == api.REASON_RESTORE_FALLBACK]
+    refusal = next((e["message"] for e in fallbacks if forged in e["message"]), None)
+    assert refusal is not None, f"no RestoreFallback Warning names {forged}: {fallbacks}"
+    assert "its processes would hold more than the new pod grants" in refusal, refusal
+    assert genuine["metadata"]["name"] in refusal, refusal
+    print(f"refused: {refusal}")
+
+    # What the restored processes hold: the pod's capabilities, not the forged ones.
+    (pod_eff, pod_bnd), procs = _caps_in_pod(namespace, after.pod)
+    workload = [p for p in procs if sb.WORKLOAD in p[3]]
+    assert workload, f"no restored workload process in {after.pod}: {procs}"
+    assert pod_bnd != everything and pod_eff & ~pod_bnd == 0, (pod_eff, pod_bnd)
+    for pid, eff, bnd, cmd in procs:
+        assert eff & ~pod_bnd == 0 and bnd == pod_bnd, \
+            f"pid {pid} ({cmd}) holds CapEff {eff:#x} CapBnd {bnd:#x}; the pod grants {pod_bnd:#x}"
+    caps = sorted({(eff, bnd) for _, eff, bnd, _ in workload})
+    print(f"restored on {after.node} from {restored['name']} (fallback), ticks from {seen[0]}; "
+          f"workload CapEff/CapBnd {[f'{e:#x}/{b:#x}' for e, b in caps]}, the pod's bounding "
+          f"set {pod_bnd:#x}; {sb.since(started)} s")
+    attack.record(
+        "forged checkpoint with full capabilities, restored on another node",
+        tried=f"{where.node}, compromised (sealing keys, its node-agent's token), rewrote "
+              f"genuine checkpoint {genuine['metadata']['name']} with pycriu (every thread "
+              f"{everything:#x} in cap_eff/prm/inh/bnd/amb), uploaded it as {forged}, "
+              "reported it Completed as its node-agent's Turn checkpoint (operator verified "
+              f"it), then {where.node} was lost without notice",
+        outcome=REFUSED,
+        evidence=f"restore on the next node refused before CRIU: {refusal[:300]}; "
+                 f"status.restoredFrom {restored['name']} (fallback), running on "
+                 f"{after.node}; restored workload CapEff/CapBnd "
+                 f"{', '.join(f'{e:#x}/{b:#x}' for e, b in caps)} (the pod's bounding set "
+                 f"{pod_bnd:#x}, not {everything:#x})")
