@@ -37,6 +37,8 @@ TURNS = Counter(metrics.NODE_TURNS, "Turns ended, by what the inspector decided"
 TURN_TOKEN_REVIEWS = Counter(
     metrics.NODE_TURN_TOKEN_REVIEWS,
     "TokenReviews the turn endpoint sent (its cache missed), by result", ["result"])
+for _result in metrics.TOKEN_REVIEW_RESULTS:
+    TURN_TOKEN_REVIEWS.labels(_result)  # each result reads 0 before its first review
 
 UPLOAD_WAIT_SECONDS = Counter(
     metrics.NODE_UPLOAD_WAIT_SECONDS,
