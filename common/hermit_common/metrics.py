@@ -16,6 +16,14 @@ NODE_CHECKPOINT_SECONDS: Final = "hermit_node_checkpoint_duration_seconds"  # la
 NODE_CHECKPOINT_BYTES: Final = "hermit_node_checkpoint_bytes_total"  # labels: kind
 NODE_RESTORE_SECONDS: Final = "hermit_node_restore_duration_seconds"  # labels: result
 NODE_TURNS: Final = "hermit_node_turns_total"  # labels: decision (protocol.TURN_DECISIONS)
+# TokenReviews the turn endpoint sent (cache misses only: what a junk-token flood costs the
+# API server); labels: result (TOKEN_REVIEW_RESULTS).
+NODE_TURN_TOKEN_REVIEWS: Final = "hermit_node_turn_token_reviews_total"
+TOKEN_REVIEW_AUTHENTICATED: Final = "authenticated"
+TOKEN_REVIEW_UNAUTHENTICATED: Final = "unauthenticated"
+TOKEN_REVIEW_ERROR: Final = "error"  # the API server did not answer
+TOKEN_REVIEW_RESULTS: Final = (TOKEN_REVIEW_AUTHENTICATED, TOKEN_REVIEW_UNAUTHENTICATED,
+                               TOKEN_REVIEW_ERROR)
 # 1: restores on this node are lazy (HERMIT_LAZY_RESTORE and userfaultfd works); 0: full.
 NODE_LAZY_RESTORE: Final = "hermit_node_lazy_restore_enabled"
 NODE_LAZY_FILL_SECONDS: Final = "hermit_node_lazy_restore_fill_seconds"  # labels: result
@@ -50,7 +58,8 @@ DOWNTIME_BUCKETS: Final = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90
                            180.0, 300.0, 600.0)
 
 ALL: Final = (NODE_NOTICES, NODE_CHECKPOINT_SECONDS, NODE_CHECKPOINT_BYTES,
-              NODE_RESTORE_SECONDS, NODE_TURNS, NODE_LAZY_RESTORE, NODE_LAZY_FILL_SECONDS,
+              NODE_RESTORE_SECONDS, NODE_TURNS, NODE_TURN_TOKEN_REVIEWS, NODE_LAZY_RESTORE,
+              NODE_LAZY_FILL_SECONDS,
               NODE_UPLOAD_WAIT_SECONDS, NODE_UPLOADS_ACTIVE,
               NODE_CHUNK_CACHE_HITS, NODE_CHUNK_CACHE_MISSES, NODE_PREFETCH_BYTES,
               OPERATOR_RECONCILES, OPERATOR_RECONCILE_SECONDS,

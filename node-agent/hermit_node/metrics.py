@@ -34,6 +34,11 @@ LAZY_FILL_SECONDS = Histogram(
     ["result"], buckets=_BUCKETS)
 
 TURNS = Counter(metrics.NODE_TURNS, "Turns ended, by what the inspector decided", ["decision"])
+TURN_TOKEN_REVIEWS = Counter(
+    metrics.NODE_TURN_TOKEN_REVIEWS,
+    "TokenReviews the turn endpoint sent (its cache missed), by result", ["result"])
+for _result in metrics.TOKEN_REVIEW_RESULTS:
+    TURN_TOKEN_REVIEWS.labels(_result)  # each result reads 0 before its first review
 
 UPLOAD_WAIT_SECONDS = Counter(
     metrics.NODE_UPLOAD_WAIT_SECONDS,
@@ -93,6 +98,11 @@ def record_notice(provider: str, kind: str) -> None:
 
 def record_turn(decision: str) -> None:
     TURNS.labels(decision).inc()
+
+
+def record_token_review(result: str) -> None:
+    """One TokenReview sent; ``result`` one of metrics.TOKEN_REVIEW_RESULTS."""
+    TURN_TOKEN_REVIEWS.labels(result).inc()
 
 
 def record_upload_wait(klass: str, seconds: float) -> None:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 from hermit_common import api, protocol
+from hermit_common import metrics as hermit_metrics
 from hermit_common.errors import HermitError
 from hermit_common.settings import TURN_AUDIENCE
 from hermit_node import inspector, metrics, planner, requests, turnlimits
@@ -224,8 +225,19 @@ class TurnService:
     def _review(self, token: str) -> KubeObject:
         """The TokenReview's status for ``token``, from the cache when it is fresh."""
         key = turnlimits.token_key(token, tuple(self._audiences))
-        return self.guards.reviews.get_or_compute(
-            key, lambda: dict(self._kube.review_token(token, self._audiences)))
+        return self.guards.reviews.get_or_compute(key, lambda: self._send_review(token))
+
+    def _send_review(self, token: str) -> KubeObject:
+        """One TokenReview, counted by result (what a flood costs the API server)."""
+        try:
+            review = dict(self._kube.review_token(token, self._audiences))
+        except BaseException:
+            metrics.record_token_review(hermit_metrics.TOKEN_REVIEW_ERROR)
+            raise
+        metrics.record_token_review(hermit_metrics.TOKEN_REVIEW_AUTHENTICATED
+                                    if review.get("authenticated")
+                                    else hermit_metrics.TOKEN_REVIEW_UNAUTHENTICATED)
+        return review
 
     def _authorize(self, token: str, namespace: str, name: str) -> None:
         review = self._review(token)

@@ -30,7 +30,9 @@ from kubernetes.stream import stream
 from prometheus_client.parser import text_string_to_metric_families
 
 from hermit_common import api, protocol
+from hermit_common.settings import TURN_AUDIENCE
 from tests.e2e.conftest import (
+    RELEASE,
     E2EConfig,
     Kube,
     is_ready,
@@ -320,6 +322,78 @@ def start_on_spot(kube: Kube, cfg: E2EConfig, release_ns: str, ns: str, **spec: 
     where = wait_running(kube, ns, name, min_ticks=5)
     wait_agent_ready(kube, release_ns, where.node)
     return name, where
+
+
+def node_agent_pod(kube: Kube, release_ns: str, node: str) -> Any:
+    """The node-agent pod (a V1Pod) on ``node``; fails when there is none."""
+    pods = kube.api.list_namespaced_pod(release_ns, field_selector=f"spec.nodeName={node}")
+    for p in pods.items:
+        if "node-agent" in p.metadata.name:
+            return p
+    pytest.fail(f"no node-agent pod on {node}")
+
+
+def node_agent_metrics(kube: Kube, release_ns: str, node: str) -> str:
+    """The /metrics text of the node-agent on ``node``, through the API server's pod proxy."""
+    name = node_agent_pod(kube, release_ns, node).metadata.name
+    return str(kube.api.connect_get_namespaced_pod_proxy_with_path(
+        f"{name}:{METRICS_PORT}", release_ns, "metrics"))
+
+
+def exec_sh(ns: str, pod: str, script: str) -> str:
+    """``sh -c script`` in the pod's first container: its stdout and stderr."""
+    return str(stream(client.CoreV1Api().connect_get_namespaced_pod_exec, pod, ns,
+                      command=["sh", "-c", script], stderr=True, stdin=False, stdout=True,
+                      tty=False))
+
+
+# -- callers of the turn endpoint (docs/turns.md) -------------------------------------------
+
+def idle_turn_spec(image: str) -> dict[str, Any]:
+    """An agent that sleeps between turns; the turns are kubectl execs."""
+    return {"podTemplate": {"spec": {"containers": [{
+                "name": "agent", "image": image, "imagePullPolicy": "IfNotPresent",
+                "command": ["/bin/sleep", "1000000"]}]}},
+            "checkpoint": {"onTurn": True}}
+
+
+def wait_turn_sandbox(ns: str, name: str, *, restores: int = 0,
+                      avoid: str = "") -> tuple[str, str]:
+    """(node, pod) once the sandbox is Running with ``restores`` restores off ``avoid``
+    (the idle agent prints no ticks for wait_running to count)."""
+    def probe() -> tuple[str, str] | None:
+        s = status(ns, name)
+        assert s.get("phase") != "Failed", f"sandbox {name} Failed: {s.get('conditions')}"
+        if (s.get("phase") == "Running" and int(s.get("restores") or 0) >= restores
+                and s.get("nodeName") and s.get("nodeName") != avoid):
+            return str(s["nodeName"]), str(s["podName"])
+        return None
+
+    return wait_until(f"sandbox {name} Running (restores >= {restores})", 240, probe)
+
+
+def service_account_token(ns: str, account: str, audiences: list[str] | None = None) -> str:
+    """A token of a new service account for the turn endpoint's audience (the chart's
+    default), or for ``audiences`` ([]: the API server's own)."""
+    core = client.CoreV1Api()
+    core.create_namespaced_service_account(ns, {"metadata": {"name": account}})
+    spec: dict[str, Any] = {"expirationSeconds": 3600}
+    wanted = [TURN_AUDIENCE] if audiences is None else audiences
+    if wanted:
+        spec["audiences"] = wanted
+    out = core.create_namespaced_service_account_token(account, ns, {"spec": spec})
+    return str(out.status.token)
+
+
+def turn_harness_token(ns: str, account: str = "harness") -> str:
+    """A token of a new service account bound to the chart's turn-client role in ``ns``."""
+    token = service_account_token(ns, account)
+    client.RbacAuthorizationV1Api().create_namespaced_role_binding(ns, {
+        "metadata": {"name": account},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                    "name": f"{RELEASE}-turn-client"},
+        "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": ns}]})
+    return token
 
 
 # -- what an operator's user looks at: /metrics and kubectl get ----------------------------

@@ -7,74 +7,20 @@ from __future__ import annotations
 import subprocess
 import time
 import uuid
-from typing import Any
 
 import requests
 from kubernetes import client
-from kubernetes.stream import stream
 
 from hermit_common import protocol
 from hermit_common.kubeapi import KubeApi
 from hermit_common.settings import TURN_AUDIENCE
 from hermit_common.turns import TurnClient, TurnResult
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import RELEASE, REPO, E2EConfig, Kube, wait_until
+from tests.e2e.conftest import REPO, E2EConfig, Kube, wait_until
+from tests.support.attacks import REFUSED, Attack
 
-HARNESS = "harness"
 STRANGER = "stranger"
 API_ONLY = "api-only"
-
-
-def _exec(ns: str, pod: str, script: str) -> str:
-    return str(stream(client.CoreV1Api().connect_get_namespaced_pod_exec, pod, ns,
-                      command=["sh", "-c", script], stderr=True, stdin=False, stdout=True,
-                      tty=False))
-
-
-def _token(ns: str, account: str, audiences: list[str] | None = None) -> str:
-    """A token of a new service account for the turn endpoint's audience (the chart's
-    default), or for ``audiences`` ([]: the API server's own)."""
-    core = client.CoreV1Api()
-    core.create_namespaced_service_account(ns, {"metadata": {"name": account}})
-    spec: dict[str, Any] = {"expirationSeconds": 3600}
-    wanted = [TURN_AUDIENCE] if audiences is None else audiences
-    if wanted:
-        spec["audiences"] = wanted
-    out = core.create_namespaced_service_account_token(account, ns, {"spec": spec})
-    return str(out.status.token)
-
-
-def _harness_token(ns: str) -> str:
-    """A service account bound to the chart's turn-client role in the namespace."""
-    token = _token(ns, HARNESS)
-    client.RbacAuthorizationV1Api().create_namespaced_role_binding(ns, {
-        "metadata": {"name": HARNESS},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                    "name": f"{RELEASE}-turn-client"},
-        "subjects": [{"kind": "ServiceAccount", "name": HARNESS, "namespace": ns}]})
-    return token
-
-
-def _idle_spec(image: str) -> dict[str, Any]:
-    """An agent that sleeps between turns; the turns are kubectl execs."""
-    return {"podTemplate": {"spec": {"containers": [{
-                "name": "agent", "image": image, "imagePullPolicy": "IfNotPresent",
-                "command": ["/bin/sleep", "1000000"]}]}},
-            "checkpoint": {"onTurn": True}}
-
-
-def _running(ns: str, name: str, *, restores: int = 0, avoid: str = "") -> tuple[str, str]:
-    """(node, pod) once the sandbox is Running with ``restores`` restores off ``avoid``
-    (the idle agent prints no ticks for sandboxes.wait_running to count)."""
-    def probe() -> tuple[str, str] | None:
-        s = sb.status(ns, name)
-        assert s.get("phase") != "Failed", f"sandbox {name} Failed: {s.get('conditions')}"
-        if (s.get("phase") == "Running" and int(s.get("restores") or 0) >= restores
-                and s.get("nodeName") and s.get("nodeName") != avoid):
-            return str(s["nodeName"]), str(s["podName"])
-        return None
-
-    return wait_until(f"sandbox {name} Running (restores >= {restores})", 240, probe)
 
 
 def _turn_checkpoints(ns: str, name: str) -> list[str]:
@@ -111,7 +57,7 @@ def _drive(turns: TurnClient, ns: str, name: str, pod: str) -> list[TurnResult]:
     results = []
     for number, script in enumerate(steps, start=1):
         if script:
-            _exec(ns, pod, script)
+            sb.exec_sh(ns, pod, script)
         result = turns.turn_ended(ns, name, number, wait_seconds=120)
         print(f"turn {number}: {result.decision} -> {result.checkpoint} ({result.phase}); "
               f"{'; '.join(result.reasons)}")
@@ -122,16 +68,25 @@ def _drive(turns: TurnClient, ns: str, name: str, pod: str) -> list[TurnResult]:
 
 
 def test_turns_checkpoint_only_changes_and_a_loss_keeps_the_last_turn(
-    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
+    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig, attack: Attack,
 ) -> None:
     sb.ensure_spot_nodes(kube, e2e_config, 2)
     name = f"turns-{uuid.uuid4().hex[:6]}"
-    sb.create_sandbox(namespace, name, _idle_spec(e2e_config.sandbox_image))
-    node, pod = _running(namespace, name)
+    sb.create_sandbox(namespace, name, sb.idle_turn_spec(e2e_config.sandbox_image))
+    node, pod = sb.wait_turn_sandbox(namespace, name)
     sb.wait_agent_ready(kube, hermit_release, node)
-    turns = TurnClient(token=_harness_token(namespace), kube=KubeApi(client.ApiClient()))
-    _refusals(turns, namespace, name, _token(namespace, STRANGER),
-              _token(namespace, API_ONLY, audiences=[]))
+    turns = TurnClient(token=sb.turn_harness_token(namespace), kube=KubeApi(client.ApiClient()))
+    _refusals(turns, namespace, name, sb.service_account_token(namespace, STRANGER),
+              sb.service_account_token(namespace, API_ONLY, audiences=[]))
+    # The row of the attack suite's table for what _refusals just saw (the slowloris and
+    # the junk-token flood are in test_turn_attacks.py).
+    attack.record(
+        "turn endpoint: a token for the API server", tried="a service-account token with the "
+        "API server's own audience (what a pod's default token is), and no token, posted to "
+        "the node-agent's hostPort", outcome=REFUSED,
+        evidence=f"401 naming audience {TURN_AUDIENCE} for the API server's token, 401 for no "
+                 "token (and 403 for a Hermit-audience token of an account without the turn "
+                 "role)")
 
     results = _drive(turns, namespace, name, pod)
     decisions = [r.decision for r in results]
@@ -148,14 +103,14 @@ def test_turns_checkpoint_only_changes_and_a_loss_keeps_the_last_turn(
                            "--no-notice"], capture_output=True, text=True, timeout=120,
                           check=False)
     assert kill.returncode == 0, kill.stdout + kill.stderr
-    new_node, new_pod = _running(namespace, name, restores=1, avoid=node)
+    new_node, new_pod = sb.wait_turn_sandbox(namespace, name, restores=1, avoid=node)
     restored = sb.status(namespace, name).get("restoredFrom") or {}
     assert restored.get("name") == last, f"expected a restore of {last}: {restored}"
-    files = _exec(namespace, new_pod, "cat /workspace/t1 /workspace/t4 /workspace/t6 "
+    files = sb.exec_sh(namespace, new_pod, "cat /workspace/t1 /workspace/t4 /workspace/t6 "
                                         "/tmp/agent-note")
     assert files.split() == ["one", "four", "six", "note"], files
     wait_until("the process turn 6 started, restored", 30,
-               lambda: "sleep 4242" in _exec(namespace, new_pod, "ps -o args"))
+               lambda: "sleep 4242" in sb.exec_sh(namespace, new_pod, "ps -o args"))
     print(f"turns: {decisions}; checkpoints {sorted(made)}; node {node} lost without "
           f"notice, restored from {last} on {new_node} {sb.since(lost_at)} s later with "
           "every file and process of turn 6")

@@ -8,8 +8,11 @@ import threading
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
+from hermit_common import metrics as hermit_metrics
 from hermit_common.errors import SettingsError
+from hermit_common.kubeapi import KubeApiError
 from hermit_common.settings import TURN_AUDIENCE, NodeSettings
 from hermit_node import turnlimits, turns
 from hermit_node.turnlimits import ConnectionSlots, Deadlines, RateLimiter, ReviewCache
@@ -173,6 +176,34 @@ def test_junk_tokens_are_reviewed_once_each_then_cached() -> None:
         for token in ("junk-1", "junk-2"):
             assert post(svc, 1, token=token).status == 401
     assert kube.token_reviews == 2
+
+
+def _reviews_counted() -> dict[str, float]:
+    return {result: REGISTRY.get_sample_value(hermit_metrics.NODE_TURN_TOKEN_REVIEWS,
+                                              {"result": result}) or 0.0
+            for result in hermit_metrics.TOKEN_REVIEW_RESULTS}
+
+
+def test_each_token_review_sent_is_counted_by_result_and_cache_hits_are_not() -> None:
+    class Failing(CountingKube):
+        def review_token(self, token: str, audiences: list[str]) -> dict[str, Any]:
+            if token == "no-api":
+                raise KubeApiError("tokenreviews create failed: timed out")
+            return super().review_token(token, audiences)
+
+    kube = Failing()
+    svc = service(kube, [snap()])
+    before = _reviews_counted()
+    for _ in range(3):
+        assert post(svc, 1, token="junk-1").status == 401
+    assert post(svc, 1, token="junk-2").status == 401
+    assert [post(svc, 1).status, post(svc, 1).status] == [201, 200]  # a repeat: cached
+    assert post(svc, 2, token="no-api").status == 503  # not cached: sent again
+    assert post(svc, 2, token="no-api").status == 503
+    after = _reviews_counted()
+    assert {k: after[k] - before[k] for k in after} == {
+        "authenticated": 1, "unauthenticated": 2, "error": 2}
+    assert kube.token_reviews == 3
 
 
 def test_an_authenticated_user_over_its_rate_gets_429() -> None:
