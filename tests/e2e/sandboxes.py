@@ -475,7 +475,7 @@ def service_account(kube: Kube, release_ns: str, component: str) -> str:
     return str(pods[0].spec.service_account_name)
 
 
-def node_agent_pod(kube: Kube, release_ns: str, node: str) -> str:
+def node_agent_pod_name(kube: Kube, release_ns: str, node: str) -> str:
     """The name of the running node-agent pod on ``node``."""
     pods = kube.api.list_namespaced_pod(
         release_ns, label_selector="app.kubernetes.io/component=node-agent",

@@ -368,7 +368,7 @@ def test_a_forged_checkpoint_with_full_capabilities_is_refused_on_the_next_node(
     pods = [kube.pod(namespace, where.pod) or {}]
     [sp] = [p for p in planner.sandbox_pods(pods, where.node) if p.pod == where.pod]
     agent = NodeAgentKube(sb.node_agent_api_client(
-        e2e_config, kube, RELEASE_NS, sb.node_agent_pod(kube, RELEASE_NS, where.node)),
+        e2e_config, kube, RELEASE_NS, sb.node_agent_pod_name(kube, RELEASE_NS, where.node)),
         where.node)
     forged = protocol.checkpoint_name(name, sp.incarnation, protocol.TURN, FORGED_TURN)
     # Every capability the node's own node-agent holds: the most its CRIU could restore.
