@@ -395,45 +395,51 @@ def test_a_forged_checkpoint_with_full_capabilities_is_refused_on_the_next_node(
     lose = run_cluster_command(e2e_config.lose_node_cmd, node=where.node)
     out, _ = lose.communicate(timeout=180)
     assert lose.returncode == 0, f"losing {where.node} failed: {out}"
-    after = sb.wait_running(kube, namespace, name, restores=1, avoid=where.node, timeout=300,
-                            min_ticks=1)
-    seen = sb.assert_continues(kube, namespace, after.pod, last[-1] if last else 0,
-                               exact=False)
-    status = sb.status(namespace, name)
-    restored = status.get("restoredFrom") or {}
-    assert restored.get("name") == genuine["metadata"]["name"], status
-    assert restored.get("fallback") is True, status
+    try:
+        after = sb.wait_running(kube, namespace, name, restores=1, avoid=where.node, timeout=300,
+                                min_ticks=1)
+        seen = sb.assert_continues(kube, namespace, after.pod, last[-1] if last else 0,
+                                   exact=False)
+        status = sb.status(namespace, name)
+        restored = status.get("restoredFrom") or {}
+        assert restored.get("name") == genuine["metadata"]["name"], status
+        assert restored.get("fallback") is True, status
 
-    fallbacks = [e for e in sb.events(kube, namespace, name)
-                 if e["type"] == "Warning" and e["reason"] == api.REASON_RESTORE_FALLBACK]
-    refusal = next((e["message"] for e in fallbacks if forged in e["message"]), None)
-    assert refusal is not None, f"no RestoreFallback Warning names {forged}: {fallbacks}"
-    assert "its processes would hold more than the new pod grants" in refusal, refusal
-    assert genuine["metadata"]["name"] in refusal, refusal
-    print(f"refused: {refusal}")
+        fallbacks = [e for e in sb.events(kube, namespace, name)
+                     if e["type"] == "Warning" and e["reason"] == api.REASON_RESTORE_FALLBACK]
+        refusal = next((e["message"] for e in fallbacks if forged in e["message"]), None)
+        assert refusal is not None, f"no RestoreFallback Warning names {forged}: {fallbacks}"
+        assert "its processes would hold more than the new pod grants" in refusal, refusal
+        assert genuine["metadata"]["name"] in refusal, refusal
+        print(f"refused: {refusal}")
 
-    # What the restored processes hold: the pod's capabilities, not the forged ones.
-    (pod_eff, pod_bnd), procs = _caps_in_pod(namespace, after.pod)
-    workload = [p for p in procs if sb.WORKLOAD in p[3]]
-    assert workload, f"no restored workload process in {after.pod}: {procs}"
-    assert pod_bnd != everything and pod_eff & ~pod_bnd == 0, (pod_eff, pod_bnd)
-    for pid, eff, bnd, cmd in procs:
-        assert eff & ~pod_bnd == 0 and bnd == pod_bnd, \
-            f"pid {pid} ({cmd}) holds CapEff {eff:#x} CapBnd {bnd:#x}; the pod grants {pod_bnd:#x}"
-    caps = sorted({(eff, bnd) for _, eff, bnd, _ in workload})
-    print(f"restored on {after.node} from {restored['name']} (fallback), ticks from {seen[0]}; "
-          f"workload CapEff/CapBnd {[f'{e:#x}/{b:#x}' for e, b in caps]}, the pod's bounding "
-          f"set {pod_bnd:#x}; {sb.since(started)} s")
-    attack.record(
-        "forged checkpoint with full capabilities, restored on another node",
-        tried=f"{where.node}, compromised (sealing keys, its node-agent's token), rewrote "
-              f"genuine checkpoint {genuine['metadata']['name']} with pycriu (every thread "
-              f"{everything:#x} in cap_eff/prm/inh/bnd/amb), uploaded it as {forged}, "
-              "reported it Completed as its node-agent's Turn checkpoint (operator verified "
-              f"it), then {where.node} was lost without notice",
-        outcome=REFUSED,
-        evidence=f"restore on the next node refused before CRIU: {refusal[:300]}; "
-                 f"status.restoredFrom {restored['name']} (fallback), running on "
-                 f"{after.node}; restored workload CapEff/CapBnd "
-                 f"{', '.join(f'{e:#x}/{b:#x}' for e, b in caps)} (the pod's bounding set "
-                 f"{pod_bnd:#x}, not {everything:#x})")
+        # What the restored processes hold: the pod's capabilities, not the forged ones.
+        (pod_eff, pod_bnd), procs = _caps_in_pod(namespace, after.pod)
+        workload = [p for p in procs if sb.WORKLOAD in p[3]]
+        assert workload, f"no restored workload process in {after.pod}: {procs}"
+        assert pod_bnd != everything and pod_eff & ~pod_bnd == 0, (pod_eff, pod_bnd)
+        for pid, eff, bnd, cmd in procs:
+            assert eff & ~pod_bnd == 0 and bnd == pod_bnd, \
+                f"pid {pid} ({cmd}) holds CapEff {eff:#x} CapBnd {bnd:#x}; " \
+                f"the pod grants {pod_bnd:#x}"
+        caps = sorted({(eff, bnd) for _, eff, bnd, _ in workload})
+        print(f"restored on {after.node} from {restored['name']} (fallback), ticks from {seen[0]}; "
+              f"workload CapEff/CapBnd {[f'{e:#x}/{b:#x}' for e, b in caps]}, the pod's bounding "
+              f"set {pod_bnd:#x}; {sb.since(started)} s")
+        attack.record(
+            "forged checkpoint with full capabilities, restored on another node",
+            tried=f"{where.node}, compromised (sealing keys, its node-agent's token), rewrote "
+                  f"genuine checkpoint {genuine['metadata']['name']} with pycriu (every thread "
+                  f"{everything:#x} in cap_eff/prm/inh/bnd/amb), uploaded it as {forged}, "
+                  "reported it Completed as its node-agent's Turn checkpoint (operator verified "
+                  f"it), then {where.node} was lost without notice",
+            outcome=REFUSED,
+            evidence=f"restore on the next node refused before CRIU: {refusal[:300]}; "
+                     f"status.restoredFrom {restored['name']} (fallback), running on "
+                     f"{after.node}; restored workload CapEff/CapBnd "
+                     f"{', '.join(f'{e:#x}/{b:#x}' for e, b in caps)} (the pod's bounding set "
+                     f"{pod_bnd:#x}, not {everything:#x})")
+    finally:
+        # As a spot pool would: the lost node is replaced, so the tests after this one
+        # find the cluster as it was.
+        sb.ensure_spot_nodes(kube, e2e_config, 2)
