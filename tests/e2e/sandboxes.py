@@ -174,6 +174,22 @@ def assert_continues(kube: Kube, ns: str, pod: str, before: int, *,
     return seen
 
 
+class LastTick:
+    """The last tick a pod printed, from every read it is asked for. A stopping checkpoint
+    freezes the tree and the operator deletes the pod soon after it is durable, so one read
+    after the checkpoint is Completed can come too late; reads while it is taken cannot:
+    once the tree is frozen, every read is the last tick."""
+
+    def __init__(self, kube: Kube, ns: str, pod: str) -> None:
+        self._kube, self._ns, self._pod = kube, ns, pod
+        self.value: int | None = None
+
+    def read(self) -> None:
+        seen = ticks(self._kube, self._ns, self._pod)
+        if seen:
+            self.value = max(self.value or 0, seen[-1])
+
+
 def ready_spot_nodes(kube: Kube) -> list[str]:
     return sorted(name_of(n) for n in kube.nodes() if is_ready(n) and is_spot(n))
 

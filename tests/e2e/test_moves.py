@@ -43,17 +43,23 @@ def _preempt(kube: Kube, cfg: E2EConfig, ns: str, name: str, where: sb.Running,
     started = time.monotonic()
     preempt = run_cluster_command(cfg.preempt_cmd, node=where.node, notice=str(NOTICE_SECONDS))
     try:
+        completed = sb.completed_checkpoint(ns, "Preemption", sandbox_name=name, not_in=done)
+        old = sb.LastTick(kube, ns, where.pod)
+
+        def durable_while_reading() -> Obj | None:
+            old.read()  # the old pod is deleted soon after: read it while it is frozen
+            return completed()
+
         ckpt = wait_until(f"generation {generation}: a Completed Preemption checkpoint",
-                          NOTICE_SECONDS, sb.completed_checkpoint(
-                              ns, "Preemption", sandbox_name=name, not_in=done), 0.2)
+                          NOTICE_SECONDS, durable_while_reading, 0.2)
         durable = sb.since(started)
         done.add(ckpt["metadata"]["name"])
-        last = sb.ticks(kube, ns, where.pod)
+        old.read()
+        assert old.value is not None, f"no tick of the old pod {where.pod} was ever read"
         after = sb.wait_running(kube, ns, name, restores=where.restores + 1, avoid=where.node,
                                 timeout=180, min_ticks=1)
         running = sb.since(started)
-        seen = sb.assert_continues(kube, ns, after.pod, last[-1] if last else 0,
-                                   exact=bool(last))
+        seen = sb.assert_continues(kube, ns, after.pod, old.value, exact=True)
     finally:
         out, _ = preempt.communicate(timeout=NOTICE_SECONDS + 180)
     assert preempt.returncode == 0, f"preempt command failed: {out}"

@@ -20,6 +20,7 @@ import boto3
 import pytest
 import zstandard
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 from kubernetes.stream import stream
 
 from hermit_common import api, protocol
@@ -150,7 +151,11 @@ def _flip_a_byte(s3c: Any, key: str) -> None:
 
 def _copy_to_namespace(s3c: Any, ckpt: dict[str, Any], source_ns: str, ns: str) -> None:
     """What someone with the bucket and `create` on Checkpoints in ``ns`` can do: copy a
-    checkpoint's objects and its Checkpoint (verified mark and status included) there."""
+    checkpoint's objects and its Checkpoint (status included) there. The verified mark is
+    refused to anyone but the operator (the checkpoint-trust admission policy): the copy
+    carries it here only as the operator's service account would set it, so that what a
+    restore checks of the sealed context is shown too (a compromised operator, or a cluster
+    whose policy is off)."""
     sandbox = ckpt["spec"]["sandboxRef"]["name"]
     top = _manifest_key(ckpt).split(f"/{source_ns}/{sandbox}/")[0]
     old, new = f"{top}/{source_ns}/{sandbox}/", f"{top}/{ns}/{sandbox}/"
@@ -160,12 +165,21 @@ def _copy_to_namespace(s3c: Any, ckpt: dict[str, Any], source_ns: str, ns: str) 
                             CopySource={"Bucket": BUCKET, "Key": obj["Key"]})
     meta = ckpt["metadata"]
     name = meta["name"]
-    sb.custom().create_namespaced_custom_object(
-        api.GROUP, api.VERSION, ns, api.CHECKPOINT_PLURAL, {
-            "apiVersion": api.API_VERSION, "kind": api.CHECKPOINT_KIND,
+    body = {"apiVersion": api.API_VERSION, "kind": api.CHECKPOINT_KIND,
             "metadata": {"name": name, "labels": meta.get("labels") or {},
                          "annotations": {protocol.ANNOTATION_NODE_VERIFIED: "true"}},
-            "spec": ckpt["spec"]})
+            "spec": ckpt["spec"]}
+    try:
+        sb.custom().create_namespaced_custom_object(
+            api.GROUP, api.VERSION, ns, api.CHECKPOINT_PLURAL, body)
+        raise AssertionError("a Checkpoint marked verified was admitted from the test's user")
+    except ApiException as exc:
+        assert exc.status == 422 and "may mark a Checkpoint" in str(exc.body), exc
+    operator = client.ApiClient()
+    operator.set_default_header(
+        "Impersonate-User", f"system:serviceaccount:{RELEASE_NS}:{RELEASE_NS}-operator")
+    client.CustomObjectsApi(operator).create_namespaced_custom_object(
+        api.GROUP, api.VERSION, ns, api.CHECKPOINT_PLURAL, body)
     sb.custom().patch_namespaced_custom_object_status(
         api.GROUP, api.VERSION, ns, api.CHECKPOINT_PLURAL, name, {"status": ckpt["status"]})
 
