@@ -373,11 +373,14 @@ def test_a_forged_checkpoint_with_full_capabilities_is_refused_on_the_next_node(
     forged = protocol.checkpoint_name(name, sp.incarnation, protocol.TURN, FORGED_TURN)
     # Every capability the node's own node-agent holds: the most its CRIU could restore.
     everything = forge.capabilities_of(sb.node_agent_pids(where.node)[0])
-    with tempfile.TemporaryDirectory(prefix="hermit-forge-") as work:
+    # The node's own node-agent stays stopped from the upload to the report: its garbage
+    # collection (after the genuine checkpoint) would otherwise take the forged chunks for
+    # an unfinished upload's and delete them (the e2e release collects at once).
+    with _node_agent_stopped(where.node), \
+            tempfile.TemporaryDirectory(prefix="hermit-forge-") as work:
         result, held = _forge(store, namespace, uid, genuine, forged, sp.restore_from or "",
                               everything, Path(work))
-    assert all(masks == {everything} for masks in held.values()), held
-    with _node_agent_stopped(where.node):
+        assert all(masks == {everything} for masks in held.values()), held
         _report(agent, sp, genuine, result)
     ckpt = wait_until(f"forged checkpoint {forged} Completed and verified by the operator",
                       60, lambda: _verified(namespace, forged), 0.5)
