@@ -35,8 +35,16 @@ from hermit_common.tree import KIND_DIR, KIND_FILE, Entry
 from hermit_node.fsapply import apply_tree
 from tests.support import attacks
 
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(os.geteuid() != 0, reason="the apply chroots: root only")]
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def _as_root() -> None:
+    """Root is what this test needs (the apply chroots, as the node-agent does):
+    fail, never skip, without it."""
+    if os.geteuid() != 0:
+        pytest.fail("run the integration tier as root (the apply chroots, as the node-agent does)",
+                    pytrace=False)
 
 RUNS = 20
 FILES = 100  # files of the tree in ``d``: chances the attacker gets per run
