@@ -40,8 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client
-from kubernetes.stream import stream
 
 from hermit_common import api, protocol
 from hermit_common.kubeapi import KubeConflict
@@ -111,12 +109,6 @@ def _spec(cfg: E2EConfig, host_dir: str) -> dict[str, Any]:
     return {"podTemplate": {"spec": {"containers": [container]}}}
 
 
-def _exec(ns: str, pod: str, script: str) -> str:
-    return str(stream(client.CoreV1Api().connect_get_namespaced_pod_exec, pod, ns,
-                      command=["sh", "-c", script], stderr=True, stdin=False, stdout=True,
-                      tty=False))
-
-
 def _judge_store(kube: Kube, s3: S3) -> tuple[CheckpointStore, list[bytes]]:
     """A store that opens the release's sealed checkpoints, and the raw sealing keys (what
     must never be found in a checkpoint)."""
@@ -181,13 +173,13 @@ def test_symlink_race_from_inside_the_sandbox_copies_nothing_else(
         uid = sb.sandbox(namespace, name)["metadata"]["uid"]
         # A second racer started the way harnesses run tool calls (exec), detached.
         # setsid: a process left behind by an exec is otherwise ended with the exec session.
-        _exec(namespace, pod, 'setsid sh -c "$RACER" racer /workspace/race-exec '
+        sb.exec_sh(namespace, pod, 'setsid sh -c "$RACER" racer /workspace/race-exec '
                               '</dev/null >/dev/null 2>&1 &')
         seen: dict[str, str] = {}
 
         def swapping() -> bool:
             for racer in ("race", "race-exec"):
-                seen[racer] = _exec(namespace, pod,
+                seen[racer] = sb.exec_sh(namespace, pod,
                                     f"cat /workspace/{racer}.swaps 2>&1 || ps").strip()
             return all(out.isdigit() and int(out) > 50 for out in seen.values())
 
@@ -230,7 +222,7 @@ def test_symlink_race_from_inside_the_sandbox_copies_nothing_else(
 
 
 def _swaps(ns: str, pod: str) -> int:
-    out = _exec(ns, pod, "cat /workspace/race.swaps /workspace/race-exec.swaps")
+    out = sb.exec_sh(ns, pod, "cat /workspace/race.swaps /workspace/race-exec.swaps")
     return sum(int(x) for x in out.split() if x.isdigit())
 
 
@@ -336,7 +328,7 @@ def _caps_in_pod(ns: str, pod: str) -> tuple[tuple[int, int], list[tuple[int, in
     command line) of every process in the pod, read from inside it (kubectl exec)."""
     granted: tuple[int, int] | None = None
     out = []
-    for line in _exec(ns, pod, CAPS_SCRIPT).splitlines():
+    for line in sb.exec_sh(ns, pod, CAPS_SCRIPT).splitlines():
         fields = line.split(maxsplit=3)
         if len(fields) < 3:
             continue  # a process that went away while it was read

@@ -20,7 +20,6 @@ import pytest
 import zstandard
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-from kubernetes.stream import stream
 
 from hermit_common import api, protocol
 from tests.e2e import sandboxes as sb
@@ -41,12 +40,6 @@ MARKER = "HERMIT-E2E-SEAL-MARKER-" + uuid.uuid4().hex
 MARKER_FILE = "/workspace/sealed-marker.txt"
 
 
-def _exec(ns: str, pod: str, script: str) -> str:
-    return str(stream(client.CoreV1Api().connect_get_namespaced_pod_exec, pod, ns,
-                      command=["sh", "-c", script], stderr=True, stdin=False, stdout=True,
-                      tty=False))
-
-
 def _start_with_marker(kube: Kube, cfg: E2EConfig, ns: str) -> tuple[str, sb.Running]:
     sb.ensure_spot_nodes(kube, cfg, 2)
     name = f"agent-{uuid.uuid4().hex[:6]}"
@@ -55,8 +48,8 @@ def _start_with_marker(kube: Kube, cfg: E2EConfig, ns: str) -> tuple[str, sb.Run
         {"name": "HERMIT_E2E_MARKER", "value": MARKER})
     sb.create_sandbox(ns, name, spec)
     where = sb.wait_running(kube, ns, name, min_ticks=5)
-    _exec(ns, where.pod, f"echo {MARKER} > {MARKER_FILE}")
-    assert MARKER in _exec(ns, where.pod, f"cat {MARKER_FILE}")
+    sb.exec_sh(ns, where.pod, f"echo {MARKER} > {MARKER_FILE}")
+    assert MARKER in sb.exec_sh(ns, where.pod, f"cat {MARKER_FILE}")
     sb.wait_agent_ready(kube, RELEASE_NS, where.node)
     return name, where
 
@@ -103,8 +96,8 @@ def test_preempted_sandbox_is_sealed_in_the_bucket(
     assert preempt.returncode == 0, f"preempt command failed: {out}"
     # The marker went through the store: the restored pod has it in its workspace and
     # in its environment.
-    assert MARKER in _exec(namespace, after.pod, f"cat {MARKER_FILE}")
-    assert MARKER in _exec(namespace, after.pod,
+    assert MARKER in sb.exec_sh(namespace, after.pod, f"cat {MARKER_FILE}")
+    assert MARKER in sb.exec_sh(namespace, after.pod,
                            "cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n'")
 
     objects = _objects(s3_for_pods, namespace)
@@ -208,7 +201,7 @@ def _setuid_stripped(kube: Kube, ns: str, fork: str, source: str) -> sb.Running:
     """The fork of a checkpoint holding a setuid file the image lacks runs without the bit;
     its node-agent removed it before CRIU restored the tree."""
     forked = sb.wait_running(kube, ns, fork, restores=1, min_ticks=1)
-    mode = _exec(ns, forked.pod, f"{BUSYBOX} stat -c %a {SUID}").strip()
+    mode = sb.exec_sh(ns, forked.pod, f"{BUSYBOX} stat -c %a {SUID}").strip()
     assert mode == "755", f"{SUID} has mode {mode} after the restore"
     log = sb.node_agent_log(kube, RELEASE_NS, forked.node)
     stripped = log.find(f"restore of {ns}/{source}: removed setuid")
@@ -224,8 +217,9 @@ def test_tampered_foreign_and_swapped_checkpoints_are_refused_and_setuid_strippe
 ) -> None:
     started = time.monotonic()
     name, where = sb.start_on_spot(kube, e2e_config, RELEASE_NS, namespace)
-    _exec(namespace, where.pod, f"{BUSYBOX} cp {BUSYBOX} {SUID} && {BUSYBOX} chmod 4755 {SUID}")
-    assert _exec(namespace, where.pod, f"{BUSYBOX} stat -c %a {SUID}").strip() == "4755"
+    sb.exec_sh(namespace, where.pod,
+               f"{BUSYBOX} cp {BUSYBOX} {SUID} && {BUSYBOX} chmod 4755 {SUID}")
+    assert sb.exec_sh(namespace, where.pod, f"{BUSYBOX} stat -c %a {SUID}").strip() == "4755"
     flipped, clean = (sb.checkpoint_now(namespace, name, f"{name}-{s}") for s in ("c1", "c2"))
     s3c = _s3c(s3_for_pods)
     other_ns = f"{namespace[:50]}-b"

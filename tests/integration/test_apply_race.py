@@ -34,17 +34,15 @@ from hermit_common.errors import RestoreFailed
 from hermit_common.tree import KIND_DIR, KIND_FILE, Entry
 from hermit_node.fsapply import apply_tree
 from tests.support import attacks
+from tests.support.root import require_root
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(autouse=True)
 def _as_root() -> None:
-    """Root is what this test needs (the apply chroots, as the node-agent does):
-    fail, never skip, without it."""
-    if os.geteuid() != 0:
-        pytest.fail("run the integration tier as root (the apply chroots, as the node-agent does)",
-                    pytrace=False)
+    require_root("the apply chroots, as the node-agent does")
+
 
 RUNS = 20
 FILES = 100  # files of the tree in ``d``: chances the attacker gets per run

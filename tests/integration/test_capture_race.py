@@ -55,6 +55,7 @@ from hermit_testbed.scenario import Node, build_sandbox_image, destroy_sandbox, 
 from tests.support import attacks
 from tests.support.containerd import require_containerd
 from tests.support.minio import MinioServer
+from tests.support.root import require_root
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
@@ -62,11 +63,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(autouse=True)
 def _as_root() -> None:
-    """Root is what this test needs (the node-agent copies as root):
-    fail, never skip, without it."""
-    if os.geteuid() != 0:
-        pytest.fail("run the integration tier as root (the node-agent copies as root)",
-                    pytrace=False)
+    require_root("the node-agent copies as root")
+
 
 RUNS = 20  # per target and attacker, as the issue's acceptance asks
 VICTIMS = 40  # directories of the tenant's tree the attacker may swap, per run
