@@ -65,6 +65,13 @@ WARNING = "Warning"
 # away from a live sandbox; it is replaced, not reported as the sandbox failing.
 LOST_POD_REASONS = frozenset({"Evicted", "Preempting", "NodeShutdown", "Terminated", "NodeLost",
                               "Shutdown", "UnexpectedAdmissionError"})
+# The kubelet's admission refused a pod the scheduler had bound (phase Failed, its message
+# "Pod was rejected: ..."): the two saw the node differently for a moment (a label just
+# changed, another pod took the resources). Nothing ran, so a new pod is the remedy, as a
+# ReplicaSet would make one; a sandbox must not end Failed because of it.
+REJECTED_POD_REASONS = frozenset({"NodeAffinity", "NodeName", "NodePorts", "InvalidNodeInfo",
+                                  "TopologyAffinityError"})
+REJECTED_POD_MESSAGE = "Pod was rejected"
 _RETRY_FIELDS: Final = ("restoreAttempts", "nextRestoreAt")
 # A fork whose checkpoint is missing or in flight is looked at again this often.
 FORK_RECHECK_SECONDS: Final = 5.0
@@ -176,9 +183,22 @@ def pod_is_lost(pod: KubeObject) -> bool:
     status = pod.get("status") or {}
     if status.get("phase") != api.POD_FAILED:
         return False
-    if status.get("reason") in LOST_POD_REASONS:
+    if status.get("reason") in LOST_POD_REASONS or pod_was_rejected(pod):
         return True
     return is_true(status.get("conditions") or [], "DisruptionTarget")
+
+
+def pod_was_rejected(pod: KubeObject) -> bool:
+    """The kubelet refused the bound pod at admission (a stale view of its node), before
+    any container ran."""
+    status = pod.get("status") or {}
+    reason = str(status.get("reason") or "")
+    return (status.get("phase") == api.POD_FAILED
+            and (reason in REJECTED_POD_REASONS or reason.startswith("OutOf"))
+            and str(status.get("message") or "").startswith(REJECTED_POD_MESSAGE)
+            and not any((cs.get("state") or {}).get("running") or
+                        (cs.get("state") or {}).get("terminated") or cs.get("lastState")
+                        for cs in status.get("containerStatuses") or []))
 
 
 def container_message(pod: KubeObject) -> str:

@@ -28,6 +28,7 @@ from kubernetes.client.exceptions import ApiException
 
 from hermit_testbed.errors import TestbedError
 from hermit_testbed.minio import MinioServer, start_minio, stop_minio
+from tests.support import diagnostics
 
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -86,6 +87,22 @@ def wait_until(what: str, timeout: float, probe: Callable[[], T | None], every: 
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}{last_error}")
         time.sleep(every)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Iterator[pytest.TestReport]:
+    """A failed e2e test leaves the cluster's state at the failure (while its namespace
+    still exists) in a file outside the repository, named in the report."""
+    report: pytest.TestReport = yield
+    if report.failed and report.when in ("call", "setup") and \
+            isinstance(item, pytest.Function) and "kube" in item.fixturenames:
+        namespace = item.funcargs.get("namespace")
+        path = diagnostics.dump(item.nodeid, namespace if isinstance(namespace, str)
+                                else None, RELEASE_NS)
+        report.sections.append(("diagnostics", f"cluster state at the failure: {path}"))
+        print(f"\ndiagnostics of {item.nodeid}: {path}")
+    return report
 
 
 @pytest.fixture(scope="session")

@@ -173,6 +173,26 @@ def test_disruption_target_marks_a_pod_lost() -> None:
     assert pod_is_lost(disrupted) and not pod_is_lost(pod("Failed"))
 
 
+def test_a_pod_the_kubelet_rejected_is_replaced_not_failed() -> None:
+    """The scheduler bound the pod on a label the kubelet had not seen yet: the kubelet
+    refuses it (Failed, NodeAffinity); nothing ran, so a new pod takes its place."""
+    rejected = pod("Failed", reason="NodeAffinity",
+                   message="Pod was rejected: Predicate NodeAffinity failed: node(s) didn't "
+                           "match Pod's node affinity/selector")
+    assert pod_is_lost(rejected)
+    p = plan(sandbox({"incarnation": 1, "podName": "minimal-1", "restores": 0}), rejected,
+             NOW, settings=SETTINGS)
+    assert p.delete_pod == "minimal-1"
+    assert p.create_pod is not None and p.create_pod["metadata"]["name"] == "minimal-2"
+    assert p.status_patch.get("phase") != "Failed"
+    # Its container ran: the sandbox's own failure, not a rejection.
+    ran = pod("Failed", reason="NodeAffinity", message="Pod was rejected: ...")
+    ran["status"]["containerStatuses"] = [
+        {"name": "agent", "state": {"terminated": {"exitCode": 1}}}]
+    assert not pod_is_lost(ran)
+    assert not pod_is_lost(pod("Failed", reason="NodeAffinity", message="something else"))
+
+
 def _other_checkpoint(phase: str | None = "Completed", message: str | None = None, *,
                       verified: bool = True) -> dict[str, Any]:
     """A Checkpoint of another sandbox, the source of a fork (verified by the operator, as
