@@ -1019,11 +1019,15 @@ def build_agent(settings: NodeSettings, stop: threading.Event,
     limiter = UploadLimiter(settings.upload_bandwidth_bytes_per_second,
                             on_wait=metrics.record_upload_wait)
     metrics.watch_uploads(limiter.active)
+    restorer = RestoreEngine(criu, store, work_dir, lazy=settings.lazy_restore,
+                             on_lazy_fill=lambda filled: metrics.record_lazy_fill(
+                                 filled.seconds, ok=filled.ok))
+    metrics.record_lazy_restore(restorer.lazy)
     return NodeAgent(settings.node_name, kube,
                      CheckpointEngine(criu, store, work_dir,
                                       max_frozen_seconds=settings.max_frozen_seconds,
                                       limiter=limiter),
-                     RestoreEngine(criu, store, work_dir, lazy=settings.lazy_restore),
+                     restorer,
                      view=view, stores=stores,
                      trees=freezer.Trees(), stopping=stop, health=health,
                      collector=collector, fence=Fence(kube),

@@ -34,7 +34,6 @@ from hermit_node import (
     criu,
     fdcheck,
     lazypages,
-    metrics,
     mountcheck,
     pagesource,
     staging,
@@ -225,12 +224,15 @@ def check_room(manifest: Manifest, admitted: admit.Admitted, local: Path,
 
 class RestoreEngine:
     def __init__(self, criu: Criu, store: CheckpointStore, work_dir: Path, *,
-                 lazy: bool = False) -> None:
+                 lazy: bool = False,
+                 on_lazy_fill: Callable[[lazypages.Filled], None] | None = None) -> None:
+        """``on_lazy_fill`` hears how every lazy restore's fill ended (the agent counts
+        them): the engine itself knows neither metrics nor Kubernetes."""
         self._criu = criu
         self._store = store
         self._work_dir = work_dir
         self.lazy = lazy and self._lazy_works()
-        metrics.record_lazy_restore(self.lazy)
+        self._on_lazy_fill = on_lazy_fill
 
     def _lazy_works(self) -> bool:
         reason = lazypages.unavailable(self._criu.binary)
@@ -282,7 +284,8 @@ class RestoreEngine:
             shutil.rmtree(local, ignore_errors=True)
         else:
             streamed.bulk.set()  # the tree runs: fetch the rest of its memory
-            _fill_in_background(streamed, target, local, on_filled)
+            _fill_in_background(streamed, target, local,
+                                _both(self._on_lazy_fill, on_filled))
         log.info("restored %s/%s into pid %d: %s", target.namespace, target.checkpoint,
                  target.init_pid, result)
         return result
@@ -369,6 +372,15 @@ def _pages_images(section: str, path: str) -> bool:
     return section == SECTION_IMAGES and pagesource.PAGES_IMAGE.fullmatch(path) is not None
 
 
+def _both(*hearers: Callable[[lazypages.Filled], None] | None
+          ) -> Callable[[lazypages.Filled], None]:
+    def tell(filled: lazypages.Filled) -> None:
+        for hear in hearers:
+            if hear is not None:
+                hear(filled)
+    return tell
+
+
 def _fill_in_background(streamed: lazypages.Streamed, target: RestoreTarget, local: Path,
                         on_filled: Callable[[lazypages.Filled], None] | None = None) -> None:
     """Waits in a thread until the daemon has copied the tree's memory in, then removes
@@ -377,7 +389,6 @@ def _fill_in_background(streamed: lazypages.Streamed, target: RestoreTarget, loc
     (lazypages.watch)."""
 
     def done(filled: lazypages.Filled) -> None:
-        metrics.record_lazy_fill(filled.seconds, ok=filled.ok)
         try:
             if not filled.ok:
                 streamed.deferred.stop.set()
