@@ -40,6 +40,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 Obj = dict[str, Any]
 
 NOTICE_SECONDS = 20
+# Enough memory that the stopping checkpoint takes seconds, not one: "created before
+# durable" then depends on the operator reacting to the notice, not on winning a race
+# against a sub-second dump (24 MiB was durable 0.9 s after the pod appeared, and twice
+# in the same second).
+MEM_MB = 256
 LEASE = "hermit-operator"  # the chart's operator.leaderElection.leaseName
 OPERATOR_PODS = "app.kubernetes.io/component=operator"
 
@@ -154,7 +159,7 @@ def test_overlap_creates_the_replacement_at_the_notice(
     kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
 ) -> None:
     spot_nodes = len(sb.ready_spot_nodes(kube))
-    name, where = sb.start_on_spot(kube, e2e_config, RELEASE_NS, namespace)
+    name, where = sb.start_on_spot(kube, e2e_config, RELEASE_NS, namespace, mem_mb=MEM_MB)
     moves: dict[str, Move] = {}
     try:
         for mode in ("on", "off"):
