@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from hermit_common import health as http_health
+from hermit_common import metrics as hermit_metrics
 from hermit_common import protocol
 from hermit_common.bandwidth import UploadLimiter
 from hermit_common.chunkcache import CacheTally, ChunkCache
@@ -673,6 +674,8 @@ class NodeAgent:
                                                         seconds=time.monotonic() - began),
                                forever=True)
             recorded.set()
+            if stop:
+                self._record_notice_margin()
             # Durable and recorded: the engine ends a stopping checkpoint's tree right after
             # this; what is left (removing the staging directory) needs no freezing slot.
             self._jobs.unfrozen()
@@ -686,8 +689,9 @@ class NodeAgent:
                 self._checkpoint_failed(ckpt, exc, time.monotonic() - began)
             return
         metrics.record_checkpoint(
-            frozen_ms=result.frozen_ms, dump_ms=result.dump_ms, capture_ms=result.capture_ms,
-            upload_ms=result.upload_ms, total_seconds=time.monotonic() - began,
+            reason=protocol.reason_of(ckpt), frozen_ms=result.frozen_ms,
+            dump_ms=result.dump_ms, capture_ms=result.capture_ms, upload_ms=result.upload_ms,
+            total_seconds=time.monotonic() - began,
             image_bytes=result.image_bytes, uploaded_bytes=result.uploaded_bytes,
             stored_bytes=result.stored_bytes)
         log.info("checkpoint %s/%s Completed in %.1f s%s", namespace, name,
@@ -785,7 +789,7 @@ class NodeAgent:
             f"unexpected {type(exc).__name__}: {exc}"
         if not isinstance(exc, HermitError):
             log.exception("checkpoint %s/%s", namespace, name)
-        metrics.record_checkpoint_failure(seconds)
+        metrics.record_checkpoint_failure(seconds, reason=protocol.reason_of(ckpt), exc=exc)
         log.error("checkpoint %s/%s failed: %s", namespace, name, protocol.one_line(message))
         self._write_status(namespace, name,
                            planner.status_failed(message, self._clock(), self.node))
@@ -798,6 +802,14 @@ class NodeAgent:
         if notice is None or notice.deadline is None:
             return None
         return time.monotonic() + notice.seconds_left(self._clock())
+
+    def _record_notice_margin(self) -> None:
+        """A stopping checkpoint is durable: how long before the notice's deadline."""
+        with self._lock:
+            notice = self._notice
+        if notice is not None and notice.deadline is not None:
+            metrics.record_notice_margin(str(notice.provider),
+                                         notice.seconds_left(self._clock()))
 
     def _time_left(self) -> str:
         with self._lock:
@@ -1054,6 +1066,7 @@ def run_agent(environ: Mapping[str, str], *, stop: threading.Event | None = None
     settings = NodeSettings.from_env(environ)
     set_log_levels(settings.log_level)
     log.info("starting with settings %s", redacted(settings))
+    metrics.record_build(hermit_metrics.build_version())
     stop = stop or threading.Event()
     health = agent_health.AgentHealth(
         settings.reconcile_interval_seconds, stopping=stop,

@@ -5,21 +5,31 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram, Info
 
 from hermit_common import bandwidth, metrics
+from hermit_common.errors import CheckpointFailed, CheckpointRefused, StoreUnavailable
 
 # Checkpoint phases a duration is recorded for, and results.
 PHASES = ("frozen", "dump", "capture", "upload", "total")
 RESULTS = ("success", "failure")
 BYTE_KINDS = ("image", "uploaded", "stored")
 
-_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_BUCKETS = metrics.DURATION_BUCKETS
 
 NOTICES = Counter(metrics.NODE_NOTICES, "Interruption notices seen", ["provider", "kind"])
 CHECKPOINT_SECONDS = Histogram(
-    metrics.NODE_CHECKPOINT_SECONDS, "Time spent per checkpoint phase", ["phase", "result"],
-    buckets=_BUCKETS)
+    metrics.NODE_CHECKPOINT_SECONDS,
+    "Time spent per checkpoint phase, by result and the Checkpoint's reason",
+    ["phase", "result", "reason"], buckets=_BUCKETS)
+CHECKPOINT_FAILURES = Counter(
+    metrics.NODE_CHECKPOINT_FAILURES, "Checkpoints that failed, by reason and cause",
+    ["reason", "cause"])
+NOTICE_MARGIN = Histogram(
+    metrics.NODE_NOTICE_MARGIN,
+    "Seconds left before the notice's deadline when a stopping checkpoint became durable "
+    "(negative: after the deadline)", ["provider"], buckets=metrics.MARGIN_BUCKETS)
+BUILD = Info(metrics.NODE_BUILD, "The node-agent's version")
 CHECKPOINT_BYTES = Counter(
     metrics.NODE_CHECKPOINT_BYTES, "Checkpoint bytes by kind", ["kind"])
 RESTORE_SECONDS = Histogram(
@@ -54,20 +64,43 @@ PREFETCH_BYTES = Counter(
     metrics.NODE_PREFETCH_BYTES, "Chunk object bytes a prefetch put into the chunk cache")
 
 
-def record_checkpoint(*, frozen_ms: int, dump_ms: int, capture_ms: int, upload_ms: int,
-                      total_seconds: float, image_bytes: int, uploaded_bytes: int,
-                      stored_bytes: int) -> None:
+def record_checkpoint(*, reason: str, frozen_ms: int, dump_ms: int, capture_ms: int,
+                      upload_ms: int, total_seconds: float, image_bytes: int,
+                      uploaded_bytes: int, stored_bytes: int) -> None:
+    label = metrics.checkpoint_reason(reason)
     for phase, ms in (("frozen", frozen_ms), ("dump", dump_ms), ("capture", capture_ms),
                       ("upload", upload_ms)):
-        CHECKPOINT_SECONDS.labels(phase, "success").observe(ms / 1000)
-    CHECKPOINT_SECONDS.labels("total", "success").observe(total_seconds)
+        CHECKPOINT_SECONDS.labels(phase, "success", label).observe(ms / 1000)
+    CHECKPOINT_SECONDS.labels("total", "success", label).observe(total_seconds)
     for kind, n in (("image", image_bytes), ("uploaded", uploaded_bytes),
                     ("stored", stored_bytes)):
         CHECKPOINT_BYTES.labels(kind).inc(n)
 
 
-def record_checkpoint_failure(total_seconds: float) -> None:
-    CHECKPOINT_SECONDS.labels("total", "failure").observe(total_seconds)
+def failure_cause(exc: BaseException) -> str:
+    """The bounded ``cause`` label of a checkpoint's error (metrics.FAILURE_CAUSES)."""
+    if isinstance(exc, CheckpointRefused):
+        return "refused"
+    if isinstance(exc, StoreUnavailable):
+        return "store"
+    if isinstance(exc, CheckpointFailed):
+        return "capture"
+    return "other"
+
+
+def record_checkpoint_failure(total_seconds: float, *, reason: str,
+                              exc: BaseException) -> None:
+    label = metrics.checkpoint_reason(reason)
+    CHECKPOINT_SECONDS.labels("total", "failure", label).observe(total_seconds)
+    CHECKPOINT_FAILURES.labels(label, failure_cause(exc)).inc()
+
+
+def record_notice_margin(provider: str, seconds_left: float) -> None:
+    NOTICE_MARGIN.labels(provider).observe(seconds_left)
+
+
+def record_build(version: str) -> None:
+    BUILD.info({"version": version})
 
 
 def record_restore(seconds: float, *, ok: bool) -> None:

@@ -54,7 +54,8 @@ def _lock(namespace: str, name: str) -> threading.Lock:
 
 
 def forget(namespace: str, name: str) -> None:
-    """Drop the lock of a deleted sandbox."""
+    """Drop the lock (and the phase count) of a deleted sandbox."""
+    metrics.PHASES.forget(namespace, name)
     with _locks_guard:
         _locks.pop((namespace, name), None)
         _pdb_seen.pop((namespace, name), None)
@@ -223,10 +224,13 @@ def _apply(kube: Kube, sandbox: KubeObject, p: Plan, post: Poster, now: datetime
         annotations = p.create_pod["metadata"].get("annotations") or {}
         restore = protocol.ANNOTATION_RESTORE_FROM in annotations
         metrics.PODS_CREATED.labels(mode="restore" if restore else "fresh").inc()
+        if p.work_lost is not None:
+            metrics.WORK_LOST.observe(p.work_lost)
     if p.create_checkpoint is not None:
         kube.create_checkpoint(p.create_checkpoint)
     if status_changes(sandbox, p.status_patch):
         kube.patch_sandbox_status(namespace, name, p.status_patch)
+    metrics.PHASES.set(namespace, name, p.status_patch.get("phase"))
     if p.downtime is not None:  # after the patch that ends the move: observed once
         metrics.observe_downtime(*p.downtime)
     for event in p.events:

@@ -53,6 +53,9 @@ def main() -> None:
         _fail(str(exc), 1)
         return
     log.info("Kubernetes API %s at %s", version, kube.host)
+    from hermit_common.metrics import build_version
+    from hermit_operator import metrics
+    metrics.record_build(build_version())
 
     health = OperatorHealth(settings.leader_election)
     try:

@@ -106,6 +106,9 @@ class Plan:
     # (reason, seconds) of a move that ended in this plan: observed by the driver once the
     # status patch (Restoring=False) is written, so a retried plan does not count it again.
     downtime: tuple[str, float] | None = None
+    # Seconds of work a restore of an older checkpoint drops (its WorkLost Event): observed
+    # by the driver once the pod that restores it is created.
+    work_lost: float | None = None
 
 
 @dataclass
@@ -133,6 +136,7 @@ class _State:
     delete_pdb: str | None = None
     requeue_after: float | None = None
     downtime: tuple[str, float] | None = None
+    work_lost: float | None = None
     replacement: KubeObject | None = None  # pod N+1, created while its checkpoint is taken
     keep_replacement: bool = False  # this plan waits for it or adopts it (else: deleted)
     early_pod: KubeObject | None = None  # the replacement this plan creates (overlap)
@@ -626,6 +630,8 @@ def _create(st: _State, out: KubeObject, incarnation: int, delete: str | None,
                                     on_demand=on_demand)
         st.events.append(restore.event)
         out["restoredFrom"] = restore.record
+        if restore.event.reason == api.REASON_WORK_LOST:
+            st.work_lost = float(restore.record.get("staleSeconds") or 0)
     else:
         situation = sit.PodCreating(name, migration=migration, no_usable=no_usable,
                                     on_demand=on_demand)
@@ -939,4 +945,5 @@ def _finish(st: _State, out: KubeObject, pod: KubeObject | None, situation: sit.
                 create_checkpoint=st.create_checkpoint, adopt_checkpoints=st.adopt,
                 fail_checkpoints=st.fail,
                 delete_checkpoints=drop, pdb=st.pdb, delete_pdb=st.delete_pdb,
-                requeue_after=st.requeue_after, downtime=st.downtime)
+                requeue_after=st.requeue_after, downtime=st.downtime,
+                work_lost=st.work_lost if create is not None else None)

@@ -204,6 +204,7 @@ def test_loss_restores_the_last_checkpoint_and_warns_how_old_it_is() -> None:
     assert restore_source(p) == "c1"
     assert p.status_patch["restoredFrom"] == {**C1_RECORD, "staleSeconds": 3600}
     assert event_types(p) == [("Warning", "PodLost"), ("Warning", "WorkLost")]
+    assert p.work_lost == 3600  # hermit_operator_work_lost_seconds, once the pod exists
     assert p.events[1].message == (
         "pod minimal-1 was lost without a checkpoint of its final state: restoring "
         "checkpoint c1 taken 3600s ago into pod minimal-2; work since then is lost")
@@ -218,6 +219,7 @@ def test_loss_after_a_durable_stopping_checkpoint_loses_nothing() -> None:
     assert p.status_patch["restoredFrom"]["staleSeconds"] == 0
     assert event_types(p) == [("Normal", "CheckpointCompleted"), ("Warning", "PodLost"),
                               ("Normal", "RestoreStarted")]
+    assert p.work_lost is None
 
 
 def test_migration_records_a_fresh_restore() -> None:
