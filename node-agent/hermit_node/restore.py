@@ -241,6 +241,14 @@ class RestoreEngine:
                         "(%s): restores copy all memory in before the sandbox runs", reason)
         return reason is None
 
+    def local_dir(self, target: RestoreTarget) -> Path:
+        """This restore's own staging dir. Keyed by the new container too (its init's
+        host pid): restores of one checkpoint into several pods at once (forks fanning
+        out) share nothing mutable; the chunks they have in common come from the
+        node's chunk cache, read-only."""
+        return (self._work_dir / "restores" / target.namespace / target.sandbox
+                / target.checkpoint / f"into-{target.init_pid}")
+
     def restore(self, target: RestoreTarget, *, timeout: float = 120.0,
                 store: CheckpointStore | None = None,
                 on_filled: Callable[[lazypages.Filled], None] | None = None) -> RestoreResult:
@@ -251,7 +259,7 @@ class RestoreEngine:
         not called for a full restore."""
         began = time.monotonic()
         view = container.inspect(target.init_pid, target.bundle)
-        local = self._work_dir / "restores" / target.namespace / target.sandbox / target.checkpoint
+        local = self.local_dir(target)
         shutil.rmtree(local, ignore_errors=True)
         local.mkdir(parents=True)
         tally = CacheTally()

@@ -112,11 +112,22 @@ def _checkpoint(node: Node, criu: Criu, store: CheckpointStore, source: Sandbox,
                                        image_digest=node.image_digest()))
 
 
+def _restore_target(node: Node, target: Sandbox, uid: str, name: str) -> RestoreTarget:
+    return RestoreTarget(namespace=NAMESPACE, sandbox="sbx", sandbox_uid=uid, checkpoint=name,
+                         init_pid=target.init_pid, image_digest=node.image_digest())
+
+
 def _restore(node: Node, criu_bin: Path, store: CheckpointStore, target: Sandbox, uid: str,
              name: str) -> None:
     RestoreEngine(Criu(str(criu_bin)), store, node.work_dir).restore(
-        RestoreTarget(namespace=NAMESPACE, sandbox="sbx", sandbox_uid=uid, checkpoint=name,
-                      init_pid=target.init_pid, image_digest=node.image_digest()))
+        _restore_target(node, target, uid, name))
+
+
+def _staging(node: Node, criu_bin: Path, store: CheckpointStore, target: Sandbox, uid: str,
+             name: str) -> Path:
+    """Where the restore of checkpoint ``name`` into ``target`` stages its files."""
+    return RestoreEngine(Criu(str(criu_bin)), store, node.work_dir).local_dir(
+        _restore_target(node, target, uid, name))
 
 
 def _refused(node: Node, criu_bin: Path, store: CheckpointStore, target: Sandbox, uid: str,
@@ -132,9 +143,9 @@ def _refused(node: Node, criu_bin: Path, store: CheckpointStore, target: Sandbox
                               "would hold more than the new pod grants: pid "), message
     for text in expected:
         assert re.search(text, message), (text, message)
-    staging = node.work_dir / "restores" / NAMESPACE / "sbx" / name
-    assert not staging.exists()
-    assert not staging.with_name(f"{name}.restore.log").exists(), "CRIU ran"
+    staging = _staging(node, criu_bin, store, target, uid, name)
+    assert staging.parent.is_dir() and not staging.exists()
+    assert not staging.with_name(f"{staging.name}.restore.log").exists(), "CRIU ran"
     assert Path(f"/proc/{target.init_pid}/task/{target.init_pid}/children").read_text() == ""
     assert not (target.container.rootfs() / "state/created.txt").exists()
     return message
@@ -343,8 +354,9 @@ def test_a_forged_checkpoint_with_a_writable_proc_sys_is_refused(
         assert message == ("checkpoint agents/forged-mnt is refused: its mounts would be "
                            "wider than the new pod's: mount /proc/sys asks flags "
                            "nosuid,nodev,noexec; the new pod mounts it ro,nosuid,nodev,noexec")
-        staging = node_b.work_dir / "restores" / NAMESPACE / "sbx" / "forged-mnt"
-        assert not staging.with_name("forged-mnt.restore.log").exists(), "CRIU ran"
+        staging = _staging(node_b, criu_bin, store, target, uid, "forged-mnt")
+        assert staging.parent.is_dir(), "no restore was staged"
+        assert not staging.with_name(f"{staging.name}.restore.log").exists(), "CRIU ran"
         assert Path(f"/proc/{target.init_pid}/task/{target.init_pid}/children").read_text() \
             == ""
 
@@ -388,8 +400,9 @@ def test_a_forged_checkpoint_with_a_raw_socket_is_refused_where_cap_net_raw_is_d
                 "the new pod grants: file ") + r"\d+ is a raw socket, which needs CAP_NET_RAW; "
                 "the new pod does not grant it"):
             _restore(node_b, criu_bin, store, target, uid, "forged-sk")
-        staging = node_b.work_dir / "restores" / NAMESPACE / "sbx" / "forged-sk"
-        assert not staging.with_name("forged-sk.restore.log").exists(), "CRIU ran"
+        staging = _staging(node_b, criu_bin, store, target, uid, "forged-sk")
+        assert staging.parent.is_dir(), "no restore was staged"
+        assert not staging.with_name(f"{staging.name}.restore.log").exists(), "CRIU ran"
         assert Path(f"/proc/{target.init_pid}/task/{target.init_pid}/children").read_text() \
             == ""
     finally:

@@ -117,7 +117,7 @@ def test_migration_keeps_memory_children_files_log_socket_and_output(
         assert restored.restored_pid > 0
         assert restored.lazy == lazy
         if lazy:
-            _wait_for_every_page(node_b)
+            _wait_for_every_page(restore_b.local_dir(restore_target(target, uid, "ckpt-1")))
 
         # The in-memory counter continues where it was: no gap, no duplicate, not from zero.
         ticks = target.wait_ticks(last + 10)
@@ -150,16 +150,15 @@ def test_migration_keeps_memory_children_files_log_socket_and_output(
         destroy_sandbox(target, cni_network)
 
 
-def _wait_for_every_page(node: Node, checkpoint: str = "ckpt-1",
-                         timeout: float = 120.0) -> None:
-    """A lazy restore's staging dir goes once its daemon has copied every page in (a
-    failed daemon leaves its log beside it)."""
-    staged = node.work_dir / "restores" / NAMESPACE / "sbx" / checkpoint
+def _wait_for_every_page(staged: Path, timeout: float = 120.0) -> None:
+    """A lazy restore's staging dir (``staged``) goes once its daemon has copied every page
+    in (a failed daemon leaves its log beside it)."""
+    assert staged.parent.is_dir(), f"no restore staged under {staged.parent}"
     deadline = time.monotonic() + timeout
     while staged.exists():
         assert time.monotonic() < deadline, "the lazy-pages daemon never finished"
         time.sleep(0.01)
-    kept = staged.with_name(f"{checkpoint}.lazy-pages.log")
+    kept = staged.with_name(f"{staged.name}.lazy-pages.log")
     assert not kept.exists(), kept.read_text()[-2000:]
 
 
@@ -262,7 +261,7 @@ def test_a_large_sandbox_restored_lazily_runs_before_its_memory_is_in(
             running_ms = (time.monotonic() - began) * 1000
             assert restored.lazy == lazy
             if lazy:
-                _wait_for_every_page(node_b, "big")
+                _wait_for_every_page(restore.local_dir(restore_target(target, uid, "big")))
             all_in_ms = (time.monotonic() - began) * 1000
             ticks = target.wait_ticks(last + 5)
             assert ticks == list(range(1, len(ticks) + 1)), "ticks.log has a gap or a duplicate"
@@ -331,8 +330,7 @@ def test_foreign_or_tampered_checkpoint_is_refused_before_criu(
 
         # A manifest rewritten in S3 (its binding intact) is refused by the manifest
         # policy before a byte is downloaded: nothing lands in the node's staging dir.
-        _refused_by_policy(store_settings, restore_b, wanted,
-                           node_b.work_dir / "restores" / NAMESPACE / "sbx" / "ckpt-t")
+        _refused_by_policy(store_settings, restore_b, wanted, restore_b.local_dir(wanted))
 
         # A tampered chunk is refused, naming the chunk.
         store = CheckpointStore(store_settings)
