@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from hermit_common.errors import CheckpointFailed
-from hermit_node.container import freezer_cgroup, parse_cgroups
+from hermit_node.container import DEFAULT_CGROUP_ROOT, freezer_cgroup, process_cgroups
 
 
 def _is_v1(cgroup: Path) -> bool:
@@ -75,11 +75,11 @@ def _procs(cgroup: Path) -> list[int]:
     return pids
 
 
-def settle(init_pid: int, *, kill: bool) -> bool:
+def settle(init_pid: int, *, kill: bool, cgroup_root: Path = DEFAULT_CGROUP_ROOT) -> bool:
     """After a restart of the node-agent: thaw the container of ``init_pid`` if an earlier
     run left it frozen, first ending its tree (``end_frozen``) when ``kill``. True when it
     was frozen."""
-    cgroup = freezer_cgroup(parse_cgroups(Path(f"/proc/{init_pid}/cgroup").read_text()))
+    cgroup = freezer_cgroup(process_cgroups(init_pid, cgroup_root), cgroup_root)
     if cgroup is None or not is_frozen(cgroup):
         return False
     if kill:
@@ -92,5 +92,8 @@ def settle(init_pid: int, *, kill: bool) -> bool:
 class Trees:
     """The node-agent's adapter for settling frozen trees at start-up."""
 
+    def __init__(self, cgroup_root: Path = DEFAULT_CGROUP_ROOT) -> None:
+        self._cgroup_root = cgroup_root
+
     def settle(self, init_pid: int, *, kill: bool) -> bool:
-        return settle(init_pid, kill=kill)
+        return settle(init_pid, kill=kill, cgroup_root=self._cgroup_root)
