@@ -52,7 +52,14 @@ def end_frozen(cgroup: Path, init_pid: int) -> int:
     frozen, so none runs one more instruction of the workload after the checkpoint.
     (SIGKILL to the pid namespace's init alone reaches the others only once the init runs
     its exit, after the thaw: a process whose timer was due ran first, one tick on the
-    old node after the state the new node restores.)"""
+    old node after the state the new node restores.) On cgroup v2 the kernel does it
+    for the whole subtree at once (``cgroup.kill``, Linux 5.14), which also catches a
+    process forked meanwhile; v1 and older kernels get SIGKILL pid by pid."""
+    if not _is_v1(cgroup) and (cgroup / "cgroup.kill").exists():
+        procs = _procs(cgroup)
+        (cgroup / "cgroup.kill").write_text("1")
+        thaw(cgroup)
+        return len(procs)
     killed = 0
     for pid in (*_procs(cgroup), init_pid):
         try:
