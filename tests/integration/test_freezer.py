@@ -20,25 +20,32 @@ from tests.support.wait import wait_until
 pytestmark = pytest.mark.integration
 
 V1_FREEZER = Path("/sys/fs/cgroup/freezer")
-V2_ROOT = Path("/sys/fs/cgroup")
+# The cgroup2 hierarchy: /sys/fs/cgroup on a v2 host, /sys/fs/cgroup/unified on a hybrid
+# one like this test bed's (controllers on v1; freeze, cgroup.kill and cgroup.procs are
+# v2's own files, there whatever controllers it has).
+V2_ROOTS = (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"))
 
 
-def _new_cgroup() -> Path:
+def _new_cgroup(version: str) -> Path:
     name = f"hermit-test-{uuid.uuid4().hex[:8]}"
-    if V1_FREEZER.is_dir():
+    if version == "v1":
+        if not V1_FREEZER.is_dir():
+            pytest.fail("no cgroup v1 freezer here: mount the v1 freezer hierarchy at "
+                        f"{V1_FREEZER} (as root)")
         path = V1_FREEZER / name
-    elif (V2_ROOT / "cgroup.controllers").exists():
-        path = V2_ROOT / name
     else:
-        pytest.fail("no cgroup freezer here: mount the v1 freezer hierarchy at "
-                    "/sys/fs/cgroup/freezer or run on cgroup v2 (as root)")
+        roots = [r for r in V2_ROOTS if (r / "cgroup.controllers").exists()]
+        if not roots:
+            pytest.fail("no cgroup v2 hierarchy here: mount cgroup2 at /sys/fs/cgroup or "
+                        "/sys/fs/cgroup/unified (as root)")
+        path = roots[0] / name
     path.mkdir()
     return path
 
 
-@pytest.fixture
-def cgroup() -> Iterator[Path]:
-    path = _new_cgroup()
+@pytest.fixture(params=("v1", "v2"))
+def cgroup(request: pytest.FixtureRequest) -> Iterator[Path]:
+    path = _new_cgroup(request.param)
     try:
         yield path
     finally:
@@ -75,6 +82,7 @@ def test_a_frozen_tree_is_ended_without_running_again(cgroup: Path, tmp_path: Pa
         assert len(procs) >= 2, f"init and child in the cgroup: {procs}"
         init = min(procs)
         freezer.freeze(cgroup)
+        assert freezer.is_frozen(cgroup)
         time.sleep(0.3)  # the child's next tick is due: it would run at the thaw
         frozen_size = _size(ticks)
         killed = freezer.end_frozen(cgroup, init)
