@@ -24,6 +24,7 @@ import zstandard
 from hermit_common.errors import CheckpointFailed, CheckpointRefused
 from hermit_common.settings import StoreSettings
 from hermit_common.store import CheckpointStore, make_s3_client
+from hermit_node import locate
 from hermit_node.checkpoint import CheckpointEngine, CheckpointTarget
 from hermit_node.criu import Criu
 from hermit_node.restore import RestoreEngine, RestoreTarget
@@ -176,6 +177,26 @@ def _cgroup_view(pid: int) -> tuple[str, list[tuple[str, ...]]]:
               for f in (ln.split() for ln in read(f"/proc/{pid}/mountinfo").splitlines())
               if f[f.index("-") + 1] in ("cgroup", "cgroup2")]
     return line, mounts
+
+
+def test_the_init_is_found_from_the_container_id(
+    nodes: tuple[Node, Node], cni_network: CniNetwork,
+) -> None:
+    """As the node-agent finds a pod's container from the kubelet's containerID: by the id
+    in its processes' cgroup paths (on v2 only the 0:: line names it)."""
+    node_a, _ = nodes
+    cid = uuid.uuid4().hex
+    sandbox = start_sandbox(node_a, cni_network, cid)
+    try:
+        sandbox.wait_ticks(1)
+        lines = [ln for ln in Path(f"/proc/{sandbox.init_pid}/cgroup").read_text().splitlines()
+                 if cid in ln]
+        if node_a.containerd.cgroup == "v2":
+            assert [ln.split(":", 2)[0] for ln in lines] == ["0"], lines
+        assert locate.find_init_pid(f"containerd://{cid}") == sandbox.init_pid
+        assert locate.dump_root(sandbox.init_pid) == sandbox.init_pid
+    finally:
+        destroy_sandbox(sandbox, cni_network)
 
 
 def _wait_for_every_page(node: Node, checkpoint: str = "ckpt-1",
