@@ -93,3 +93,29 @@ def test_a_frozen_tree_is_ended_without_running_again(cgroup: Path, tmp_path: Pa
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_a_tree_an_earlier_run_left_frozen_is_settled(cgroup: Path, tmp_path: Path) -> None:
+    """A restarted node-agent finds the container's group from its init's
+    /proc/<pid>/cgroup (on v2 the 0:: line, relative to the node's cgroup root) and ends
+    the tree it finds frozen; one that is not frozen is left alone."""
+    root = Path("/sys/fs/cgroup") if cgroup.parent == V1_FREEZER else cgroup.parent
+    ticks = tmp_path / "ticks"
+    proc = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--kill-child", "sh", "-c",
+         f"echo $$ > {cgroup}/cgroup.procs; "
+         f"sh -c 'while :; do echo tick >> {ticks}; sleep 0.01; done' & wait"])
+    try:
+        wait_until("the child to tick", lambda: _size(ticks) >= 5, 10)
+        init = min(int(p) for p in (cgroup / "cgroup.procs").read_text().split())
+        assert freezer.settle(init, kill=True, cgroup_root=root) is False
+        assert not freezer.is_frozen(cgroup)
+        freezer.freeze(cgroup)
+        frozen_size = _size(ticks)
+        assert freezer.settle(init, kill=True, cgroup_root=root) is True
+        wait_until("the tree to end",
+                   lambda: not (cgroup / "cgroup.procs").read_text().split(), 10)
+        assert _size(ticks) == frozen_size, "a process of the settled tree ran again"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
