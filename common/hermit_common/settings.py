@@ -210,6 +210,9 @@ class NodeSettings:
     watcher: WatcherSettings
     criu_path: str = "criu"
     work_dir: str = "/var/lib/hermit"
+    # Where the node's cgroup filesystem is mounted in the node-agent (the chart mounts
+    # the host's at the same path); a cgroup2 mount here makes the node a v2 node.
+    cgroup_root: str = "/sys/fs/cgroup"
     metrics_port: int = 9101
     log_level: str = "INFO"
     # How often, at the least, the watched copy of the node's pods and Checkpoints is
@@ -256,6 +259,7 @@ class NodeSettings:
             watcher=WatcherSettings.from_env(environ),
             criu_path=env.text("HERMIT_CRIU_PATH", "criu"),
             work_dir=env.text("HERMIT_WORK_DIR", "/var/lib/hermit"),
+            cgroup_root=env.text("HERMIT_CGROUP_ROOT", "/sys/fs/cgroup"),
             metrics_port=env.integer("HERMIT_METRICS_PORT", 9101, minimum=1, maximum=65535),
             log_level=env.choice(
                 "HERMIT_LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR")),

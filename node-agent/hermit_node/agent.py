@@ -1031,17 +1031,18 @@ def build_agent(settings: NodeSettings, stop: threading.Event,
     limiter = UploadLimiter(settings.upload_bandwidth_bytes_per_second,
                             on_wait=metrics.record_upload_wait)
     metrics.watch_uploads(limiter.active)
+    cgroup_root = Path(settings.cgroup_root)
     restorer = RestoreEngine(criu, store, work_dir, lazy=settings.lazy_restore,
                              on_lazy_fill=lambda filled: metrics.record_lazy_fill(
-                                 filled.seconds, ok=filled.ok))
+                                 filled.seconds, ok=filled.ok), cgroup_root=cgroup_root)
     metrics.record_lazy_restore(restorer.lazy)
     return NodeAgent(settings.node_name, kube,
                      CheckpointEngine(criu, store, work_dir,
                                       max_frozen_seconds=settings.max_frozen_seconds,
-                                      limiter=limiter),
+                                      limiter=limiter, cgroup_root=cgroup_root),
                      restorer,
                      view=view, stores=stores,
-                     trees=freezer.Trees(), stopping=stop, health=health,
+                     trees=freezer.Trees(cgroup_root), stopping=stop, health=health,
                      collector=collector, fence=Fence(kube),
                      routine_upload_seconds=settings.routine_upload_seconds,
                      limiter=limiter, prefetch=cache is not None), view

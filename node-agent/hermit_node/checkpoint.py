@@ -198,8 +198,10 @@ class _Capture:
 class CheckpointEngine:
     def __init__(self, criu: Criu, store: CheckpointStore, work_dir: Path, *,
                  max_frozen_seconds: float = DEFAULT_MAX_FROZEN_SECONDS,
-                 limiter: bandwidth.UploadLimiter | None = None) -> None:
+                 limiter: bandwidth.UploadLimiter | None = None,
+                 cgroup_root: Path = container.DEFAULT_CGROUP_ROOT) -> None:
         self._criu = criu
+        self._cgroup_root = cgroup_root  # the node's cgroup filesystem
         self._store = store
         self._work_dir = work_dir
         self._max_frozen = max_frozen_seconds
@@ -305,14 +307,15 @@ class CheckpointEngine:
     def _plan(self, target: CheckpointTarget, store: CheckpointStore, *,
               strict_room: bool = True) -> _Plan:
         """Read the container and decide the dump's externals, before anything is frozen."""
-        view = container.inspect(target.init_pid, target.bundle)
+        view = container.inspect(target.init_pid, target.bundle,
+                                 cgroup_root=self._cgroup_root)
         cgroup = view.freezer_cgroup()
         if cgroup is None:
             raise CheckpointFailed(f"pid {target.init_pid} has no freezer cgroup")
         workspace_source = view.bind_source(target.workspace_path) \
             if target.workspace_path else None
         staging.check_checkpoint_room(
-            self._work_dir, cgroup_dirs=[cg.host_path() for cg in view.cgroups],
+            self._work_dir, cgroup_dirs=view.cgroup_dirs(),
             trees=[(what, Path(path)) for what, path in (
                 ("the writable layer", view.upperdir), ("the workspace", workspace_source))
                 if path is not None], strict=strict_room)

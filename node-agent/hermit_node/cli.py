@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from hermit_node.criu import Criu
 
 
-def _engine_parts() -> tuple[Criu, CheckpointStore, Path]:
+def _engine_parts() -> tuple[Criu, CheckpointStore, Path, Path]:
     # Imported here: `watch` and `run` need neither boto3 nor pycriu at start-up.
     from hermit_common.seal import sealing_from
     from hermit_common.store import CheckpointStore
@@ -50,7 +50,8 @@ def _engine_parts() -> tuple[Criu, CheckpointStore, Path]:
     # defaults come from its fields.
     criu = Criu(env.text("HERMIT_CRIU_PATH", NodeSettings.criu_path))
     work_dir = Path(env.text("HERMIT_WORK_DIR", NodeSettings.work_dir))
-    return criu, store, work_dir
+    cgroup_root = Path(env.text("HERMIT_CGROUP_ROOT", NodeSettings.cgroup_root))
+    return criu, store, work_dir, cgroup_root
 
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
@@ -66,8 +67,8 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
     from hermit_node.checkpoint import CheckpointEngine, CheckpointTarget
 
-    criu, store, work_dir = _engine_parts()
-    engine = CheckpointEngine(criu, store, work_dir)
+    criu, store, work_dir, cgroup_root = _engine_parts()
+    engine = CheckpointEngine(criu, store, work_dir, cgroup_root=cgroup_root)
     result = engine.checkpoint(CheckpointTarget(
         namespace=args.namespace, sandbox=args.sandbox, sandbox_uid=args.uid,
         checkpoint=args.name, init_pid=args.pid, bundle=args.bundle,
@@ -80,8 +81,8 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
 def _cmd_restore(args: argparse.Namespace) -> int:
     from hermit_node.restore import RestoreEngine, RestoreTarget
 
-    criu, store, work_dir = _engine_parts()
-    engine = RestoreEngine(criu, store, work_dir)
+    criu, store, work_dir, cgroup_root = _engine_parts()
+    engine = RestoreEngine(criu, store, work_dir, cgroup_root=cgroup_root)
     result = engine.restore(RestoreTarget(
         namespace=args.namespace, sandbox=args.sandbox, sandbox_uid=args.uid,
         checkpoint=args.name, init_pid=args.pid, bundle=args.bundle,

@@ -53,8 +53,24 @@ class Cgroup:
 
 
 def _is_hybrid(cgroup_root: str) -> bool:
-    return (Path(cgroup_root) / "unified").is_dir() and not (
-        Path(cgroup_root) / "cgroup.controllers").exists()
+    return (Path(cgroup_root) / "unified").is_dir() and not is_unified(Path(cgroup_root))
+
+
+DEFAULT_CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def is_unified(cgroup_root: Path) -> bool:
+    """True when the node's cgroup filesystem at ``cgroup_root`` is cgroup v2 alone (its
+    root has ``cgroup.controllers``), as runc decides from the type of /sys/fs/cgroup."""
+    return (cgroup_root / "cgroup.controllers").exists()
+
+
+def node_cgroups(cgroups: tuple[Cgroup, ...], unified: bool) -> tuple[Cgroup, ...]:
+    """The groups of a process that its node's runtime manages (pure): on a cgroup v2 node
+    only the ``0::`` line. A kernel that also has v1 hierarchies mounted somewhere lists
+    the process in them too, at the groups its runtime was in; they are not the
+    container's and must not be frozen or joined."""
+    return tuple(cg for cg in cgroups if cg.hierarchy == "") if unified else cgroups
 
 
 @dataclass(frozen=True)
@@ -70,6 +86,11 @@ class ContainerView:
     bind_mounts: tuple[BindMount, ...]
     cgroups: tuple[Cgroup, ...] = field(default=())
     cgroup_mounts: tuple[CgroupMount, ...] = field(default=())
+    cgroup_root: Path = DEFAULT_CGROUP_ROOT  # where the node's cgroup filesystem is
+
+    def cgroup_dirs(self) -> list[Path]:
+        """The host directories of the container's groups."""
+        return [cg.host_path(str(self.cgroup_root)) for cg in self.cgroups]
 
     def bind_source(self, destination: str) -> str | None:
         for m in self.bind_mounts:
@@ -81,23 +102,37 @@ class ContainerView:
         """Host directory of this container's group in the hierarchy with ``controllers``."""
         for cg in self.cgroups:
             if cg.hierarchy and frozenset(cg.hierarchy.split(",")) == controllers:
-                return cg.host_path()
+                return cg.host_path(str(self.cgroup_root))
+        return None
+
+    def unified_cgroup(self) -> Path | None:
+        """Host directory of this container's cgroup v2 group (a v2 node's only one)."""
+        for cg in self.cgroups:
+            if cg.hierarchy == "":
+                return cg.host_path(str(self.cgroup_root))
         return None
 
     def freezer_cgroup(self) -> Path | None:
         """The cgroup directory whose freezer controls the whole container."""
-        return freezer_cgroup(self.cgroups)
+        return freezer_cgroup(self.cgroups, self.cgroup_root)
 
 
-def freezer_cgroup(cgroups: tuple[Cgroup, ...]) -> Path | None:
+def freezer_cgroup(cgroups: tuple[Cgroup, ...],
+                   cgroup_root: Path = DEFAULT_CGROUP_ROOT) -> Path | None:
     """Of a process's cgroups, the directory whose freezer controls it (v1, else v2)."""
     for cg in cgroups:
         if "freezer" in cg.hierarchy.split(","):
-            return cg.host_path()
+            return cg.host_path(str(cgroup_root))
     for cg in cgroups:
         if cg.hierarchy == "":
-            return cg.host_path()
+            return cg.host_path(str(cgroup_root))
     return None
+
+
+def process_cgroups(pid: int, cgroup_root: Path = DEFAULT_CGROUP_ROOT) -> tuple[Cgroup, ...]:
+    """The groups of ``pid`` that its node's runtime manages (``node_cgroups``)."""
+    return node_cgroups(parse_cgroups(Path(f"/proc/{pid}/cgroup").read_text()),
+                        is_unified(cgroup_root))
 
 
 def parse_cgroups(text: str) -> tuple[Cgroup, ...]:
@@ -191,8 +226,10 @@ def _parent_pid(pid: int) -> int:
     return int(stat.rsplit(")", 1)[1].split()[1])
 
 
-def inspect(init_pid: int, bundle: Path | None = None) -> ContainerView:
-    """Read everything the engine needs about the container whose init is ``init_pid``."""
+def inspect(init_pid: int, bundle: Path | None = None, *,
+            cgroup_root: Path = DEFAULT_CGROUP_ROOT) -> ContainerView:
+    """Read everything the engine needs about the container whose init is ``init_pid``;
+    ``cgroup_root`` is where this node's cgroup filesystem is mounted."""
     if not Path(f"/proc/{init_pid}").exists():
         raise HermitError(f"no process with pid {init_pid}")
     bundle = bundle or find_bundle(init_pid)
@@ -210,8 +247,9 @@ def inspect(init_pid: int, bundle: Path | None = None) -> ContainerView:
         netns_inode=os.stat(f"/proc/{init_pid}/ns/net").st_ino,
         stdio=(stdio[0], stdio[1], stdio[2]),
         bind_mounts=parse_bind_mounts(config),
-        cgroups=parse_cgroups(Path(f"/proc/{init_pid}/cgroup").read_text()),
+        cgroups=process_cgroups(init_pid, cgroup_root),
         cgroup_mounts=parse_cgroup_mounts(mountinfo),
+        cgroup_root=cgroup_root,
     )
 
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from hermit_common.errors import CheckpointFailed
-from hermit_node.container import freezer_cgroup, parse_cgroups
+from hermit_node.container import DEFAULT_CGROUP_ROOT, freezer_cgroup, process_cgroups
 
 
 def _is_v1(cgroup: Path) -> bool:
@@ -52,7 +52,14 @@ def end_frozen(cgroup: Path, init_pid: int) -> int:
     frozen, so none runs one more instruction of the workload after the checkpoint.
     (SIGKILL to the pid namespace's init alone reaches the others only once the init runs
     its exit, after the thaw: a process whose timer was due ran first, one tick on the
-    old node after the state the new node restores.)"""
+    old node after the state the new node restores.) On cgroup v2 the kernel does it
+    for the whole subtree at once (``cgroup.kill``, Linux 5.14), which also catches a
+    process forked meanwhile; v1 and older kernels get SIGKILL pid by pid."""
+    if not _is_v1(cgroup) and (cgroup / "cgroup.kill").exists():
+        procs = _procs(cgroup)
+        (cgroup / "cgroup.kill").write_text("1")
+        thaw(cgroup)
+        return len(procs)
     killed = 0
     for pid in (*_procs(cgroup), init_pid):
         try:
@@ -75,11 +82,11 @@ def _procs(cgroup: Path) -> list[int]:
     return pids
 
 
-def settle(init_pid: int, *, kill: bool) -> bool:
+def settle(init_pid: int, *, kill: bool, cgroup_root: Path = DEFAULT_CGROUP_ROOT) -> bool:
     """After a restart of the node-agent: thaw the container of ``init_pid`` if an earlier
     run left it frozen, first ending its tree (``end_frozen``) when ``kill``. True when it
     was frozen."""
-    cgroup = freezer_cgroup(parse_cgroups(Path(f"/proc/{init_pid}/cgroup").read_text()))
+    cgroup = freezer_cgroup(process_cgroups(init_pid, cgroup_root), cgroup_root)
     if cgroup is None or not is_frozen(cgroup):
         return False
     if kill:
@@ -92,5 +99,8 @@ def settle(init_pid: int, *, kill: bool) -> bool:
 class Trees:
     """The node-agent's adapter for settling frozen trees at start-up."""
 
+    def __init__(self, cgroup_root: Path = DEFAULT_CGROUP_ROOT) -> None:
+        self._cgroup_root = cgroup_root
+
     def settle(self, init_pid: int, *, kill: bool) -> bool:
-        return settle(init_pid, kill=kill)
+        return settle(init_pid, kill=kill, cgroup_root=self._cgroup_root)

@@ -225,7 +225,8 @@ def check_room(manifest: Manifest, admitted: admit.Admitted, local: Path,
 class RestoreEngine:
     def __init__(self, criu: Criu, store: CheckpointStore, work_dir: Path, *,
                  lazy: bool = False,
-                 on_lazy_fill: Callable[[lazypages.Filled], None] | None = None) -> None:
+                 on_lazy_fill: Callable[[lazypages.Filled], None] | None = None,
+                 cgroup_root: Path = container.DEFAULT_CGROUP_ROOT) -> None:
         """``on_lazy_fill`` hears how every lazy restore's fill ended (the agent counts
         them): the engine itself knows neither metrics nor Kubernetes."""
         self._criu = criu
@@ -233,6 +234,7 @@ class RestoreEngine:
         self._work_dir = work_dir
         self.lazy = lazy and self._lazy_works()
         self._on_lazy_fill = on_lazy_fill
+        self._cgroup_root = cgroup_root  # the node's cgroup filesystem
 
     def _lazy_works(self) -> bool:
         reason = lazypages.unavailable(self._criu.binary)
@@ -258,7 +260,8 @@ class RestoreEngine:
         page in, or failed and the tree killed) and the staging dir is cleaned up; it is
         not called for a full restore."""
         began = time.monotonic()
-        view = container.inspect(target.init_pid, target.bundle)
+        view = container.inspect(target.init_pid, target.bundle,
+                                 cgroup_root=self._cgroup_root)
         local = self.local_dir(target)
         shutil.rmtree(local, ignore_errors=True)
         local.mkdir(parents=True)
@@ -361,7 +364,7 @@ class RestoreEngine:
             externals=mapped.externals,
             netns_key=str(manifest.restore.get("netnsKey", NETNS_KEY)),
             stdio_keys=mapped.stdio_keys,
-            cgroup_dirs=[str(p) for cg in view.cgroups if (p := cg.host_path()).is_dir()],
+            cgroup_dirs=[str(p) for p in view.cgroup_dirs() if p.is_dir()],
             bind_self=mapped.cgroup_sources,
             lazy_pages=streamed is not None,
         )

@@ -4,7 +4,8 @@ Started by ``restore.py`` as ``python -m hermit_node.restore_worker`` (a fresh,
 single-threaded interpreter, so forking is safe) with a JSON request on stdin.
 
 The dance (docs/criu.md): join the container's pid namespace for children, fork;
-the child moves itself into the container's cgroups, takes a private mount
+the child moves itself into the container's cgroups and cgroup namespace (CRIU, in
+cgroups mode ``ignore``, leaves both to its caller), takes a private mount
 namespace with a fresh /proc of that pid namespace (CRIU's vDSO probe needs it),
 and runs CRIU with the container's netns and stdout/stderr pipes as inherited
 fds. The restored tree is a sibling of CRIU, so when the child exits the tree is
@@ -43,10 +44,14 @@ class WorkerRequest:
         return cls(**data)
 
 
-def _child(req: WorkerRequest, netns_fd: int, stdio_fds: dict[str, int]) -> int:
+def _child(req: WorkerRequest, netns_fd: int, cgroupns_fd: int,
+           stdio_fds: dict[str, int]) -> int:
     for cgroup_dir in req.cgroup_dirs:
         # "0" is the writing process itself, whatever pid namespace it is in.
         Path(cgroup_dir, "cgroup.procs").write_text("0")
+    # The container's cgroup namespace (a v2 node's containers have their own, rooted at
+    # their group): what CRIU restores then reads its /proc/self/cgroup as the init does.
+    nsutil.setns(cgroupns_fd, nsutil.CLONE_NEWCGROUP)
     nsutil.enter_slave_mount_namespace()
     # A restored mount whose master was outside the container (kubelet's rslave cgroup
     # mounts) copies its sharing from its external source, which must be a mount root.
@@ -69,6 +74,7 @@ def run(req: WorkerRequest) -> int:
     """Returns the pid of the restored root as seen inside the container's pid namespace."""
     netns_fd = os.open(f"/proc/{req.target_pid}/ns/net", os.O_RDONLY)
     pidns_fd = os.open(f"/proc/{req.target_pid}/ns/pid", os.O_RDONLY)
+    cgroupns_fd = os.open(f"/proc/{req.target_pid}/ns/cgroup", os.O_RDONLY)
     stdio_fds = {
         key: os.open(f"/proc/{req.target_pid}/fd/{n}", os.O_WRONLY)
         for key, n in req.stdio_keys.items()
@@ -80,7 +86,7 @@ def run(req: WorkerRequest) -> int:
         os.close(read_end)
         code = 0
         try:
-            result: dict[str, Any] = {"pid": _child(req, netns_fd, stdio_fds)}
+            result: dict[str, Any] = {"pid": _child(req, netns_fd, cgroupns_fd, stdio_fds)}
         except Exception as exc:
             result = {"error": str(exc)}
             code = 1

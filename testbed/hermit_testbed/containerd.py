@@ -13,11 +13,13 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
+from hermit_testbed.cni import NETNS_DIR
 from hermit_testbed.container import Container, Mount
 from hermit_testbed.errors import TestbedError
 from hermit_testbed.image import image_ref
@@ -32,6 +34,40 @@ DISABLED_PLUGINS = (
     "io.containerd.snapshotter.v1.devmapper",
     "io.containerd.snapshotter.v1.zfs",
 )
+
+
+CGROUP_FLAVOURS = ("v1", "v2")
+CGROUP2_ROOT = Path("/sys/fs/cgroup/unified")
+# The v2 flavour: containerd, its shims, runc and the containers live in a mount namespace
+# of their own where /sys/fs/cgroup is the cgroup2 hierarchy, so runc takes its v2 path
+# (it looks at the filesystem type of /sys/fs/cgroup). The new namespace keeps the
+# host's propagation ("unchanged"): the base dir and /run/netns are shared mounts, so
+# the rootfs mounts containerd makes there show on the host, and the network namespaces
+# the host adds later show in the daemon's namespace; only the cgroup2 mount, on the
+# private /sys/fs/cgroup, stays inside.
+V2_WRAPPER = 'mount -t cgroup2 none /sys/fs/cgroup && exec "$0" "$@"'
+# On cgroup v2 the kubelet's containers (containerd's CRI) get a cgroup namespace of their
+# own and cgroup2 mounted read-only on /sys/fs/cgroup; ``ctr run`` gives neither, so the
+# v2 flavour runs runc through this wrapper, which adds both to the bundle's config.json
+# before ``runc create`` (runc mounts cgroup2 there, rooted at the container's group).
+CRI_RUNC = """#!{python} -I
+import json, os, sys
+args = sys.argv[1:]
+if "create" in args and "--bundle" in args:
+    path = os.path.join(args[args.index("--bundle") + 1], "config.json")
+    with open(path) as f:
+        spec = json.load(f)
+    namespaces = spec.setdefault("linux", {{}}).setdefault("namespaces", [])
+    if not any(ns.get("type") == "cgroup" for ns in namespaces):
+        namespaces.append({{"type": "cgroup"}})
+    mounts = spec.setdefault("mounts", [])
+    if not any(m.get("destination") == "/sys/fs/cgroup" for m in mounts):
+        mounts.append({{"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup",
+                       "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]}})
+    with open(path, "w") as f:
+        json.dump(spec, f)
+os.execv({runc!r}, [{runc!r}, *args])
+"""
 
 
 def _toml_str(value: str | Path) -> str:
@@ -58,6 +94,16 @@ def render_config(base: Path) -> str:
         '  [plugins."io.containerd.internal.v1.opt"]\n'
         f"    path = {_toml_str(base / 'opt')}\n"
     )
+
+
+def make_shared(path: Path) -> None:
+    """Make ``path`` a mount point (a bind onto itself if need be) with shared propagation,
+    so what is mounted below it in a namespace copied from this one shows in both."""
+    path.mkdir(parents=True, exist_ok=True)
+    points = {m.mount_point for m in parse_mountinfo(read_text("/proc/self/mountinfo"))}
+    if str(path) not in points:
+        run(["mount", "--bind", str(path), str(path)])
+    run(["mount", "--make-shared", str(path)])
 
 
 def parse_task_ls(text: str) -> dict[str, tuple[int, str]]:
@@ -99,8 +145,12 @@ class Containerd:
         cgroup_parent: str | None = None,
         snapshotter: str = "overlayfs",
         start_timeout: float = 30.0,
+        cgroup: str = "v1",
     ) -> None:
+        if cgroup not in CGROUP_FLAVOURS:
+            raise TestbedError(f"cgroup flavour {cgroup!r} is not one of {CGROUP_FLAVOURS}")
         self.base_dir = base_dir.resolve()
+        self.cgroup = cgroup
         self.namespace = namespace
         tag = hashlib.sha256(str(self.base_dir).encode()).hexdigest()[:8]
         self.cgroup_parent = cgroup_parent or f"/hermit-{tag}"
@@ -129,6 +179,13 @@ class Containerd:
         return self.base_dir / "runc"
 
     @property
+    def cgroup_root(self) -> Path:
+        """Where the host (this process) reaches the cgroup filesystem the runtime uses:
+        /sys/fs/cgroup for v1, the host's cgroup2 mount for v2 (the same hierarchy the
+        daemon's namespace has on /sys/fs/cgroup)."""
+        return CGROUP2_ROOT if self.cgroup == "v2" else Path("/sys/fs/cgroup")
+
+    @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
@@ -147,10 +204,13 @@ class Containerd:
         for sub in ("root", "state", "opt", "runc", "logs"):
             (self.base_dir / sub).mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(render_config(self.base_dir), encoding="utf-8")
+        argv = [binary, "--config", str(self.config_path)]
+        if self.cgroup == "v2":
+            argv = self._v2_argv(argv)
         log = self.log_file.open("ab")
         try:
             self._proc = subprocess.Popen(
-                [binary, "--config", str(self.config_path)],
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
@@ -177,6 +237,26 @@ class Containerd:
             self._proc = None
             raise TestbedError(f"containerd exited with {proc.returncode}: {''.join(tail)}")
         return self
+
+    def _v2_argv(self, argv: list[str]) -> list[str]:
+        """``argv`` run in a new mount namespace with cgroup2 on /sys/fs/cgroup."""
+        if not (CGROUP2_ROOT / "cgroup.controllers").is_file():
+            raise TestbedError(
+                f"the cgroup v2 flavour needs the cgroup2 hierarchy at {CGROUP2_ROOT} on the "
+                "host (the hybrid layout), to reach the containers' v2 groups from there")
+        for shared in (self.base_dir, NETNS_DIR):
+            make_shared(shared)
+        return [which("unshare"), "--mount", "--propagation", "unchanged", "--",
+                "sh", "-c", V2_WRAPPER, *argv]
+
+    def _cri_runc(self) -> Path:
+        """The runc wrapper of the v2 flavour (``CRI_RUNC``), written once."""
+        path = self.base_dir / "runc-cri"
+        if not path.exists():
+            path.write_text(CRI_RUNC.format(python=sys.executable, runc=which("runc")),
+                            encoding="utf-8")
+            path.chmod(0o755)
+        return path
 
     def stop(self) -> None:
         """Kill and delete every task and container, stop the daemon, leave nothing behind."""
@@ -356,6 +436,10 @@ class Containerd:
             argv += ["--cwd", cwd]
         if privileged:
             argv.append("--privileged")
+        if self.cgroup == "v2":
+            # ctr asks for cpu shares 1024 unless told 0, which runc writes to cpu.weight on
+            # v2; the cpu controller is bound to v1 on this kernel, so v2 has no such file.
+            argv += ["--cpu-shares", "0", "--runc-binary", str(self._cri_runc())]
         argv += [*extra_args, image_ref, container_id, *(args or [])]
         self._started_ids.add(container_id)
         self.ctr(*argv, timeout=120)

@@ -53,7 +53,7 @@ from hermit_testbed.containerd import Containerd
 from hermit_testbed.errors import TestbedError
 from hermit_testbed.scenario import Node, build_sandbox_image, destroy_sandbox, start_sandbox
 from tests.support import attacks
-from tests.support.containerd import require_containerd
+from tests.support.containerd import CGROUP_FLAVOURS, require_containerd
 from tests.support.minio import MinioServer
 from tests.support.root import require_root
 from tests.support.wait import wait_until
@@ -367,15 +367,17 @@ done
 '''
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+@pytest.fixture(scope="module", params=CGROUP_FLAVOURS)
+def node(request: pytest.FixtureRequest,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    """A cgroup v1 or cgroup v2 node (the test id says which)."""
     require_containerd()
-    base = tmp_path_factory.mktemp("race-node")
+    base = tmp_path_factory.mktemp(f"race-node-{request.param}")
     try:
         image_tar = build_sandbox_image(base)
     except TestbedError as exc:
         pytest.fail(str(exc), pytrace=False)
-    with Containerd(base / "node") as cd:
+    with Containerd(base / "node", cgroup=request.param) as cd:
         n = Node("node-race", cd, base / "work")
         n.work_dir.mkdir()
         n.image_ref = cd.import_image(image_tar)
@@ -394,7 +396,8 @@ def test_a_sidecar_swapping_workspace_dirs_during_real_checkpoints(
     settings = minio_server.settings(f"race-{uuid.uuid4().hex[:8]}")
     store = CheckpointStore(settings)
     store.ensure_bucket()
-    engine = CheckpointEngine(Criu(str(criu_bin)), store, node.work_dir)
+    engine = CheckpointEngine(Criu(str(criu_bin)), store, node.work_dir,
+                              cgroup_root=node.containerd.cgroup_root)
     sandbox = start_sandbox(node, cni_network, "sbx-race")
     sidecar_id = "sbx-race-sidecar"
     try:

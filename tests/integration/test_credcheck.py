@@ -42,7 +42,7 @@ from hermit_testbed.scenario import (
     start_sandbox,
 )
 from tests.support import forge
-from tests.support.containerd import require_containerd, two_nodes
+from tests.support.containerd import CGROUP_FLAVOURS, require_containerd, two_nodes
 from tests.support.minio import MinioServer
 
 pytestmark = pytest.mark.integration
@@ -51,15 +51,17 @@ NAMESPACE = "agents"
 CAP_NET_RAW = 1 << 13
 
 
-@pytest.fixture(scope="module")
-def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node]]:
+@pytest.fixture(scope="module", params=CGROUP_FLAVOURS)
+def nodes(request: pytest.FixtureRequest,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node]]:
+    """Node A and B, both cgroup v1 or both cgroup v2 (the test id says which)."""
     require_containerd()
-    base = tmp_path_factory.mktemp("nodes")
+    base = tmp_path_factory.mktemp(f"nodes-{request.param}")
     try:
         image_tar = build_sandbox_image(base)
     except TestbedError as exc:
         pytest.fail(str(exc), pytrace=False)
-    with two_nodes(base, image_tar) as pair:
+    with two_nodes(base, image_tar, cgroup=request.param) as pair:
         yield pair
 
 
@@ -106,7 +108,7 @@ def _writable_proc_sys(images: Path) -> None:
 
 def _checkpoint(node: Node, criu: Criu, store: CheckpointStore, source: Sandbox, uid: str,
                 name: str) -> None:
-    engine = CheckpointEngine(criu, store, node.work_dir)
+    engine = CheckpointEngine(criu, store, node.work_dir, cgroup_root=node.containerd.cgroup_root)
     engine.checkpoint(CheckpointTarget(namespace=NAMESPACE, sandbox="sbx", sandbox_uid=uid,
                                        checkpoint=name, init_pid=source.init_pid,
                                        image_digest=node.image_digest()))
@@ -119,14 +121,16 @@ def _restore_target(node: Node, target: Sandbox, uid: str, name: str) -> Restore
 
 def _restore(node: Node, criu_bin: Path, store: CheckpointStore, target: Sandbox, uid: str,
              name: str) -> None:
-    RestoreEngine(Criu(str(criu_bin)), store, node.work_dir).restore(
+    RestoreEngine(Criu(str(criu_bin)), store, node.work_dir,
+                  cgroup_root=node.containerd.cgroup_root).restore(
         _restore_target(node, target, uid, name))
 
 
 def _staging(node: Node, criu_bin: Path, store: CheckpointStore, target: Sandbox, uid: str,
              name: str) -> Path:
     """Where the restore of checkpoint ``name`` into ``target`` stages its files."""
-    return RestoreEngine(Criu(str(criu_bin)), store, node.work_dir).local_dir(
+    return RestoreEngine(Criu(str(criu_bin)), store, node.work_dir,
+                         cgroup_root=node.containerd.cgroup_root).local_dir(
         _restore_target(node, target, uid, name))
 
 

@@ -20,25 +20,32 @@ from tests.support.wait import wait_until
 pytestmark = pytest.mark.integration
 
 V1_FREEZER = Path("/sys/fs/cgroup/freezer")
-V2_ROOT = Path("/sys/fs/cgroup")
+# The cgroup2 hierarchy: /sys/fs/cgroup on a v2 host, /sys/fs/cgroup/unified on a hybrid
+# one like this test bed's (controllers on v1; freeze, cgroup.kill and cgroup.procs are
+# v2's own files, there whatever controllers it has).
+V2_ROOTS = (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"))
 
 
-def _new_cgroup() -> Path:
+def _new_cgroup(version: str) -> Path:
     name = f"hermit-test-{uuid.uuid4().hex[:8]}"
-    if V1_FREEZER.is_dir():
+    if version == "v1":
+        if not V1_FREEZER.is_dir():
+            pytest.fail("no cgroup v1 freezer here: mount the v1 freezer hierarchy at "
+                        f"{V1_FREEZER} (as root)")
         path = V1_FREEZER / name
-    elif (V2_ROOT / "cgroup.controllers").exists():
-        path = V2_ROOT / name
     else:
-        pytest.fail("no cgroup freezer here: mount the v1 freezer hierarchy at "
-                    "/sys/fs/cgroup/freezer or run on cgroup v2 (as root)")
+        roots = [r for r in V2_ROOTS if (r / "cgroup.controllers").exists()]
+        if not roots:
+            pytest.fail("no cgroup v2 hierarchy here: mount cgroup2 at /sys/fs/cgroup or "
+                        "/sys/fs/cgroup/unified (as root)")
+        path = roots[0] / name
     path.mkdir()
     return path
 
 
-@pytest.fixture
-def cgroup() -> Iterator[Path]:
-    path = _new_cgroup()
+@pytest.fixture(params=("v1", "v2"))
+def cgroup(request: pytest.FixtureRequest) -> Iterator[Path]:
+    path = _new_cgroup(request.param)
     try:
         yield path
     finally:
@@ -75,6 +82,7 @@ def test_a_frozen_tree_is_ended_without_running_again(cgroup: Path, tmp_path: Pa
         assert len(procs) >= 2, f"init and child in the cgroup: {procs}"
         init = min(procs)
         freezer.freeze(cgroup)
+        assert freezer.is_frozen(cgroup)
         time.sleep(0.3)  # the child's next tick is due: it would run at the thaw
         frozen_size = _size(ticks)
         killed = freezer.end_frozen(cgroup, init)
@@ -82,6 +90,32 @@ def test_a_frozen_tree_is_ended_without_running_again(cgroup: Path, tmp_path: Pa
         wait_until("the tree to end",
                    lambda: not (cgroup / "cgroup.procs").read_text().split(), 10)
         assert _size(ticks) == frozen_size, "a process of the ended tree ran after the freeze"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_a_tree_an_earlier_run_left_frozen_is_settled(cgroup: Path, tmp_path: Path) -> None:
+    """A restarted node-agent finds the container's group from its init's
+    /proc/<pid>/cgroup (on v2 the 0:: line, relative to the node's cgroup root) and ends
+    the tree it finds frozen; one that is not frozen is left alone."""
+    root = Path("/sys/fs/cgroup") if cgroup.parent == V1_FREEZER else cgroup.parent
+    ticks = tmp_path / "ticks"
+    proc = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--kill-child", "sh", "-c",
+         f"echo $$ > {cgroup}/cgroup.procs; "
+         f"sh -c 'while :; do echo tick >> {ticks}; sleep 0.01; done' & wait"])
+    try:
+        wait_until("the child to tick", lambda: _size(ticks) >= 5, 10)
+        init = min(int(p) for p in (cgroup / "cgroup.procs").read_text().split())
+        assert freezer.settle(init, kill=True, cgroup_root=root) is False
+        assert not freezer.is_frozen(cgroup)
+        freezer.freeze(cgroup)
+        frozen_size = _size(ticks)
+        assert freezer.settle(init, kill=True, cgroup_root=root) is True
+        wait_until("the tree to end",
+                   lambda: not (cgroup / "cgroup.procs").read_text().split(), 10)
+        assert _size(ticks) == frozen_size, "a process of the settled tree ran again"
     finally:
         proc.kill()
         proc.wait(timeout=10)

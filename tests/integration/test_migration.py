@@ -24,6 +24,7 @@ import zstandard
 from hermit_common.errors import CheckpointFailed, CheckpointRefused
 from hermit_common.settings import StoreSettings
 from hermit_common.store import CheckpointStore, make_s3_client
+from hermit_node import locate
 from hermit_node.checkpoint import CheckpointEngine, CheckpointTarget
 from hermit_node.criu import Criu
 from hermit_node.restore import RestoreEngine, RestoreTarget
@@ -39,7 +40,7 @@ from hermit_testbed.scenario import (
     process_tree,
     start_sandbox,
 )
-from tests.support.containerd import require_containerd, two_nodes
+from tests.support.containerd import CGROUP_FLAVOURS, require_containerd, two_nodes
 from tests.support.minio import MinioServer
 
 pytestmark = pytest.mark.integration
@@ -47,15 +48,17 @@ pytestmark = pytest.mark.integration
 NAMESPACE = "agents"
 
 
-@pytest.fixture(scope="module")
-def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node]]:
+@pytest.fixture(scope="module", params=CGROUP_FLAVOURS)
+def nodes(request: pytest.FixtureRequest,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node]]:
+    """Node A and B, both cgroup v1 or both cgroup v2 (the test id says which)."""
     require_containerd()
-    base = tmp_path_factory.mktemp("nodes")
+    base = tmp_path_factory.mktemp(f"nodes-{request.param}")
     try:
         image_tar = build_sandbox_image(base)
     except TestbedError as exc:
         pytest.fail(str(exc), pytrace=False)
-    with two_nodes(base, image_tar) as pair:
+    with two_nodes(base, image_tar, cgroup=request.param) as pair:
         yield pair
 
 
@@ -70,8 +73,9 @@ def engines(node: Node, criu_bin: Path, settings: StoreSettings, *,
             lazy: bool = False) -> tuple[CheckpointEngine, RestoreEngine]:
     store = CheckpointStore(settings)
     criu = Criu(str(criu_bin))
-    return (CheckpointEngine(criu, store, node.work_dir),
-            RestoreEngine(criu, store, node.work_dir, lazy=lazy))
+    root = node.containerd.cgroup_root
+    return (CheckpointEngine(criu, store, node.work_dir, cgroup_root=root),
+            RestoreEngine(criu, store, node.work_dir, lazy=lazy, cgroup_root=root))
 
 
 def checkpoint_target(sandbox: Sandbox, uid: str, name: str) -> CheckpointTarget:
@@ -142,12 +146,57 @@ def test_migration_keeps_memory_children_files_log_socket_and_output(
         # stdout of B carries the workload's output after the restore.
         target.container.wait_log(f"tick {last + 5}\n", 30)
 
-        # Every restored process lives in B's cgroups.
+        # Every restored process lives in B's cgroups, and sees them as B's init does:
+        # through its cgroup namespace (a v2 node's containers have one of their own) and
+        # its cgroup mounts (v2: cgroup2 on /sys/fs/cgroup, rooted at B's group).
         expected = Path(f"/proc/{target.init_pid}/cgroup").read_text()
+        cgroup_ns = os.readlink(f"/proc/{target.init_pid}/ns/cgroup")
+        init_view = _cgroup_view(target.init_pid)
         for pid in tree[1:]:
             assert Path(f"/proc/{pid}/cgroup").read_text() == expected, f"pid {pid} cgroup"
+            assert os.readlink(f"/proc/{pid}/ns/cgroup") == cgroup_ns, f"pid {pid} cgroupns"
+            assert _cgroup_view(pid) == init_view, f"pid {pid} sees other cgroups"
+        if node_b.containerd.cgroup == "v2":
+            assert cgroup_ns != os.readlink("/proc/self/ns/cgroup")
+            assert init_view == ("0::/", [("/sys/fs/cgroup", "/", "ro,nosuid,nodev,noexec,relatime",
+                                           "cgroup2")]), init_view
     finally:
         destroy_sandbox(target, cni_network)
+
+
+def _cgroup_view(pid: int) -> tuple[str, list[tuple[str, ...]]]:
+    """What ``pid`` itself reads: the v2 line of its /proc/self/cgroup, and the mount
+    point, root, options and type of every cgroup mount it has (both read from inside its
+    cgroup namespace: they show paths relative to the reader's)."""
+    def read(path: str) -> str:
+        return subprocess.run(["nsenter", "-t", str(pid), "-C", "cat", path],
+                              capture_output=True, text=True, check=True, timeout=10).stdout
+
+    line = next(ln for ln in read(f"/proc/{pid}/cgroup").splitlines() if ln.startswith("0::"))
+    mounts = [(f[4], f[3], f[5], f[f.index("-") + 1])
+              for f in (ln.split() for ln in read(f"/proc/{pid}/mountinfo").splitlines())
+              if f[f.index("-") + 1] in ("cgroup", "cgroup2")]
+    return line, mounts
+
+
+def test_the_init_is_found_from_the_container_id(
+    nodes: tuple[Node, Node], cni_network: CniNetwork,
+) -> None:
+    """As the node-agent finds a pod's container from the kubelet's containerID: by the id
+    in its processes' cgroup paths (on v2 only the 0:: line names it)."""
+    node_a, _ = nodes
+    cid = uuid.uuid4().hex
+    sandbox = start_sandbox(node_a, cni_network, cid)
+    try:
+        sandbox.wait_ticks(1)
+        lines = [ln for ln in Path(f"/proc/{sandbox.init_pid}/cgroup").read_text().splitlines()
+                 if cid in ln]
+        if node_a.containerd.cgroup == "v2":
+            assert [ln.split(":", 2)[0] for ln in lines] == ["0"], lines
+        assert locate.find_init_pid(f"containerd://{cid}") == sandbox.init_pid
+        assert locate.dump_root(sandbox.init_pid) == sandbox.init_pid
+    finally:
+        destroy_sandbox(sandbox, cni_network)
 
 
 def _wait_for_every_page(staged: Path, timeout: float = 120.0) -> None:
@@ -284,7 +333,8 @@ def test_failed_checkpoint_leaves_sandbox_running(
         bucket="nowhere", endpoint_url="http://127.0.0.1:9", access_key_id="x",
         secret_access_key="y", max_attempts=1, connect_timeout_seconds=0.5,
         read_timeout_seconds=1.0)
-    engine = CheckpointEngine(Criu(str(criu_bin)), CheckpointStore(unreachable), node_a.work_dir)
+    engine = CheckpointEngine(Criu(str(criu_bin)), CheckpointStore(unreachable), node_a.work_dir,
+                              cgroup_root=node_a.containerd.cgroup_root)
     sandbox = start_sandbox(node_a, cni_network, "sbx-fail")
     try:
         sandbox.wait_ticks(5)
@@ -430,7 +480,8 @@ def test_cli_prints_one_line_errors_and_the_sandbox_keeps_running(
         env = {**os.environ, "HERMIT_S3_BUCKET": "b", "HERMIT_S3_ENDPOINT": "http://127.0.0.1:9",
                "HERMIT_S3_ACCESS_KEY_ID": "x", "HERMIT_S3_SECRET_ACCESS_KEY": "y",
                "HERMIT_S3_MAX_ATTEMPTS": "1", "HERMIT_S3_CONNECT_TIMEOUT_SECONDS": "0.5",
-               "HERMIT_CRIU_PATH": str(criu_bin), "HERMIT_WORK_DIR": str(node_a.work_dir)}
+               "HERMIT_CRIU_PATH": str(criu_bin), "HERMIT_WORK_DIR": str(node_a.work_dir),
+               "HERMIT_CGROUP_ROOT": str(node_a.containerd.cgroup_root)}
         proc = subprocess.run(
             [sys.executable, "-m", "hermit_node.cli", "checkpoint", "--pid",
              str(sandbox.init_pid), "--namespace", NAMESPACE, "--sandbox", "sbx-cli",

@@ -48,7 +48,7 @@ from hermit_testbed.scenario import (
     process_tree,
     required_binary,
 )
-from tests.support.containerd import require_containerd, two_nodes
+from tests.support.containerd import CGROUP_FLAVOURS, require_containerd, two_nodes
 from tests.support.minio import MinioServer
 
 pytestmark = pytest.mark.integration
@@ -97,15 +97,17 @@ def _image(work: Path) -> Path:
     return build_image(rootfs, IMAGE_REF, work / "restricted-image.tar")
 
 
-@pytest.fixture(scope="module")
-def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node]]:
+@pytest.fixture(scope="module", params=CGROUP_FLAVOURS)
+def nodes(request: pytest.FixtureRequest,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node]]:
+    """Node A and B, both cgroup v1 or both cgroup v2 (the test id says which)."""
     require_containerd()
-    base = tmp_path_factory.mktemp("restricted")
+    base = tmp_path_factory.mktemp(f"restricted-{request.param}")
     try:
         image_tar = _image(base)
     except (TestbedError, subprocess.CalledProcessError) as exc:
         pytest.fail(str(exc), pytrace=False)
-    with two_nodes(base, image_tar) as pair:
+    with two_nodes(base, image_tar, cgroup=request.param) as pair:
         yield pair
 
 
@@ -165,7 +167,7 @@ def test_a_restricted_sandbox_is_checkpointed_and_restored_without_root(
         for pid in tree:
             assert _credentials(pid) == RESTRICTED, (pid, _credentials(pid))
         checkpoint = CheckpointEngine(Criu(str(criu_bin)), CheckpointStore(settings),
-                                      node_a.work_dir)
+                                      node_a.work_dir, cgroup_root=node_a.containerd.cgroup_root)
         target_a = CheckpointTarget(
             namespace=NAMESPACE, sandbox="sbx", sandbox_uid=uid, checkpoint="ckpt-1",
             init_pid=source.init_pid, image_digest=node_a.image_digest())
@@ -187,7 +189,8 @@ def test_a_restricted_sandbox_is_checkpointed_and_restored_without_root(
     try:
         assert _credentials(target.init_pid) == RESTRICTED  # the waiting init, unprivileged
         restored = RestoreEngine(Criu(str(criu_bin)), CheckpointStore(settings),
-                                 node_b.work_dir).restore(RestoreTarget(
+                                 node_b.work_dir,
+                                 cgroup_root=node_b.containerd.cgroup_root).restore(RestoreTarget(
             namespace=NAMESPACE, sandbox="sbx", sandbox_uid=uid, checkpoint="ckpt-1",
             init_pid=target.init_pid, image_digest=node_b.image_digest()))
         assert restored.restored_pid > 0

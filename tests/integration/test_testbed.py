@@ -163,3 +163,43 @@ def test_stop_leaves_nothing_behind(
     assert not Path("/sys/class/net", network.bridge).exists()
     assert not netns.path.exists()
     assert not Path("/sys/fs/cgroup/memory", daemon.cgroup_parent.strip("/")).exists()
+
+
+def test_a_v2_node_runs_its_containers_on_cgroup_v2_like_the_cri_does(
+    busybox_rootfs_dir: Path, cni_network: CniNetwork, tmp_path: Path
+) -> None:
+    """The cgroup v2 flavour: runc makes the container's group in the v2 hierarchy and
+    none in v1; the container has a cgroup namespace and cgroup2 read-only on
+    /sys/fs/cgroup; its rootfs mount shows on the host and a netns added after the
+    daemon started works; stop leaves nothing, its v2 groups included."""
+    require_containerd()
+    base = tmp_path / "node"
+    daemon = Containerd(base, namespace="hermit-v2", cgroup="v2")
+    parent = daemon.cgroup_parent.strip("/")
+    daemon.start()
+    netns = cni_network.add("v2")  # after the daemon's mount namespace was made
+    try:
+        ref = daemon.import_image(build_image(busybox_rootfs_dir, BUSYBOX_REF, tmp_path / "i.tar"))
+        container = daemon.run("c2", ref, ["/bin/sh", "-c", "cat /proc/self/cgroup; "
+                                           f"exec nc -ll -p {PORT} -e /bin/echo pong"],
+                               netns_path=netns.path)
+        assert "0::/\n" in container.wait_log("0::", timeout=15)
+        own = Path("/proc", str(container.init_pid), "cgroup").read_text()
+        assert f"0::/{parent}/c2\n" in own
+        assert (daemon.cgroup_root / parent / "c2" / "cgroup.freeze").is_file()
+        assert not Path("/sys/fs/cgroup/freezer", parent).exists(), "runc made v1 groups"
+        assert container.ns_inode("cgroup") != os.stat("/proc/self/ns/cgroup").st_ino
+        mounts = parse_mountinfo(Path(f"/proc/{container.init_pid}/mountinfo").read_text())
+        [cgroup_mount] = [m for m in mounts if m.fstype in ("cgroup", "cgroup2")]
+        assert (cgroup_mount.mount_point, cgroup_mount.fstype) == ("/sys/fs/cgroup", "cgroup2")
+        assert cgroup_mount.options.split(",")[0] == "ro"
+        assert any(p.endswith("/c2/rootfs") for p in daemon.mounts()), daemon.mounts()
+        assert _wait_tcp(netns.ip, PORT, timeout=15) == b"pong\n"
+        containerd_pid = daemon.pid
+    finally:
+        daemon.stop()
+        cni_network.delete(netns)
+    assert daemon.mounts() == [] and daemon.shim_pids() == []
+    assert containerd_pid is not None and not pid_alive(containerd_pid)
+    assert not container.alive()
+    assert not (daemon.cgroup_root / parent).exists()

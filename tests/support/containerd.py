@@ -9,8 +9,10 @@ Fixtures (hack/install-containerd installs containerd, runc and the CNI plugins)
 - ``busybox_rootfs_dir`` / ``busybox_image`` (session): a busybox rootfs and its image
   (``BUSYBOX_REF``) imported into ``containerd_daemon``.
 
-``two_nodes(base, image_tar)`` (a context manager, for the migration tests' module
-fixtures): node A and node B, each a private containerd with ``image_tar`` imported.
+``two_nodes(base, image_tar, cgroup=...)`` (a context manager, for the migration tests'
+module fixtures): node A and node B, each a private containerd with ``image_tar``
+imported, both of the cgroup flavour ``cgroup`` (``CGROUP_FLAVOURS``: "v1" is the
+host's layout, "v2" a daemon whose mount namespace has cgroup2 on /sys/fs/cgroup).
 
 Missing binaries fail the test (never skip) and name the script to run.
 """
@@ -25,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from hermit_testbed.cni import CniNetwork, Netns, plugin_dir
-from hermit_testbed.containerd import Containerd
+from hermit_testbed.containerd import CGROUP_FLAVOURS, Containerd
 from hermit_testbed.errors import TestbedError
 from hermit_testbed.image import build_image, busybox_rootfs
 from hermit_testbed.scenario import Node
@@ -47,11 +49,16 @@ def require_containerd() -> None:
         pytest.fail(f"{exc}", pytrace=False)
 
 
+__all__ = ["CGROUP_FLAVOURS", "require_containerd", "two_nodes"]
+
+
 @contextmanager
-def two_nodes(base: Path, image_tar: Path) -> Iterator[tuple[Node, Node]]:
+def two_nodes(base: Path, image_tar: Path, *,
+              cgroup: str = "v1") -> Iterator[tuple[Node, Node]]:
     """Node A and node B: two private containerd daemons under ``base``, each with the
     sandbox image ``image_tar`` imported and a work dir of its own."""
-    with Containerd(base / "node-a") as cd_a, Containerd(base / "node-b") as cd_b:
+    with Containerd(base / "node-a", cgroup=cgroup) as cd_a, \
+            Containerd(base / "node-b", cgroup=cgroup) as cd_b:
         pair = (Node("node-a", cd_a, base / "work-a"), Node("node-b", cd_b, base / "work-b"))
         for node in pair:
             node.work_dir.mkdir()

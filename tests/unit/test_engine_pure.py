@@ -47,6 +47,47 @@ def test_cgroups_parse_v1_and_v2() -> None:
     assert groups[2].hierarchy == ""
 
 
+# /proc/<pid>/cgroup of a container that runc put in the v2 hierarchy on a kernel whose
+# controllers are bound to v1: the v1 lines name the groups its runtime was in.
+V2_NODE_PROC_CGROUP = """\
+6:freezer:/
+4:memory:/process_api/8c3d
+1:cpu:/
+0::/hermit-1a76/sbx
+"""
+
+
+def test_a_v2_node_keeps_only_the_unified_line() -> None:
+    groups = container.parse_cgroups(V2_NODE_PROC_CGROUP)
+    assert container.node_cgroups(groups, unified=True) == (
+        container.Cgroup("", "/hermit-1a76/sbx"),)
+    assert container.node_cgroups(groups, unified=False) == groups
+
+
+def test_the_freezer_group_of_a_v2_node_is_its_unified_group(tmp_path: Path) -> None:
+    root = tmp_path / "cgroup2"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("hugetlb\n")
+    assert container.is_unified(root)
+    assert not container.is_unified(tmp_path)
+    groups = container.node_cgroups(container.parse_cgroups(V2_NODE_PROC_CGROUP), True)
+    # Not /sys/fs/cgroup/freezer (the runtime's v1 freezer group, the host's root here).
+    assert container.freezer_cgroup(groups, root) == root / "hermit-1a76/sbx"
+    view = container.ContainerView(
+        init_pid=10, bundle=Path("/b"), rootfs=Path("/b/rootfs"), upperdir=None,
+        netns_inode=1, stdio=("", "", ""), bind_mounts=(), cgroups=groups,
+        cgroup_root=root)
+    assert view.freezer_cgroup() == view.unified_cgroup() == root / "hermit-1a76/sbx"
+    assert view.cgroup_dirs() == [root / "hermit-1a76/sbx"]
+
+
+def test_the_unified_group_of_a_hybrid_node_is_under_unified(tmp_path: Path) -> None:
+    (tmp_path / "unified").mkdir()
+    assert container.Cgroup("", "/k/c1").host_path(str(tmp_path)) == tmp_path / "unified/k/c1"
+    assert container.Cgroup("", "/k/c1").host_path(str(tmp_path / "unified")) == \
+        tmp_path / "unified/k/c1"
+
+
 def test_cpu_flags_keep_user_visible_features_only() -> None:
     cpuinfo = "processor: 0\nflags : fpu sse sse2 avx2 hypervisor constant_tsc aes bmi2\n"
     assert sysinfo.cpu_flags(cpuinfo) == ("aes", "avx2", "bmi2", "sse", "sse2")

@@ -13,6 +13,9 @@ def test_defaults() -> None:
     assert s.store.bucket == "ckpts" and s.store.prefix == "hermit"
     assert s.store.endpoint_url is None and s.watcher.provider == "aws"
     assert s.watcher.poll_interval_seconds == 1.0
+    assert s.cgroup_root == "/sys/fs/cgroup"
+    assert NodeSettings.from_env({**BASE, "HERMIT_CGROUP_ROOT": "/host/cgroup"}).cgroup_root \
+        == "/host/cgroup"
 
 
 @pytest.mark.parametrize(
