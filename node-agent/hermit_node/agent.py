@@ -30,6 +30,7 @@ from hermit_common import protocol
 from hermit_common.bandwidth import UploadLimiter
 from hermit_common.chunkcache import CacheTally, ChunkCache
 from hermit_common.errors import CheckpointFailed, CheckpointRefused, HermitError, RestoreFailed
+from hermit_common.protocol import KubeObject
 from hermit_common.s3errors import CheckpointNotFound
 from hermit_common.seal import Expected
 from hermit_common.settings import NodeSettings, redacted
@@ -50,7 +51,7 @@ from hermit_node.collect import Collector
 from hermit_node.fence import Fence
 from hermit_node.informer import WatchedNode
 from hermit_node.kube import Kube, KubeConflict, KubeError, KubeTransient
-from hermit_node.planner import KubeObject, SandboxPod
+from hermit_node.planner import SandboxPod
 from hermit_node.restore import RestoreResult, RestoreTarget
 from hermit_node.storage import Location, StorageError
 from hermit_node.watchers import Notice

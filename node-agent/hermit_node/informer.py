@@ -30,10 +30,10 @@ from typing import Any, Final, Protocol
 
 from hermit_common import protocol
 from hermit_common.kubeapi import KubeApiError, KubeTransient
+from hermit_common.protocol import KubeObject
 
 log = logging.getLogger("hermit_node")
 
-KubeObject = dict[str, Any]
 
 GONE: Final = 410
 # The API server ends a watch after this long (plus up to a quarter more, to spread the

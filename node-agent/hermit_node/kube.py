@@ -29,8 +29,7 @@ from hermit_common.kubeapi import (
     api_error,
 )
 from hermit_common.kubeclient import MERGE_PATCH, REQUEST_TIMEOUT
-
-KubeObject = dict[str, Any]
+from hermit_common.protocol import KubeObject
 
 KubeError = KubeApiError  # catching it catches every API failure
 

@@ -12,13 +12,13 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from hermit_common import api, display, protocol
+from hermit_common.protocol import KubeObject
 
 if TYPE_CHECKING:
     from hermit_common.store import UploadProgress
     from hermit_node.checkpoint import CheckpointResult
     from hermit_node.restore import RestoreResult
 
-KubeObject = dict[str, Any]
 
 
 

@@ -29,9 +29,8 @@ from typing import Any, Final, Protocol
 
 from hermit_common import protocol
 from hermit_common.errors import HermitError
+from hermit_common.protocol import KubeObject
 from hermit_node.planner import SandboxPod
-
-KubeObject = dict[str, Any]
 
 # Drawn once per process: the tag of a name another node took first.
 _KEY: Final = secrets.token_bytes(32)

@@ -34,12 +34,11 @@ from urllib.parse import urlparse
 from hermit_common import api, protocol
 from hermit_common.chunkcache import ChunkCache
 from hermit_common.errors import CheckpointRefused, HermitError
+from hermit_common.protocol import KubeObject
 from hermit_common.seal import Sealing
 from hermit_common.settings import StoreSettings
 from hermit_common.store import CheckpointStore, make_s3_client
 from hermit_node.kube import KubeForbidden
-
-KubeObject = dict[str, Any]
 
 # S3 clients kept at once (one per endpoint, region and set of credentials); the least
 # recently used goes first, so rotated credentials do not pile up.

@@ -43,11 +43,12 @@ from typing import Any, Final, Protocol
 from hermit_common import api, protocol
 from hermit_common import metrics as hermit_metrics
 from hermit_common.errors import HermitError
+from hermit_common.protocol import KubeObject
 from hermit_common.settings import TURN_AUDIENCE
 from hermit_node import inspector, metrics, planner, requests, turnlimits
 from hermit_node.inspector import Decision, Snapshot
 from hermit_node.kube import KubeError
-from hermit_node.planner import KubeObject, SandboxPod
+from hermit_node.planner import SandboxPod
 
 log = logging.getLogger("hermit_node.turns")
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from hermit_common import api, protocol
 from hermit_common.errors import HermitError
+from hermit_common.protocol import KubeObject
 from hermit_common.settings import OperatorSettings
 from hermit_operator import metrics, overlap
 from hermit_operator.checkpoints import orphan_status, sandbox_of
@@ -25,7 +26,6 @@ from hermit_operator.podspec import InvalidSpec
 from hermit_operator.reconcile import Event, Plan, plan, rejected_status
 from hermit_operator.resync import Inputs, fingerprint_of
 
-KubeObject = dict[str, Any]
 Poster = Callable[[KubeObject, Event], None]
 
 # A sandbox's PodDisruptionBudget is created (or deleted) at most this often; in between

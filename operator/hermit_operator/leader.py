@@ -27,14 +27,13 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from hermit_common.kubeapi import CALL_ERRORS
-from hermit_common.protocol import parse_time
+from hermit_common.protocol import KubeObject, parse_time
 
 log = logging.getLogger("hermit.operator.leader")
 
 LEASE_SECONDS = 15  # a holder that has not renewed for this long is gone
 RENEW_SECONDS = 5  # how often the holder renews (and a standby looks)
 
-KubeObject = dict[str, Any]
 
 
 @dataclass(frozen=True)

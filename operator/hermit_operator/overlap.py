@@ -24,10 +24,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from hermit_common import api, protocol
+from hermit_common.protocol import KubeObject
 from hermit_operator import checkpoints as ck
 from hermit_operator import podspec
-
-KubeObject = dict[str, Any]
 
 
 def replacement_name(sandbox: Mapping[str, Any], checkpoints: Iterable[Mapping[str, Any]]

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
 
 from hermit_common import api, protocol
+from hermit_common.protocol import KubeObject
 from hermit_operator import podspec
 from hermit_operator.conditions import FALSE, get_condition
-
-KubeObject = dict[str, Any]
 
 UNSCHEDULABLE = "Unschedulable"  # the scheduler's reason on the pod's PodScheduled condition
 POD_SCHEDULED = "PodScheduled"

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from hermit_common import protocol
+from hermit_common.protocol import KubeObject
 from hermit_common.settings import (
     ALLOW_HOST_NAMESPACES,
     ALLOW_HOST_PATH,
@@ -35,8 +36,6 @@ from hermit_common.settings import (
     PROFILE_RESTRICTED,
     PodPolicySettings,
 )
-
-KubeObject = dict[str, Any]
 
 # Hermit's own volumes and init container (podspec.py adds them): the workspace the
 # node-agent copies from the host, and the emptyDir hermit-init is copied into.

@@ -11,10 +11,10 @@ the resulting argv is ``<init> -- <command> <args>``).
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 from hermit_common import api, protocol
 from hermit_common.errors import HermitError
+from hermit_common.protocol import KubeObject
 from hermit_common.settings import OperatorSettings, PodPolicySettings
 from hermit_operator import podpolicy
 from hermit_operator.checkpoints import STOPPING_WAIT
@@ -50,7 +50,6 @@ SPOT_TOLERATIONS: tuple[dict[str, str], ...] = (
      "effect": "NoSchedule"},
 )
 
-KubeObject = dict[str, Any]
 
 
 class InvalidSpec(HermitError):

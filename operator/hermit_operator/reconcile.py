@@ -34,9 +34,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Final
+from typing import Final
 
 from hermit_common import api, display, protocol
+from hermit_common.protocol import KubeObject
 from hermit_common.settings import OperatorSettings
 from hermit_operator import checkpoints as ck
 from hermit_operator import overlap, placement, podspec
@@ -55,8 +56,6 @@ from hermit_operator.situations import (
     REASON_CHECKPOINT_IN_PROGRESS,
     REASON_RESTORE_FAILED,
 )
-
-KubeObject = dict[str, Any]
 
 NORMAL = "Normal"
 WARNING = "Warning"
@@ -686,14 +685,6 @@ def _to_on_demand(st: _State, out: KubeObject, incarnation: int, pod: KubeObject
                    on_demand=why)
 
 
-def pod_incarnation(pod: KubeObject) -> int | None:
-    labels = (pod.get("metadata") or {}).get("labels") or {}
-    try:
-        return int(labels[protocol.LABEL_INCARNATION])
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
 def _one_line(text: object) -> str:
     return " ".join(str(text or "").split())[:512]
 
@@ -703,7 +694,7 @@ def _restore_failure(st: _State, out: KubeObject, pod: KubeObject) -> _Failure |
     while Restoring (its init gave up waiting; the agent may have restarted)."""
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
     source = annotations.get(protocol.ANNOTATION_RESTORE_FROM)
-    if not source or pod_incarnation(pod) != int(out["incarnation"]):
+    if not source or protocol.incarnation_of(pod) != int(out["incarnation"]):
         return None
     name = pod["metadata"]["name"]
     outcome = annotations.get(protocol.ANNOTATION_RESTORE_PHASE)
@@ -815,7 +806,7 @@ def _restore_completed(st: _State, out: KubeObject, pod: KubeObject) -> str | No
     the checkpoint it restored, or None."""
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
     source = annotations.get(protocol.ANNOTATION_RESTORE_FROM)
-    if (not source or pod_incarnation(pod) != int(out["incarnation"])
+    if (not source or protocol.incarnation_of(pod) != int(out["incarnation"])
             or annotations.get(protocol.ANNOTATION_RESTORE_PHASE) != protocol.RESTORED
             or not is_true(st.before, api.COND_RESTORING)):
         return None

@@ -33,8 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from hermit_common import protocol
-
-KubeObject = dict[str, Any]
+from hermit_common.protocol import KubeObject
 
 FULL_EVERY: Final = 6  # at least one full reconcile every this many resync periods
 

@@ -15,9 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
-from typing import Any, Final, NamedTuple
+from typing import Final, NamedTuple
 
 from hermit_common import api, protocol
+from hermit_common.protocol import KubeObject
 from hermit_operator import checkpoints as ck
 from hermit_operator.conditions import (
     FALSE,
@@ -27,8 +28,6 @@ from hermit_operator.conditions import (
     set_condition,
 )
 from hermit_operator.placement import Unplaced
-
-KubeObject = dict[str, Any]
 
 # Condition and Event reasons of the checkpoint/restore protocol (candidates for api.py).
 REASON_CHECKPOINT_IN_PROGRESS: Final = "CheckpointInProgress"
