@@ -57,6 +57,12 @@ REASON_POD_TERMINATING: Final = "PodTerminating"
 REASON_SUSPEND_REQUESTED: Final = "SuspendRequested"
 REASON_RESUMED: Final = "Resumed"
 REASON_NOT_SUSPENDED: Final = "NotSuspended"
+# Condition and Event reasons of the checkpoint/restore protocol.
+REASON_CHECKPOINT_IN_PROGRESS: Final = "CheckpointInProgress"
+REASON_CHECKPOINT_COMPLETED: Final = "CheckpointCompleted"
+REASON_CHECKPOINT_FAILED: Final = "CheckpointFailed"
+REASON_NO_CHECKPOINT_IN_PROGRESS: Final = "NoCheckpointInProgress"
+REASON_RESTORE_FAILED: Final = "RestoreFailed"
 REASON_RESTORE_STARTED: Final = "RestoreStarted"
 REASON_RESTORE_COMPLETED: Final = "RestoreCompleted"
 # A move's replacement pod, created while its checkpoint is taken (overlap), and deleted

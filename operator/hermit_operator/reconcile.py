@@ -50,12 +50,6 @@ from hermit_operator.conditions import (
     get_condition,
     is_true,
 )
-from hermit_operator.situations import (
-    REASON_CHECKPOINT_COMPLETED,
-    REASON_CHECKPOINT_FAILED,
-    REASON_CHECKPOINT_IN_PROGRESS,
-    REASON_RESTORE_FAILED,
-)
 
 NORMAL = "Normal"
 WARNING = "Warning"
@@ -394,7 +388,7 @@ def _track_checkpoints(st: _State, out: KubeObject, status: KubeObject) -> None:
     if last is not None:
         record = ck.last_checkpoint_status(last)
         if (status.get("lastCheckpoint") or {}).get("name") != record["name"]:
-            st.events.append(Event(NORMAL, REASON_CHECKPOINT_COMPLETED,
+            st.events.append(Event(NORMAL, api.REASON_CHECKPOINT_COMPLETED,
                                    f"checkpoint {record['name']} ({record.get('reason')}) "
                                    "is complete"))
         out["lastCheckpoint"] = record
@@ -405,7 +399,7 @@ def _track_checkpoints(st: _State, out: KubeObject, status: KubeObject) -> None:
         message = ck.failure_message(done)
         before = get_condition(status.get("conditions") or [], api.COND_CHECKPOINTING) or {}
         if before.get("message") != message:
-            st.events.append(Event(WARNING, REASON_CHECKPOINT_FAILED, message))
+            st.events.append(Event(WARNING, api.REASON_CHECKPOINT_FAILED, message))
 
 
 
@@ -431,7 +425,7 @@ def _suspend(st: _State, out: KubeObject, pod: KubeObject | None, incarnation: i
             return _finish(st, out, pod, sit.Suspending(wanted, name))
         if ck.phase_of(request) == ck.FAILED:
             last = (out.get("lastCheckpoint") or {}).get("name")
-            st.events.append(Event(WARNING, REASON_CHECKPOINT_FAILED,
+            st.events.append(Event(WARNING, api.REASON_CHECKPOINT_FAILED,
                                    f"{ck.failure_message(request)}; releasing pod {name} "
                                    f"anyway: resuming restores {last or 'nothing'}"))
     if pod is not None:
@@ -503,7 +497,7 @@ def _migrate(st: _State, out: KubeObject, incarnation: int, pod: KubeObject, sto
     name = pod["metadata"]["name"]
     node = (pod.get("spec") or {}).get("nodeName")
     source = ck.name_of(stop)
-    st.events.append(Event(NORMAL, REASON_CHECKPOINT_COMPLETED,
+    st.events.append(Event(NORMAL, api.REASON_CHECKPOINT_COMPLETED,
                            f"deleting pod {name} on node {node}: checkpoint {source} "
                            f"({ck.reason_of(stop)}) is durable"))
     event = Event(NORMAL, api.REASON_RESTORE_STARTED,
@@ -579,10 +573,10 @@ def _fork(st: _State, out: KubeObject, source: str, delete: str | None) -> Plan:
     phase = ck.phase_of(ckpt)
     if phase in ck.IN_FLIGHT:
         message = f"waiting for Checkpoint {source} ({phase}) to complete before restoring it"
-        return _fork_blocked(st, out, REASON_CHECKPOINT_IN_PROGRESS, message, warn=False)
+        return _fork_blocked(st, out, api.REASON_CHECKPOINT_IN_PROGRESS, message, warn=False)
     if phase == ck.FAILED:
         message = f"spec.restoreFrom: {ck.failure_message(ckpt)}; no pod is created"
-        return _fork_blocked(st, out, REASON_CHECKPOINT_FAILED, message, warn=True)
+        return _fork_blocked(st, out, api.REASON_CHECKPOINT_FAILED, message, warn=True)
     if not ck.verified(ckpt):
         return _fork_blocked(st, out, api.REASON_CHECKPOINT_UNTRUSTED, warn=True,
                              message=ck.unverified_fork_message(ckpt))
@@ -596,7 +590,7 @@ def _fork_blocked(st: _State, out: KubeObject, reason: str, message: str, *, war
     """The fork cannot start yet: Ready=False says why; a Warning once per reason. A missing
     or in-flight checkpoint is looked at again every FORK_RECHECK_SECONDS (its events
     reconcile the sandbox it is of, not the fork)."""
-    if reason != REASON_CHECKPOINT_FAILED:
+    if reason != api.REASON_CHECKPOINT_FAILED:
         _wake_at(st, st.now + timedelta(seconds=FORK_RECHECK_SECONDS))
     before = get_condition(st.status.get("conditions") or [], api.COND_READY) or {}
     if warn and (before.get("reason"), before.get("message")) != (reason, message):
@@ -685,10 +679,6 @@ def _to_on_demand(st: _State, out: KubeObject, incarnation: int, pod: KubeObject
                    on_demand=why)
 
 
-def _one_line(text: object) -> str:
-    return " ".join(str(text or "").split())[:512]
-
-
 def _restore_failure(st: _State, out: KubeObject, pod: KubeObject) -> _Failure | None:
     """The current restore pod's failed restore: restore-phase Failed, or the pod ended
     while Restoring (its init gave up waiting; the agent may have restarted)."""
@@ -700,9 +690,9 @@ def _restore_failure(st: _State, out: KubeObject, pod: KubeObject) -> _Failure |
     outcome = annotations.get(protocol.ANNOTATION_RESTORE_PHASE)
     if outcome == protocol.RESTORE_FAILED:
         retryable = str(annotations.get(protocol.ANNOTATION_RESTORE_RETRYABLE, "true"))
-        return _Failure(name, str(source),
-                        _one_line(annotations.get(protocol.ANNOTATION_RESTORE_MESSAGE))
-                        or "no message", retryable.strip().lower() != "false")
+        message = str(annotations.get(protocol.ANNOTATION_RESTORE_MESSAGE) or "")
+        return _Failure(name, str(source), protocol.one_line(message) or "no message",
+                        retryable.strip().lower() != "false")
     ended = (pod.get("status") or {}).get("phase") in api.POD_ENDED
     if outcome != protocol.RESTORED and ended and is_true(st.before, api.COND_RESTORING):
         return _Failure(name, str(source),
@@ -740,7 +730,7 @@ def _schedule_retry(st: _State, out: KubeObject, failure: _Failure, attempts: in
     message = (f"pod {failure.pod} could not restore checkpoint {failure.source} (attempt "
                f"{attempts} of {ck.MAX_RESTORE_ATTEMPTS}): {failure.detail}; attempt "
                f"{attempts + 1} at {at}")
-    st.events.append(Event(WARNING, REASON_RESTORE_FAILED, message))
+    st.events.append(Event(WARNING, api.REASON_RESTORE_FAILED, message))
     record = st.status.get("restoredFrom") or {}
     if record.get("name") != failure.source:  # restored by an older operator: no record yet
         record = ck.restore_record(_checkpoint_or_record(st, failure.source), st.now,

@@ -29,13 +29,6 @@ from hermit_operator.conditions import (
 )
 from hermit_operator.placement import Unplaced
 
-# Condition and Event reasons of the checkpoint/restore protocol (candidates for api.py).
-REASON_CHECKPOINT_IN_PROGRESS: Final = "CheckpointInProgress"
-REASON_CHECKPOINT_COMPLETED: Final = "CheckpointCompleted"
-REASON_CHECKPOINT_FAILED: Final = "CheckpointFailed"
-REASON_NO_CHECKPOINT_IN_PROGRESS: Final = "NoCheckpointInProgress"
-REASON_RESTORE_FAILED: Final = "RestoreFailed"
-
 
 class Verdict(NamedTuple):
     """A condition's new status, reason and message."""
@@ -182,16 +175,16 @@ def checkpointing(seen: Seen) -> Verdict | None:
         return None
     busy = ck.active(seen.ckpts)
     if busy is not None:
-        return Verdict(TRUE, REASON_CHECKPOINT_IN_PROGRESS, f"checkpoint {ck.name_of(busy)} "
+        return Verdict(TRUE, api.REASON_CHECKPOINT_IN_PROGRESS, f"checkpoint {ck.name_of(busy)} "
                        f"({ck.reason_of(busy)}) is {ck.phase_of(busy)}")
     done = ck.newest_finished(seen.ckpts)
     if done is not None and ck.phase_of(done) == ck.COMPLETED:
-        return Verdict(FALSE, REASON_CHECKPOINT_COMPLETED,
+        return Verdict(FALSE, api.REASON_CHECKPOINT_COMPLETED,
                        f"checkpoint {ck.name_of(done)} ({ck.reason_of(done)}) completed")
     if done is not None:
-        return Verdict(FALSE, REASON_CHECKPOINT_FAILED, ck.failure_message(done))
+        return Verdict(FALSE, api.REASON_CHECKPOINT_FAILED, ck.failure_message(done))
     if seen.was(api.COND_CHECKPOINTING, TRUE):
-        return Verdict(FALSE, REASON_NO_CHECKPOINT_IN_PROGRESS, "no checkpoint is being taken")
+        return Verdict(FALSE, api.REASON_NO_CHECKPOINT_IN_PROGRESS, "no checkpoint is being taken")
     return None
 
 
@@ -218,16 +211,16 @@ def restoring(seen: Seen) -> Verdict | None:
         return _restoring_new_pod(seen, s)
     if isinstance(s, RestoreRetrying):
         return Verdict(TRUE, api.REASON_RESTORE_RETRYING, s.message)
-    if isinstance(s, ForkBlocked) and s.reason == REASON_CHECKPOINT_IN_PROGRESS:
+    if isinstance(s, ForkBlocked) and s.reason == api.REASON_CHECKPOINT_IN_PROGRESS:
         return Verdict(TRUE, s.reason, s.message)
-    if (isinstance(s, ForkBlocked) and s.reason == REASON_CHECKPOINT_FAILED
+    if (isinstance(s, ForkBlocked) and s.reason == api.REASON_CHECKPOINT_FAILED
             and seen.was(api.COND_RESTORING)):
         return Verdict(FALSE, s.reason, s.message)
     if isinstance(s, PodObserved) and s.restored:
         return Verdict(FALSE, api.REASON_RESTORE_COMPLETED,
                        f"pod {s.pod} restored checkpoint {s.restored}")
     if isinstance(s, PodObserved) and s.ended and seen.was(api.COND_RESTORING, TRUE):
-        return Verdict(FALSE, REASON_RESTORE_FAILED,
+        return Verdict(FALSE, api.REASON_RESTORE_FAILED,
                        f"pod {s.pod} ended before its restore finished")
     return None
 
@@ -246,7 +239,7 @@ def _restoring_new_pod(seen: Seen, s: PodCreating) -> Verdict | None:
 def migrating(seen: Seen) -> Verdict | None:
     s = seen.situation
     if isinstance(s, PodCreating) and s.migration is not None:
-        return Verdict(TRUE, REASON_CHECKPOINT_COMPLETED, s.migration)
+        return Verdict(TRUE, api.REASON_CHECKPOINT_COMPLETED, s.migration)
     if not seen.was(api.COND_MIGRATING, TRUE):
         return None
     if isinstance(s, PodCreating) and s.no_usable is not None:
@@ -270,7 +263,7 @@ def ready(seen: Seen) -> Verdict | None:
     if isinstance(s, PodTerminating):
         return Verdict(FALSE, api.REASON_POD_TERMINATING, f"pod {s.pod} is terminating")
     if isinstance(s, WaitingForCheckpoint):
-        return Verdict(FALSE, REASON_CHECKPOINT_IN_PROGRESS, s.message)
+        return Verdict(FALSE, api.REASON_CHECKPOINT_IN_PROGRESS, s.message)
     if isinstance(s, ForkBlocked):
         return Verdict(FALSE, s.reason, s.message)
     if isinstance(s, RestoreRetrying):

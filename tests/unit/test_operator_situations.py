@@ -72,7 +72,7 @@ def test_new_conditions_keep_their_order_and_old_ones_their_place() -> None:
     creating = sit.Seen(sit.PodCreating("minimal-1", "c1"))
     assert [c["type"] for c in sit.conditions(creating, 1, NOW)] == [
         api.COND_ACCEPTED, api.COND_SUSPENDED, api.COND_READY, api.COND_RESTORING]
-    waiting = sit.Seen(sit.ForkBlocked(sit.REASON_CHECKPOINT_IN_PROGRESS, "waiting"))
+    waiting = sit.Seen(sit.ForkBlocked(api.REASON_CHECKPOINT_IN_PROGRESS, "waiting"))
     assert [c["type"] for c in sit.conditions(waiting, 1, NOW)] == [
         api.COND_ACCEPTED, api.COND_SUSPENDED, api.COND_RESTORING, api.COND_READY]
     before = [{**cond("False"), "type": api.COND_READY}]
