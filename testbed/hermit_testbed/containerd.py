@@ -32,8 +32,12 @@ from hermit_testbed.proc import pid_alive, run, wait_for, which
 from hermit_testbed.procfs import parse_mountinfo, read_text
 
 SHIM_SOCKET_ROOT = Path("/run/containerd/s")
+# No CRI: containerd 1.6 has it in one plugin; 2.x splits it in three (an unknown name is
+# ignored by either).
 DISABLED_PLUGINS = (
     "io.containerd.grpc.v1.cri",
+    "io.containerd.cri.v1.images",
+    "io.containerd.cri.v1.runtime",
     "io.containerd.snapshotter.v1.aufs",
     "io.containerd.snapshotter.v1.btrfs",
     "io.containerd.snapshotter.v1.devmapper",
@@ -406,7 +410,8 @@ class Containerd:
 
     def ctr_argv(self, *args: str) -> list[str]:
         """The full ``ctr`` command line for ``args`` against this daemon and namespace."""
-        return [self.binary("ctr"), "--address", str(self.address), "--namespace", self.namespace, *args]
+        return [self.binary("ctr"), "--address", str(self.address), "--namespace",
+                self.namespace, *args]
 
     def ctr(
         self, *args: str, timeout: float = 60.0, check: bool = True, input_text: str | None = None

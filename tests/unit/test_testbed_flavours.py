@@ -1,4 +1,5 @@
-"""The testbed's node flavours: Debian's containerd 1.6 or containerd 2 (hack/install-containerd2)."""
+"""The testbed's node flavours: Debian's containerd 1.6, or containerd 2 and a current runc
+(hack/install-containerd2)."""
 
 from __future__ import annotations
 
