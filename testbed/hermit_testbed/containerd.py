@@ -3,6 +3,11 @@
 Everything it writes lives under ``base_dir`` (config, root, state, socket, runc
 root, log), except the shim sockets containerd keeps under /run/containerd/s.
 ``stop`` kills every task and shim it started and unmounts what it mounted.
+
+Two runtime flavours (``RUNTIME_FLAVOURS``): "debian" is the containerd 1.6, its shim,
+``ctr`` and runc on PATH (hack/install-containerd); "ctrd2" is containerd 2.x and a
+current runc built from the Go module proxy by hack/install-containerd2, found in
+``$HERMIT_CACHE/bin/containerd2`` (or ``$HERMIT_CONTAINERD2_BIN``).
 """
 
 from __future__ import annotations
@@ -27,8 +32,12 @@ from hermit_testbed.proc import pid_alive, run, wait_for, which
 from hermit_testbed.procfs import parse_mountinfo, read_text
 
 SHIM_SOCKET_ROOT = Path("/run/containerd/s")
+# No CRI: containerd 1.6 has it in one plugin; 2.x splits it in three (an unknown name is
+# ignored by either).
 DISABLED_PLUGINS = (
     "io.containerd.grpc.v1.cri",
+    "io.containerd.cri.v1.images",
+    "io.containerd.cri.v1.runtime",
     "io.containerd.snapshotter.v1.aufs",
     "io.containerd.snapshotter.v1.btrfs",
     "io.containerd.snapshotter.v1.devmapper",
@@ -37,6 +46,17 @@ DISABLED_PLUGINS = (
 
 
 CGROUP_FLAVOURS = ("v1", "v2")
+RUNTIME_FLAVOURS = ("debian", "ctrd2")
+CONTAINERD2_HINT = "run hack/install-containerd2"
+
+
+def containerd2_bin_dir() -> Path:
+    """Where hack/install-containerd2 links containerd 2.x, its shim, ``ctr`` and runc."""
+    explicit = os.environ.get("HERMIT_CONTAINERD2_BIN")
+    if explicit:
+        return Path(explicit)
+    cache = Path(os.environ.get("HERMIT_CACHE", str(Path.home() / ".cache" / "hermit")))
+    return cache / "bin" / "containerd2"
 CGROUP2_ROOT = Path("/sys/fs/cgroup/unified")
 # The v2 flavour: containerd, its shims, runc and the containers live in a mount namespace
 # of their own where /sys/fs/cgroup is the cgroup2 hierarchy, so runc takes its v2 path
@@ -117,7 +137,7 @@ def parse_task_ls(text: str) -> dict[str, tuple[int, str]]:
 
 
 def shim_socket(address: Path, namespace: str, container_id: str) -> Path:
-    """Where containerd 1.6 puts the runc v2 shim's socket for a container."""
+    """Where containerd (1.6 and 2.x alike) puts the runc v2 shim's socket for a container."""
     digest = hashlib.sha256(os.path.join(str(address), namespace, container_id).encode())
     return SHIM_SOCKET_ROOT / digest.hexdigest()
 
@@ -146,11 +166,15 @@ class Containerd:
         snapshotter: str = "overlayfs",
         start_timeout: float = 30.0,
         cgroup: str = "v1",
+        runtime: str = "debian",
     ) -> None:
         if cgroup not in CGROUP_FLAVOURS:
             raise TestbedError(f"cgroup flavour {cgroup!r} is not one of {CGROUP_FLAVOURS}")
+        if runtime not in RUNTIME_FLAVOURS:
+            raise TestbedError(f"runtime flavour {runtime!r} is not one of {RUNTIME_FLAVOURS}")
         self.base_dir = base_dir.resolve()
         self.cgroup = cgroup
+        self.runtime = runtime
         self.namespace = namespace
         tag = hashlib.sha256(str(self.base_dir).encode()).hexdigest()[:8]
         self.cgroup_parent = cgroup_parent or f"/hermit-{tag}"
@@ -189,16 +213,48 @@ class Containerd:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
+    @property
+    def bin_dir(self) -> Path | None:
+        """The directory of the flavour's binaries (None: the ones on PATH)."""
+        return containerd2_bin_dir() if self.runtime == "ctrd2" else None
+
+    def binary(self, name: str) -> str:
+        """Absolute path of the flavour's ``name`` (containerd, ctr, the shim or runc)."""
+        bin_dir = self.bin_dir
+        if bin_dir is None:
+            return which(name)
+        path = bin_dir / name
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise TestbedError(
+                f"{name} of the {self.runtime} flavour not found at {path}: {CONTAINERD2_HINT}")
+        return str(path)
+
+    def version(self) -> tuple[str, str]:
+        """(containerd version, runc version) of this flavour, e.g. ("v2.2.9", "1.5.3")."""
+        cd = run([self.binary("containerd"), "--version"]).stdout.split()
+        rc = run([self.binary("runc"), "--version"]).stdout.split()
+        return (cd[2] if len(cd) > 2 else "?", rc[2] if len(rc) > 2 else "?")
+
+    def _daemon_env(self) -> dict[str, str] | None:
+        """The daemon's environment: the flavour's directory first on PATH, so containerd
+        starts that shim and the shim that runc (None: inherit ours)."""
+        bin_dir = self.bin_dir
+        if bin_dir is None:
+            return None
+        env = dict(os.environ)
+        env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "/usr/bin:/bin")])
+        return env
+
     # -- lifecycle -----------------------------------------------------------------
 
     def start(self) -> Containerd:
         """Write the config and start the daemon; returns when it answers ``ctr version``."""
         if self._proc is not None:
             return self
-        binary = which("containerd")
-        which("containerd-shim-runc-v2")
-        which("runc")
-        which("ctr")
+        binary = self.binary("containerd")
+        self.binary("containerd-shim-runc-v2")
+        self.binary("runc")
+        self.binary("ctr")
         if len(str(self.address)) > 100:
             raise TestbedError(f"containerd socket path too long for a unix socket: {self.address}")
         for sub in ("root", "state", "opt", "runc", "logs"):
@@ -215,6 +271,7 @@ class Containerd:
                 stdout=log,
                 stderr=log,
                 start_new_session=True,
+                env=self._daemon_env(),
             )
         finally:
             log.close()
@@ -253,7 +310,7 @@ class Containerd:
         """The runc wrapper of the v2 flavour (``CRI_RUNC``), written once."""
         path = self.base_dir / "runc-cri"
         if not path.exists():
-            path.write_text(CRI_RUNC.format(python=sys.executable, runc=which("runc")),
+            path.write_text(CRI_RUNC.format(python=sys.executable, runc=self.binary("runc")),
                             encoding="utf-8")
             path.chmod(0o755)
         return path
@@ -285,7 +342,7 @@ class Containerd:
         """Fallback after the daemon is gone: runc delete, kill shims, unmount, rmdir cgroups."""
         runc_ns_root = self.runc_root / self.namespace
         if runc_ns_root.is_dir():
-            runc = which("runc")
+            runc = self.binary("runc")
             for cid in sorted(os.listdir(runc_ns_root)):
                 run([runc, "--root", str(runc_ns_root), "delete", "--force", cid], check=False)
         for pid in self.shim_pids():
@@ -353,7 +410,8 @@ class Containerd:
 
     def ctr_argv(self, *args: str) -> list[str]:
         """The full ``ctr`` command line for ``args`` against this daemon and namespace."""
-        return [which("ctr"), "--address", str(self.address), "--namespace", self.namespace, *args]
+        return [self.binary("ctr"), "--address", str(self.address), "--namespace",
+                self.namespace, *args]
 
     def ctr(
         self, *args: str, timeout: float = 60.0, check: bool = True, input_text: str | None = None
@@ -440,6 +498,8 @@ class Containerd:
             # ctr asks for cpu shares 1024 unless told 0, which runc writes to cpu.weight on
             # v2; the cpu controller is bound to v1 on this kernel, so v2 has no such file.
             argv += ["--cpu-shares", "0", "--runc-binary", str(self._cri_runc())]
+        elif self.bin_dir is not None:
+            argv += ["--runc-binary", self.binary("runc")]
         argv += [*extra_args, image_ref, container_id, *(args or [])]
         self._started_ids.add(container_id)
         self.ctr(*argv, timeout=120)

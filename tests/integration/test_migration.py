@@ -40,25 +40,38 @@ from hermit_testbed.scenario import (
     process_tree,
     start_sandbox,
 )
-from tests.support.containerd import CGROUP_FLAVOURS, require_containerd, two_nodes
+from tests.support.containerd import (
+    CGROUP_FLAVOURS,
+    CTRD2_FLAVOURS,
+    require_containerd,
+    split_flavour,
+    two_nodes,
+)
 from tests.support.minio import MinioServer
 
 pytestmark = pytest.mark.integration
 
 NAMESPACE = "agents"
+# Every test runs on Debian's containerd 1.6 with cgroup v1 and v2; the ones marked
+# ``on_every_runtime`` also on containerd 2 + a current runc with cgroup v2 (the
+# combination managed node images run), as extra ids such as ``[ctrd2-v2-full]``.
+NODE_FLAVOURS = (*CGROUP_FLAVOURS, *CTRD2_FLAVOURS)
+on_every_runtime = pytest.mark.parametrize("nodes", NODE_FLAVOURS, indirect=True)
 
 
 @pytest.fixture(scope="module", params=CGROUP_FLAVOURS)
 def nodes(request: pytest.FixtureRequest,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node]]:
-    """Node A and B, both cgroup v1 or both cgroup v2 (the test id says which)."""
-    require_containerd()
+    """Node A and B of one node flavour: "v1"/"v2" (Debian's containerd, cgroup v1 or v2) or
+    "ctrd2-v2" (containerd 2, cgroup v2); the test id says which."""
+    runtime, cgroup = split_flavour(request.param)
+    require_containerd(runtime)
     base = tmp_path_factory.mktemp(f"nodes-{request.param}")
     try:
         image_tar = build_sandbox_image(base)
     except TestbedError as exc:
         pytest.fail(str(exc), pytrace=False)
-    with two_nodes(base, image_tar, cgroup=request.param) as pair:
+    with two_nodes(base, image_tar, cgroup=cgroup, runtime=runtime) as pair:
         yield pair
 
 
@@ -90,6 +103,7 @@ def restore_target(sandbox: Sandbox, uid: str, name: str) -> RestoreTarget:
 
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["full", "lazy"])
+@on_every_runtime
 def test_migration_keeps_memory_children_files_log_socket_and_output(
     nodes: tuple[Node, Node], cni_network: CniNetwork, criu_bin: Path,
     store_settings: StoreSettings, lazy: bool,
@@ -179,6 +193,7 @@ def _cgroup_view(pid: int) -> tuple[str, list[tuple[str, ...]]]:
     return line, mounts
 
 
+@on_every_runtime
 def test_the_init_is_found_from_the_container_id(
     nodes: tuple[Node, Node], cni_network: CniNetwork,
 ) -> None:
@@ -195,8 +210,27 @@ def test_the_init_is_found_from_the_container_id(
             assert [ln.split(":", 2)[0] for ln in lines] == ["0"], lines
         assert locate.find_init_pid(f"containerd://{cid}") == sandbox.init_pid
         assert locate.dump_root(sandbox.init_pid) == sandbox.init_pid
+        _assert_runtime(node_a)
     finally:
         destroy_sandbox(sandbox, cni_network)
+
+
+def _assert_runtime(node: Node) -> None:
+    """The node runs the shim and containerd of its flavour: containerd 2.x and runc 1.3 or
+    newer for ctrd2 (not Debian's 1.6, which is on PATH too)."""
+    daemon = node.containerd
+    bin_dir = daemon.bin_dir
+    shims = daemon.shim_pids()
+    assert shims, "no shim serves the node"
+    if bin_dir is None:
+        return
+    for pid in shims:
+        exe = Path(os.readlink(f"/proc/{pid}/exe"))
+        assert exe == (bin_dir / "containerd-shim-runc-v2").resolve(), exe
+    containerd, runc = daemon.version()
+    assert re.fullmatch(r"v2\.\d+\.\d+", containerd), containerd
+    major, minor = (int(n) for n in runc.split(".")[:2])
+    assert (major, minor) >= (1, 3), runc
 
 
 def _wait_for_every_page(staged: Path, timeout: float = 120.0) -> None:
@@ -222,6 +256,7 @@ def _nspid(host_pid: int) -> tuple[int, ...]:
 MULTI_CHUNK_MEM_MB = "24"
 
 
+@on_every_runtime
 def test_a_sandbox_moves_three_times_and_keeps_everything_each_generation(
     nodes: tuple[Node, Node], cni_network: CniNetwork, criu_bin: Path,
     store_settings: StoreSettings,

@@ -9,10 +9,16 @@ Fixtures (hack/install-containerd installs containerd, runc and the CNI plugins)
 - ``busybox_rootfs_dir`` / ``busybox_image`` (session): a busybox rootfs and its image
   (``BUSYBOX_REF``) imported into ``containerd_daemon``.
 
-``two_nodes(base, image_tar, cgroup=...)`` (a context manager, for the migration tests'
-module fixtures): node A and node B, each a private containerd with ``image_tar``
-imported, both of the cgroup flavour ``cgroup`` (``CGROUP_FLAVOURS``: "v1" is the
-host's layout, "v2" a daemon whose mount namespace has cgroup2 on /sys/fs/cgroup).
+``two_nodes(base, image_tar, cgroup=..., runtime=...)`` (a context manager, for the
+migration tests' module fixtures): node A and node B, each a private containerd with
+``image_tar`` imported, both of the cgroup flavour ``cgroup`` (``CGROUP_FLAVOURS``: "v1"
+is the host's layout, "v2" a daemon whose mount namespace has cgroup2 on /sys/fs/cgroup)
+and the runtime flavour ``runtime`` ("debian": containerd 1.6 and runc from Debian;
+"ctrd2": containerd 2.x and a current runc from hack/install-containerd2).
+
+A node flavour in a test id is ``<cgroup>`` for Debian's runtime and ``ctrd2-<cgroup>``
+for containerd 2 (``split_flavour``); ``CTRD2_FLAVOURS`` are the ones that run here:
+containerd 2 on cgroup v2, what managed node images run.
 
 Missing binaries fail the test (never skip) and name the script to run.
 """
@@ -27,7 +33,12 @@ from pathlib import Path
 import pytest
 
 from hermit_testbed.cni import CniNetwork, Netns, plugin_dir
-from hermit_testbed.containerd import CGROUP_FLAVOURS, Containerd
+from hermit_testbed.containerd import (
+    CGROUP_FLAVOURS,
+    CONTAINERD2_HINT,
+    Containerd,
+    containerd2_bin_dir,
+)
 from hermit_testbed.errors import TestbedError
 from hermit_testbed.image import build_image, busybox_rootfs
 from hermit_testbed.scenario import Node
@@ -35,30 +46,48 @@ from hermit_testbed.scenario import Node
 BUSYBOX_REF = "hermit.local/busybox:latest"
 REQUIRED_BINARIES = ("containerd", "containerd-shim-runc-v2", "ctr", "runc")
 INSTALL_HINT = "containerd/runc not found: run hack/install-containerd"
+CTRD2_FLAVOURS = ("ctrd2-v2",)
+RUNTIME_PREFIX = "ctrd2-"
 
 
-def require_containerd() -> None:
-    """Fail the test when containerd, its runc shim, ctr, runc or the CNI plugins are missing."""
+def split_flavour(flavour: str) -> tuple[str, str]:
+    """A node flavour -> (runtime flavour, cgroup flavour): "v2" -> ("debian", "v2"),
+    "ctrd2-v2" -> ("ctrd2", "v2")."""
+    if flavour.startswith(RUNTIME_PREFIX):
+        return "ctrd2", flavour.removeprefix(RUNTIME_PREFIX)
+    return "debian", flavour
+
+
+def require_containerd(runtime: str = "debian") -> None:
+    """Fail the test when containerd, its runc shim, ctr, runc or the CNI plugins of the
+    runtime flavour are missing."""
     path = "/usr/local/bin:/usr/bin:/usr/sbin:/sbin:/bin"
     missing = [b for b in REQUIRED_BINARIES if shutil.which(b, path=path) is None]
     if missing:
         pytest.fail(f"{INSTALL_HINT} (missing: {', '.join(missing)})", pytrace=False)
+    if runtime == "ctrd2":
+        bin_dir = containerd2_bin_dir()
+        missing = [b for b in REQUIRED_BINARIES if shutil.which(b, path=str(bin_dir)) is None]
+        if missing:
+            pytest.fail(f"containerd 2 / runc not found in {bin_dir}: {CONTAINERD2_HINT} "
+                        f"(missing: {', '.join(missing)})", pytrace=False)
     try:
         plugin_dir()
     except TestbedError as exc:
         pytest.fail(f"{exc}", pytrace=False)
 
 
-__all__ = ["CGROUP_FLAVOURS", "require_containerd", "two_nodes"]
+__all__ = ["CGROUP_FLAVOURS", "CTRD2_FLAVOURS", "require_containerd", "split_flavour",
+           "two_nodes"]
 
 
 @contextmanager
-def two_nodes(base: Path, image_tar: Path, *,
-              cgroup: str = "v1") -> Iterator[tuple[Node, Node]]:
+def two_nodes(base: Path, image_tar: Path, *, cgroup: str = "v1",
+              runtime: str = "debian") -> Iterator[tuple[Node, Node]]:
     """Node A and node B: two private containerd daemons under ``base``, each with the
     sandbox image ``image_tar`` imported and a work dir of its own."""
-    with Containerd(base / "node-a", cgroup=cgroup) as cd_a, \
-            Containerd(base / "node-b", cgroup=cgroup) as cd_b:
+    with Containerd(base / "node-a", cgroup=cgroup, runtime=runtime) as cd_a, \
+            Containerd(base / "node-b", cgroup=cgroup, runtime=runtime) as cd_b:
         pair = (Node("node-a", cd_a, base / "work-a"), Node("node-b", cd_b, base / "work-b"))
         for node in pair:
             node.work_dir.mkdir()

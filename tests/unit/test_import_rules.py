@@ -70,3 +70,26 @@ def test_every_module_is_named_in_the_architecture_page() -> None:
             if f"{name}.py" not in page and f"`{name}`" not in page:
                 missing.append(f"{package}/{name}.py")
     assert not missing, f"docs/architecture.md names no line for: {missing}"
+
+
+# The runtime's own checkpoint/restore: the CRI RPC, the kubelet's checkpoint endpoint,
+# containerd's restore-from-archive switches, crictl, and runc's checkpoint/restore verbs.
+RUNTIME_CHECKPOINT_APIS = ("CheckpointContainer", "restore_via_create", "RestoreViaCreate",
+                           "enable_criu", "crictl", "/checkpoint/", "org.criu.checkpoint",
+                           '"checkpoint", "--', '"restore", "--bundle')
+
+
+def test_hermit_never_uses_the_runtime_s_checkpoint_and_restore() -> None:
+    """Hermit runs CRIU itself on the container's processes and restores into an ordinary
+    container; containerd's CRI restore (off by default from 2.3.4 after CVEs, going in
+    2.4) must stay out of it (docs/criu.md, containerd 2)."""
+    found = []
+    for top in ("common", "operator", "node-agent", "charts"):
+        for path in sorted((REPO / top).rglob("*")):
+            if not path.is_file() or path.suffix not in (".py", ".yaml", ".yml", ".tpl",
+                                                         ".json", ".toml"):
+                continue
+            text = path.read_text(errors="replace")
+            found += [f"{path.relative_to(REPO)}: {api}"
+                      for api in RUNTIME_CHECKPOINT_APIS if api in text]
+    assert found == []
