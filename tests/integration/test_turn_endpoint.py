@@ -26,8 +26,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from hermit_common import turnlimits
 from hermit_common.turns import TurnClient
-from hermit_node import turnlimits, turnserver
+from hermit_node import turnserver
 from tests.support.attacks import CONTAINED, REFUSED, Attack
 from tests.support.wait import wait_until
 from tests.unit.test_turns import PATH, FakeKube, service, snap
