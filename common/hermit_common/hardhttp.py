@@ -43,6 +43,9 @@ class Reply:
 
 # (path, Authorization header, body, source address) -> the reply
 Handle = Callable[[str, str | None, bytes, str], Reply]
+# (path, Authorization header, source address) -> a refusal, or None to read the body:
+# called before the body is read, so that only admitted callers send large bodies.
+Admit = Callable[[str, str | None, str], Reply | None]
 
 
 class _Budget:
@@ -172,9 +175,11 @@ class HardenedHTTPServer(ThreadingHTTPServer):
         super().server_close()
 
 
-def handler(handle: Handle, max_body: int, usage: str) -> type[BaseHTTPRequestHandler]:
-    """The request handler: POST bodies of at most ``max_body`` bytes go to ``handle``;
-    a GET is answered 405 with ``usage``."""
+def handler(handle: Handle, max_body: int, usage: str,
+            admit: Admit | None = None) -> type[BaseHTTPRequestHandler]:
+    """The request handler: POST bodies of at most ``max_body`` bytes go to ``handle``
+    (once ``admit``, when given, let the request in); a GET is answered 405 with
+    ``usage``."""
 
     class Handler(BaseHTTPRequestHandler):
         server: HardenedHTTPServer
@@ -204,6 +209,14 @@ def handler(handle: Handle, max_body: int, usage: str) -> type[BaseHTTPRequestHa
                 self.server.request_read()
                 self._send(Reply(413, {"error": f"the body must be at most {max_body} bytes"}))
                 return
+            if admit is not None:
+                refused = admit(self.path, self.headers.get("Authorization"),
+                                self.client_address[0])
+                if refused is not None:
+                    self.server.request_read()
+                    self.close_connection = True  # its body is not read
+                    self._send(refused)
+                    return
             body = self.rfile.read(length)
             if not self.server.request_read() or len(body) != length:
                 self.close_connection = True
@@ -222,11 +235,11 @@ def handler(handle: Handle, max_body: int, usage: str) -> type[BaseHTTPRequestHa
 
 
 def serve(port: int, handle: Handle, *, max_body: int, usage: str, name: str,
-          host: str = "0.0.0.0", tls: TlsFiles | None = None,
+          admit: Admit | None = None, host: str = "0.0.0.0", tls: TlsFiles | None = None,
           head_timeout: float = turnlimits.HEAD_TIMEOUT_SECONDS,
           slots: turnlimits.ConnectionSlots | None = None) -> HardenedHTTPServer:
     """Serves POST requests on ``port`` from a daemon thread; OSError when it cannot bind."""
-    server = HardenedHTTPServer((host, port), handler(handle, max_body, usage), tls=tls,
+    server = HardenedHTTPServer((host, port), handler(handle, max_body, usage, admit), tls=tls,
                                 head_timeout=head_timeout, slots=slots, name=name)
     threading.Thread(target=server.serve_forever, name=f"hermit-{name}", daemon=True).start()
     return server
