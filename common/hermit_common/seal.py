@@ -46,8 +46,9 @@ from hermit_common import bounded
 from hermit_common.errors import CheckpointRefused, SettingsError
 from hermit_common.settings import SealSettings
 
-__all__ = ["CURRENT_KEY", "ChunkCipher", "Context", "Expected", "KeyWrapper", "Keyring",
-           "KeyringWrapper", "Opened", "Sealing", "Wrapped", "check_lineage", "is_sealed",
+__all__ = ["CURRENT_KEY", "Bound", "ChunkCipher", "Context", "Expected", "KeyWrapper", "Keyring",
+           "KeyringWrapper", "Opened", "Sealing", "Wrapped", "bound_of_context",
+           "bound_of_signed", "check_lineage", "is_sealed",
            "new_dek", "open_manifest", "seal_manifest", "sealing_from"]
 
 KEY_BYTES: Final = 32
@@ -371,6 +372,55 @@ def _signed_bytes(envelope: Mapping[str, Any]) -> bytes:
     return tag + _canonical(body)
 
 
+@dataclass(frozen=True)
+class Bound:
+    """The sandbox a wrap/unwrap context or signed manifest bytes are bound to: what a
+    key service authorises a caller for (hermit_operator.keyaccess)."""
+
+    namespace: str
+    sandbox: str
+    sandbox_uid: str
+
+    def describe(self) -> str:
+        return f"sandbox {self.namespace}/{self.sandbox} (uid {self.sandbox_uid})"
+
+
+_SIGNED_TAGS: Final = (b"hermit/manifest/v1\0", b"hermit/manifest/v2\0")
+
+
+def _bound_of(data: object, what: str) -> Bound:
+    if not isinstance(data, dict):
+        raise CheckpointRefused(f"{what} is not a JSON object")
+    names = [data.get(k) for k in ("namespace", "sandbox", "sandbox_uid")]
+    if not all(isinstance(n, str) and n for n in names):
+        raise CheckpointRefused(f"{what} names no namespace, sandbox and sandbox_uid")
+    return Bound(*(str(n) for n in names))
+
+
+def bound_of_context(context: bytes) -> Bound:
+    """The sandbox a data key's context (``Context.sandbox_bytes``) names, parsed within
+    bounds; CheckpointRefused when it is not one."""
+    data = bounded.load_json(context, limit=bounded.KEY_RECORD_MAX_BYTES,
+                             what="the key context",
+                             max_containers=bounded.ENVELOPE_MAX_CONTAINERS)
+    return _bound_of(data, "the key context")
+
+
+def bound_of_signed(data: bytes) -> Bound:
+    """The sandbox the signed bytes of a manifest (``_signed_bytes``) are bound to: its
+    envelope's context, parsed within the stored manifest's bounds; CheckpointRefused
+    when the bytes are not a manifest's."""
+    tag = next((t for t in _SIGNED_TAGS if data.startswith(t)), None)
+    if tag is None:
+        raise CheckpointRefused("the signed bytes are not a sealed manifest's")
+    body = bounded.load_json(data[len(tag):], limit=bounded.STORED_MANIFEST_MAX_BYTES,
+                             what="the signed manifest",
+                             max_containers=bounded.ENVELOPE_MAX_CONTAINERS)
+    if not isinstance(body, dict):
+        raise CheckpointRefused("the signed manifest is not a JSON object")
+    return _bound_of(body.get("context"), "the signed manifest's context")
+
+
 def seal_manifest(wrapper: KeyWrapper, dek: bytes, wrapped: Wrapped, context: Context,
                   manifest_json: bytes) -> bytes:
     """The stored bytes of a sealed manifest: an envelope signed with ``wrapped.key_id``
@@ -503,8 +553,20 @@ class Sealing:
 
 
 def sealing_from(settings: SealSettings) -> Sealing | None:
-    """The store's sealing from the settings (None: no keys, checkpoints are plain).
-    Raises SettingsError naming HERMIT_SEAL_KEYS_DIR when its keys cannot be used."""
+    """The store's sealing from the settings (None: no keys, checkpoints are plain): the
+    key service's (HERMIT_SEAL_KEY_SERVICE_URL) or the mounted keys'. Raises SettingsError
+    naming the setting when it cannot be used."""
+    if settings.key_service_url is not None:
+        from hermit_common.keyclient import RemoteKeyWrapper
+
+        assert settings.key_service_ca_file is not None  # SealSettings.from_env checks it
+        if not Path(settings.key_service_ca_file).is_file():
+            raise SettingsError(f"HERMIT_SEAL_KEY_SERVICE_CA_FILE="
+                                f"{settings.key_service_ca_file}: no such file")
+        return Sealing(RemoteKeyWrapper(settings.key_service_url,
+                                        ca_file=settings.key_service_ca_file,
+                                        token_file=settings.key_service_token_file),
+                       accept_plain=settings.accept_plain)
     if settings.keys_dir is None:
         return None
     try:
