@@ -44,6 +44,9 @@ OPERATOR_PODS_CREATED: Final = "hermit_operator_pods_created_total"  # labels: m
 OPERATOR_CHECKPOINTS_DELETED: Final = "hermit_operator_checkpoints_deleted_total"
 OPERATOR_DOWNTIME: Final = "hermit_operator_sandbox_downtime_seconds"  # labels: reason
 OPERATOR_RESYNCS: Final = "hermit_operator_resyncs_total"  # labels: result
+# Key service requests (hermit_operator.keyservice): labels op (current, wrap, unwrap,
+# sign, verify, "" for an unknown path) and result (keyservice.RESULTS).
+OPERATOR_KEY_REQUESTS: Final = "hermit_operator_key_requests_total"
 
 # hermit_operator_sandbox_downtime_seconds{reason}: why the sandbox moved, from the
 # stopping Checkpoint's spec.reason (Preemption, Eviction). A Suspend is not downtime
@@ -64,4 +67,4 @@ ALL: Final = (NODE_NOTICES, NODE_CHECKPOINT_SECONDS, NODE_CHECKPOINT_BYTES,
               NODE_CHUNK_CACHE_HITS, NODE_CHUNK_CACHE_MISSES, NODE_PREFETCH_BYTES,
               OPERATOR_RECONCILES, OPERATOR_RECONCILE_SECONDS,
               OPERATOR_PODS_CREATED, OPERATOR_CHECKPOINTS_DELETED, OPERATOR_DOWNTIME,
-              OPERATOR_RESYNCS)
+              OPERATOR_RESYNCS, OPERATOR_KEY_REQUESTS)
