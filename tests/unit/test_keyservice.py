@@ -343,7 +343,7 @@ def test_seal_settings_name_the_key_service_settings() -> None:
                                "HERMIT_SEAL_KEY_SERVICE_CA_FILE": "/ca.crt"})
     s = SealSettings.from_env({**base, "HERMIT_SEAL_KEY_SERVICE_CA_FILE": "/nope/ca.crt"})
     assert s.key_service_token_file == "/var/run/secrets/hermit.dev/keys/token"
-    with pytest.raises(SettingsError, match="HERMIT_SEAL_KEY_SERVICE_CA_FILE=/nope/ca.crt"):
+    with pytest.raises(SettingsError, match=r"HERMIT_SEAL_KEY_SERVICE_CA_FILE=/nope/ca\.crt"):
         seal.sealing_from(s)
 
 
