@@ -23,8 +23,6 @@ the service once or twice, not per chunk. Key bytes and tokens never reach a log
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import logging
 import threading
@@ -36,7 +34,7 @@ from typing import Any, Final
 import requests
 
 from hermit_common.errors import CheckpointRefused, HermitError
-from hermit_common.seal import KEY_BYTES, Wrapped
+from hermit_common.seal import KEY_BYTES, Wrapped, b64, unb64
 from hermit_common.settings import KEY_SERVICE_AUDIENCE
 
 log = logging.getLogger(__name__)
@@ -64,20 +62,6 @@ class KeyAccessDenied(HermitError):
 
 class KeyServiceUnavailable(HermitError):
     """The key service did not answer, or answered with an error (retry later)."""
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def unb64(text: object, what: str) -> bytes:
-    """Bytes of a base64 field; ValueError naming it otherwise."""
-    if not isinstance(text, str):
-        raise ValueError(f"{what} is not a base64 string")
-    try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError(f"{what} is not base64") from None
 
 
 class RemoteKeyWrapper:
@@ -205,8 +189,8 @@ class RemoteKeyWrapper:
 
     def _bytes(self, out: dict[str, Any], name: str) -> bytes:
         try:
-            return unb64(out.get(name), name)
-        except ValueError as exc:
+            return unb64(out.get(name), name, "the field")
+        except CheckpointRefused as exc:
             raise KeyServiceUnavailable(f"the key service at {self._url}: {exc}") from None
 
 

@@ -47,9 +47,9 @@ from hermit_common.errors import CheckpointRefused, SettingsError
 from hermit_common.settings import SealSettings
 
 __all__ = ["CURRENT_KEY", "Bound", "ChunkCipher", "Context", "Expected", "KeyWrapper", "Keyring",
-           "KeyringWrapper", "Opened", "Sealing", "Wrapped", "bound_of_context",
+           "KeyringWrapper", "Opened", "Sealing", "Wrapped", "b64", "bound_of_context",
            "bound_of_signed", "check_lineage", "is_sealed",
-           "new_dek", "open_manifest", "seal_manifest", "sealing_from"]
+           "new_dek", "open_manifest", "seal_manifest", "sealing_from", "unb64"]
 
 KEY_BYTES: Final = 32
 NONCE_BYTES: Final = 12
@@ -70,21 +70,21 @@ def _canonical(data: object) -> bytes:
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
-def _b64(data: bytes) -> str:
+def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
-def _unb64(text: object, what: str) -> bytes:
+def unb64(text: object, what: str, where: str = "sealed manifest field") -> bytes:
     if not isinstance(text, str):
-        raise CheckpointRefused(f"sealed manifest field {what} is not a string")
+        raise CheckpointRefused(f"{where} {what} is not a string")
     try:
         data = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
-        raise CheckpointRefused(f"sealed manifest field {what} is not base64") from None
+        raise CheckpointRefused(f"{where} {what} is not base64") from None
     # Only the one canonical encoding: a changed padding bit decodes to the same bytes,
     # and a sealed manifest must not take any change without being refused.
-    if _b64(data) != text:
-        raise CheckpointRefused(f"sealed manifest field {what} is not canonical base64")
+    if b64(data) != text:
+        raise CheckpointRefused(f"{where} {what} is not canonical base64")
     return data
 
 
@@ -157,7 +157,7 @@ class Wrapped:
 
     def to_bytes(self) -> bytes:
         """As stored next to the sandbox's chunks."""
-        data: dict[str, Any] = {"kek": self.key_id, "dek": _b64(self.blob)}
+        data: dict[str, Any] = {"kek": self.key_id, "dek": b64(self.blob)}
         if self.lineage:
             data["lineage"] = list(self.lineage)
         if self.source:
@@ -184,7 +184,7 @@ class Wrapped:
         if not isinstance(lineage, list) or not all(isinstance(u, str) for u in lineage) or \
                 not isinstance(source, str) or (source and not _UID_RE.match(source)):
             raise CheckpointRefused("the wrapped data key is malformed")
-        return cls(data["kek"], _unb64(data["dek"], "dek"), tuple(lineage), source)
+        return cls(data["kek"], unb64(data["dek"], "dek"), tuple(lineage), source)
 
 
 class KeyWrapper(Protocol):
@@ -431,9 +431,9 @@ def seal_manifest(wrapper: KeyWrapper, dek: bytes, wrapped: Wrapped, context: Co
     ciphertext = AESGCM(dek).encrypt(nonce, manifest_json, _canonical(context.to_dict()))
     envelope: dict[str, Any] = {
         "sealed": SEALED_FORMAT, "context": context.to_dict(), "kek": wrapped.key_id,
-        "dek": _b64(wrapped.blob), "nonce": _b64(nonce), "ciphertext": _b64(ciphertext),
+        "dek": b64(wrapped.blob), "nonce": b64(nonce), "ciphertext": b64(ciphertext),
     }
-    envelope["signature"] = _b64(wrapper.sign(wrapped.key_id, _signed_bytes(envelope)))
+    envelope["signature"] = b64(wrapper.sign(wrapped.key_id, _signed_bytes(envelope)))
     return _canonical(envelope)
 
 
@@ -526,17 +526,17 @@ def open_manifest(wrapper: KeyWrapper, raw: bytes, expect: Expected) -> Opened:
     """
     envelope = _parse_envelope(raw)
     key_id = envelope["kek"]
-    signature = _unb64(envelope["signature"], "signature")
+    signature = unb64(envelope["signature"], "signature")
     if not wrapper.verify(key_id, _signed_bytes(envelope), signature):
         raise CheckpointRefused(f"its manifest's signature (sealing key {key_id!r}) does "
                                 "not verify: the manifest was altered")
     context = _claimed_context(envelope["context"], envelope["sealed"])
     _check_context(context, expect)
-    dek = wrapper.unwrap(Wrapped(key_id, _unb64(envelope["dek"], "dek")),
+    dek = wrapper.unwrap(Wrapped(key_id, unb64(envelope["dek"], "dek")),
                          context.sandbox_bytes())
-    nonce = _unb64(envelope["nonce"], "nonce")
+    nonce = unb64(envelope["nonce"], "nonce")
     try:
-        plain = AESGCM(dek).decrypt(nonce, _unb64(envelope["ciphertext"], "ciphertext"),
+        plain = AESGCM(dek).decrypt(nonce, unb64(envelope["ciphertext"], "ciphertext"),
                                     _canonical(context.to_dict()))
     except (InvalidTag, ValueError):
         raise CheckpointRefused("its manifest does not decrypt") from None

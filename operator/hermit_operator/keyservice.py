@@ -41,8 +41,6 @@ from hermit_common.keyclient import (
     PATH_WRAP,
     PATHS,
     REFUSED,
-    b64,
-    unb64,
 )
 from hermit_common.kubeapi import KubeApiError
 from hermit_common.protocol import KubeObject, one_line
@@ -51,8 +49,10 @@ from hermit_common.seal import (
     KeyringWrapper,
     KeyWrapper,
     Wrapped,
+    b64,
     bound_of_context,
     bound_of_signed,
+    unb64,
 )
 from hermit_common.settings import KeyServiceSettings
 from hermit_operator import keyaccess, metrics
@@ -246,8 +246,8 @@ def _parse(body: bytes) -> dict[str, Any]:
 
 def _field(request: dict[str, Any], name: str) -> bytes:
     try:
-        return unb64(request.get(name), f'"{name}"')
-    except ValueError as exc:
+        return unb64(request.get(name), f'"{name}"', "the field")
+    except CheckpointRefused as exc:
         raise _Refused(400, INVALID, str(exc)) from None
 
 
