@@ -8,12 +8,14 @@ for pod-bound tokens since Kubernetes 1.30). ``caller_of`` turns a review into a
 
 A node serves a sandbox (namespace, name, uid) when either
 
-- a sandbox pod bound to the node (``spec.nodeName``) is that sandbox's: labelled
-  ``hermit.dev/sandbox: <name>`` and controlled by the AgentSandbox ``<name>`` with that
-  uid (the pods the operator makes; a kubelet cannot make a pod with such an owner, the
-  NodeRestriction admission plugin refuses it), or
-- such a pod restores from a Checkpoint (``hermit.dev/restore-from``) of that sandbox:
-  a fork or copy reads, and inherits, its source's data key.
+- a sandbox pod bound to the node (``spec.nodeName``) is the operator's pod of that
+  sandbox (``operators_pod``): labelled ``hermit.dev/sandbox: <name>``, controlled by
+  the AgentSandbox ``<name>`` with that uid, named ``<name>-<incarnation>`` and of the
+  incarnation the sandbox's status names, or the one before or after it (a kubelet
+  cannot make a pod with such an owner: the NodeRestriction admission plugin refuses
+  it), or
+- such a pod (of another sandbox) restores from a Checkpoint (``hermit.dev/restore-from``)
+  of that sandbox: a fork or copy reads, and inherits, its source's data key.
 
 Everything else is refused (``Denied``): a compromised node gets no key of a sandbox it
 neither runs nor restores (docs/security.md#the-key-service).
@@ -78,8 +80,10 @@ class NodePod:
     """A sandbox pod as authorisation sees it."""
 
     namespace: str
+    name: str
     node: str
     sandbox: Bound | None  # the sandbox it is (None: not a well-formed sandbox pod)
+    incarnation: int | None
     restore_from: str | None  # the Checkpoint it restores from
 
 
@@ -94,26 +98,61 @@ def node_pod(pod: Mapping[str, Any]) -> NodePod:
     if name and owner is not None and owner.get("name") == name and owner.get("uid"):
         sandbox = Bound(namespace, str(name), str(owner["uid"]))
     restore = (meta.get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_FROM)
-    return NodePod(namespace, str((pod.get("spec") or {}).get("nodeName") or ""), sandbox,
-                   str(restore) if restore and sandbox is not None else None)
+    return NodePod(namespace, str(meta.get("name") or ""),
+                   str((pod.get("spec") or {}).get("nodeName") or ""), sandbox,
+                   protocol.incarnation_of(pod), str(restore) if restore else None)
 
 
-# (namespace, Checkpoint name) -> the sandbox that Checkpoint is of (None: none now)
-SourceOf = Callable[[str, str], Bound | None]
+def operators_pod(pod: NodePod, sandbox: Mapping[str, Any] | None) -> bool:
+    """Whether ``pod`` is one the operator made for ``sandbox`` (the AgentSandbox as read
+    now) and that may still checkpoint or restore it: owned by its uid, named as the
+    operator names the pod of its incarnation label, and that incarnation the one the
+    sandbox's status names, the next (a move's replacement, created before the status
+    names it) or the previous (the pod a move leaves, finishing its checkpoint and
+    garbage collection). Anyone who may create pods in the namespace can copy a label
+    and an owner reference; only the operator writes the status, and a pod's name is
+    unique."""
+    if pod.sandbox is None or pod.incarnation is None or sandbox is None:
+        return False
+    meta = protocol.meta(sandbox)
+    if meta.get("uid") != pod.sandbox.sandbox_uid or meta.get("name") != pod.sandbox.sandbox:
+        return False
+    try:
+        current = int((sandbox.get("status") or {}).get("incarnation") or 0)
+    except (TypeError, ValueError):
+        return False
+    return pod.name == f"{pod.sandbox.sandbox}-{pod.incarnation}" \
+        and abs(pod.incarnation - current) <= 1
 
 
-def decide(node: str, want: Bound, pods: Iterable[Mapping[str, Any]],
-           source_of: SourceOf) -> None:
+# (namespace, name) -> the object as read now, or None
+Read = Callable[[str, str], Mapping[str, Any] | None]
+
+
+def decide(node: str, want: Bound, pods: Iterable[Mapping[str, Any]], *,
+           sandbox_of: Read, checkpoint_of: Read) -> None:
     """Whether ``node`` serves ``want`` (see the module); Denied(403) when it does not.
-    ``source_of`` is called only for the restores of the node's pods in the wanted
-    sandbox's namespace, and only when no pod of the node is that sandbox's."""
-    mine = [p for p in map(node_pod, pods) if p.node == node and p.sandbox is not None]
-    if any(p.sandbox == want for p in mine):
+    Only the node's pods in the wanted sandbox's namespace are looked at, and only the
+    objects they name are read."""
+    mine = [p for p in map(node_pod, pods)
+            if p.node == node and p.sandbox is not None and p.namespace == want.namespace]
+    sandboxes: dict[str, Mapping[str, Any] | None] = {}
+
+    def operated(pod: NodePod) -> bool:
+        assert pod.sandbox is not None
+        if pod.sandbox.sandbox not in sandboxes:
+            sandboxes[pod.sandbox.sandbox] = sandbox_of(want.namespace, pod.sandbox.sandbox)
+        return operators_pod(pod, sandboxes[pod.sandbox.sandbox])
+
+    if any(p.sandbox == want and operated(p) for p in mine):
         return
-    restores = sorted({p.restore_from for p in mine
-                       if p.restore_from and p.namespace == want.namespace})
-    if any(source_of(want.namespace, ckpt) == want for ckpt in restores):
-        return
+    for pod in mine:
+        if pod.restore_from and pod.sandbox != want and operated(pod):
+            ckpt = checkpoint_of(want.namespace, pod.restore_from)
+            source = protocol.sandbox_of(ckpt) if ckpt is not None else None
+            if source == want.sandbox and source_bound(
+                    ckpt, sandbox_of(want.namespace, source)) == want:
+                return
     raise Denied(403, NOT_SERVED, f"node {node} neither runs nor restores {want.describe()}: "
                                   "its keys are not given to this node")
 

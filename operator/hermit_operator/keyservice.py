@@ -212,7 +212,8 @@ class KeyService:
         try:
             keyaccess.decide(caller.node, want,
                              self._kube.list_node_sandbox_pods(caller.node),
-                             self._source_of)
+                             sandbox_of=self._kube.get_sandbox,
+                             checkpoint_of=self._kube.get_checkpoint)
         except keyaccess.Denied as exc:
             log.warning("key service: %s refused for node %s: %s", OPS[path], caller.node,
                         exc)
@@ -223,14 +224,6 @@ class KeyService:
                 if len(self._allowed) >= MAX_ALLOWANCES:
                     self._allowed.clear()
             self._allowed[key] = now + ALLOW_TTL_SECONDS
-
-    def _source_of(self, namespace: str, checkpoint: str) -> Bound | None:
-        ckpt = self._kube.get_checkpoint(namespace, checkpoint)
-        sandbox = None
-        if ckpt is not None:
-            name = str(((ckpt.get("spec") or {}).get("sandboxRef") or {}).get("name") or "")
-            sandbox = self._kube.get_sandbox(namespace, name) if name else None
-        return keyaccess.source_bound(ckpt, sandbox)
 
 
 def _parse(body: bytes) -> dict[str, Any]:

@@ -60,9 +60,10 @@ def _sandbox(custom: client.CustomObjectsApi, name: str) -> Obj:
 
 
 def _sandbox_pod(core: client.CoreV1Api, sandbox: Obj, node: str,
-                 restore_from: str | None = None) -> None:
+                 restore_from: str | None = None, pod: str | None = None) -> None:
     name = sandbox["metadata"]["name"]
-    meta: Obj = {"name": f"{name}-1", "labels": {protocol.LABEL_SANDBOX: name},
+    meta: Obj = {"name": pod or f"{name}-1", "labels": {protocol.LABEL_SANDBOX: name,
+                                                 protocol.LABEL_INCARNATION: "1"},
                  "ownerReferences": [protocol.owner_reference(sandbox)]}
     if restore_from:
         meta["annotations"] = {protocol.ANNOTATION_RESTORE_FROM: restore_from}
@@ -99,6 +100,8 @@ class World:
             "metadata": {"name": "source-1-manual"},
             "spec": {"sandboxRef": {"name": "source"}, "reason": protocol.MANUAL}})
         _sandbox_pod(self.core, self.sandboxes["fork"], NODES[0], "source-1-manual")
+        # Someone who may create pods copies box-b's label and owner onto a pod on node A.
+        _sandbox_pod(self.core, self.sandboxes["box-b"], NODES[0], pod="box-b-lookalike")
         self.tmp = tmp
         self.ring = KeyringWrapper(lambda: Keyring.from_mapping(RING, "test keys"))
         cert, key = self_signed(tmp, "keys.hermit.internal")
@@ -180,7 +183,8 @@ def test_a_node_agent_is_refused_the_keys_of_a_sandbox_on_another_node(
         "key service: a node asks for another node's sandbox key",
         tried=f"node-agent of {NODES[0]} (real pod-bound TokenRequest, audience {AUDIENCE}) "
               f"unwraps and wraps the data key of {TENANTS}/box-b, whose pod is on "
-              f"{NODES[1]}; and the same pod's API-server token",
+              f"{NODES[1]} (with a lookalike pod of box-b on {NODES[0]}: its label and "
+              "owner reference, not its name); and the same pod's API-server token",
         outcome=REFUSED,
         evidence=f"403 KeyAccessDenied: {str(refused.value)[:140]}; 401 for the other "
                  "audience")

@@ -49,10 +49,12 @@ def _review(node: str | None = "node-a", user: str = AGENT, ok: bool = True,
 
 
 def _pod(b: Bound, node: str, *, restore: str | None = None, controller: bool = True,
-         label: str | None = None, api_version: str = "hermit.dev/v1alpha1") -> dict[str, Any]:
+         label: str | None = None, api_version: str = "hermit.dev/v1alpha1",
+         incarnation: int = 1, name: str | None = None) -> dict[str, Any]:
     meta: dict[str, Any] = {
-        "namespace": b.namespace, "name": f"{b.sandbox}-1",
-        "labels": {"hermit.dev/sandbox": label or b.sandbox},
+        "namespace": b.namespace, "name": name or f"{b.sandbox}-{incarnation}",
+        "labels": {"hermit.dev/sandbox": label or b.sandbox,
+                   "hermit.dev/incarnation": str(incarnation)},
         "ownerReferences": [{"apiVersion": api_version, "kind": "AgentSandbox",
                              "name": b.sandbox, "uid": b.sandbox_uid,
                              "controller": controller}]}
@@ -61,8 +63,37 @@ def _pod(b: Bound, node: str, *, restore: str | None = None, controller: bool = 
     return {"metadata": meta, "spec": {"nodeName": node}}
 
 
-def _no_source(namespace: str, checkpoint: str) -> Bound | None:
-    raise AssertionError("no restore source should be looked up")
+def _sandbox_obj(b: Bound, incarnation: int = 1) -> dict[str, Any]:
+    return {"metadata": {"namespace": b.namespace, "name": b.sandbox, "uid": b.sandbox_uid},
+            "status": {"incarnation": incarnation, "podName": f"{b.sandbox}-{incarnation}"}}
+
+
+FORK = Bound("team-a", "fork", "uid-fork")
+SANDBOXES = {s.sandbox: _sandbox_obj(s) for s in (A, B, FORK)}
+CHECKPOINTS = {"box-3-manual": {"metadata": {"namespace": "team-a", "name": "box-3-manual"},
+                                "spec": {"sandboxRef": {"name": "box"}}},
+               "other-2-manual": {"metadata": {"namespace": "team-a"},
+                                  "spec": {"sandboxRef": {"name": "other"}}}}
+
+
+class Reads:
+    """The objects decide may read, counted."""
+
+    def __init__(self, sandboxes: dict[str, Any] | None = None) -> None:
+        self.sandboxes = SANDBOXES if sandboxes is None else sandboxes
+        self.read: list[str] = []
+
+    def sandbox(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.read.append(f"sandbox {namespace}/{name}")
+        return self.sandboxes.get(name) if namespace == "team-a" else None
+
+    def checkpoint(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.read.append(f"checkpoint {namespace}/{name}")
+        return CHECKPOINTS.get(name) if namespace == "team-a" else None
+
+    def decide(self, node: str, want: Bound, pods: list[dict[str, Any]]) -> None:
+        keyaccess.decide(node, want, pods, sandbox_of=self.sandbox,
+                         checkpoint_of=self.checkpoint)
 
 
 # -- keyaccess.caller_of ----------------------------------------------------------------
@@ -89,8 +120,12 @@ def test_callers_other_than_a_node_bound_node_agent_are_refused(
 
 # -- keyaccess.decide -------------------------------------------------------------------
 
-def test_a_node_gets_the_keys_of_the_sandbox_it_runs() -> None:
-    keyaccess.decide("node-a", A, [_pod(A, "node-a")], _no_source)
+@pytest.mark.parametrize("incarnation", [1, 2, 3])
+def test_a_node_gets_the_keys_of_the_sandbox_it_runs(incarnation: int) -> None:
+    """The current pod, the next (a move's replacement) and the previous (the pod a move
+    leaves, finishing its checkpoint)."""
+    Reads({"box": _sandbox_obj(A, 2)}).decide(
+        "node-a", A, [_pod(A, "node-a", incarnation=incarnation)])
 
 
 @pytest.mark.parametrize("pods", [
@@ -101,43 +136,43 @@ def test_a_node_gets_the_keys_of_the_sandbox_it_runs() -> None:
     [_pod(A, "node-a", label="else")],  # labelled for another sandbox
     [_pod(A, "node-a", api_version="example.com/v1")],  # another group's AgentSandbox
     [_pod(B, "node-a")],  # another sandbox of the same namespace on the node
+    [_pod(A, "node-a", name="lookalike")],  # not named as the operator names its pods
+    [_pod(A, "node-a", incarnation=5)],  # not an incarnation the status is near
 ])
 def test_a_node_is_refused_the_keys_of_a_sandbox_it_does_not_run(
         pods: list[dict[str, Any]]) -> None:
     with pytest.raises(Denied, match="neither runs nor restores") as info:
-        keyaccess.decide("node-a", A, pods, lambda ns, c: None)
+        Reads().decide("node-a", A, pods)
     assert (info.value.status, info.value.reason) == (403, keyaccess.NOT_SERVED)
 
 
 def test_a_node_restoring_a_fork_gets_the_source_sandboxs_keys() -> None:
-    asked: list[tuple[str, str]] = []
+    reads = Reads()
+    reads.decide("node-a", A, [_pod(FORK, "node-a", restore="box-3-manual")])
+    assert reads.read == ["sandbox team-a/fork", "checkpoint team-a/box-3-manual",
+                          "sandbox team-a/box"]
+    # Not when the fork restores on another node, nor a checkpoint of another sandbox,
+    # nor from a pod that only looks like the fork's.
+    for pod in (_pod(FORK, "node-b", restore="box-3-manual"),
+                _pod(FORK, "node-a", restore="other-2-manual"),
+                _pod(FORK, "node-a", restore="box-3-manual", name="lookalike")):
+        with pytest.raises(Denied):
+            Reads().decide("node-a", A, [pod])
 
-    def source(namespace: str, checkpoint: str) -> Bound | None:
-        asked.append((namespace, checkpoint))
-        return A if checkpoint == "box-3-manual" else None
 
-    keyaccess.decide("node-a", A, [_pod(B, "node-a", restore="box-3-manual")], source)
-    assert asked == [("team-a", "box-3-manual")]
-    # Not when the fork restores on another node, nor a checkpoint of another sandbox.
+def test_pods_in_other_namespaces_are_not_looked_at() -> None:
+    reads = Reads()
     with pytest.raises(Denied):
-        keyaccess.decide("node-a", A, [_pod(B, "node-b", restore="box-3-manual")], source)
-    with pytest.raises(Denied):
-        keyaccess.decide("node-a", A, [_pod(B, "node-a", restore="other-2-manual")], source)
-
-
-def test_restores_in_other_namespaces_are_not_looked_up() -> None:
-    c = Bound("team-c", "x", "uid-x")
-    with pytest.raises(Denied):
-        keyaccess.decide("node-a", A, [_pod(c, "node-a", restore="box-3-manual")], _no_source)
+        reads.decide("node-a", A, [_pod(Bound("team-c", "box", "uid-box"), "node-a",
+                                        restore="box-3-manual")])
+    assert reads.read == []
 
 
 def test_source_bound_is_the_checkpoints_sandbox_with_its_uid_now() -> None:
-    ckpt = {"metadata": {"namespace": "team-a", "name": "c"},
-            "spec": {"sandboxRef": {"name": "box"}}}
-    sandbox = {"metadata": {"namespace": "team-a", "name": "box", "uid": "uid-box"}}
-    assert keyaccess.source_bound(ckpt, sandbox) == A
+    ckpt = CHECKPOINTS["box-3-manual"]
+    assert keyaccess.source_bound(ckpt, SANDBOXES["box"]) == A
     assert keyaccess.source_bound(ckpt, None) is None
-    assert keyaccess.source_bound(None, sandbox) is None
+    assert keyaccess.source_bound(None, SANDBOXES["box"]) is None
     assert keyaccess.source_bound(ckpt, {"metadata": {"name": "other", "uid": "u"}}) is None
 
 
@@ -192,10 +227,10 @@ class FakeKube:
         return [p for p in self.pods if p["spec"]["nodeName"] == node]
 
     def get_checkpoint(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return None
+        return CHECKPOINTS.get(name)
 
     def get_sandbox(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return None
+        return SANDBOXES.get(name)
 
 
 @pytest.fixture
