@@ -190,6 +190,8 @@ def test_helm_template_renders() -> None:
         # operator, node-agent, turn-client (bound to nothing: docs/turns.md)
         "ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding",
         "DaemonSet", "Deployment", "Role", "RoleBinding", "Secret", "Service", "Service",
+        # the key service: its Service, serving certificate and CA (docs/security.md)
+        "Service", "Secret", "Secret",
         "ServiceAccount", "ServiceAccount", "ServiceMonitor", "ServiceMonitor",
         # the node-agent's node, pod and checkpoint scopes; the operator's verified mark
         *["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"] * 4,
