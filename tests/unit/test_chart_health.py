@@ -43,10 +43,12 @@ def container(docs: list[Obj], kind: str) -> Obj:
 def test_both_pods_probe_healthz_and_readyz_on_the_metrics_port(kind: str,
                                                                 metrics: str) -> None:
     c = container(render(f"metrics.enabled={metrics}", "metrics.port=9200"), kind)
-    # The node-agent also serves the turn endpoint on the node's IP (docs/turns.md).
+    # The node-agent also serves the turn endpoint on the node's IP (docs/turns.md), the
+    # operator the key service (docs/security.md#the-key-service).
     turns = [{"name": "turns", "containerPort": 9103, "hostPort": 9103, "protocol": "TCP"}]
+    keys = [{"name": "keys", "containerPort": 9443, "protocol": "TCP"}]
     assert c["ports"] == [{"name": "metrics", "containerPort": 9200, "protocol": "TCP"},
-                          *(turns if kind == "DaemonSet" else [])]
+                          *(turns if kind == "DaemonSet" else keys)]
     live, ready = c["livenessProbe"], c["readinessProbe"]
     assert live["httpGet"] == {"path": LIVENESS_PATH, "port": "metrics"}
     assert ready["httpGet"] == {"path": READINESS_PATH, "port": "metrics"}
