@@ -466,6 +466,11 @@ def test_with_the_key_service_only_the_operator_mounts_the_sealing_secret() -> N
     [token] = on["agent_volumes"]["keys-token"]["projected"]["sources"]
     assert token["serviceAccountToken"]["audience"] == "hermit.dev/keys"
     assert on["op_volumes"]["sealing-keys"]["secret"]["secretName"] == "hermit-sealing"
+    # The operator runs as 65532: its Secret volumes are its group's.
+    [dep] = [d for d in on["docs"] if d["kind"] == "Deployment"]
+    assert dep["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == 65532
+    assert {on["op_volumes"][v]["secret"]["defaultMode"]
+            for v in ("sealing-keys", "keys-tls")} == {0o440}
     assert on["op_env"]["HERMIT_KEY_SERVICE_CALLERS"] == \
         "system:serviceaccount:default:hermit-node-agent"
     assert {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"],
