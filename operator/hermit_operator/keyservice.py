@@ -129,11 +129,11 @@ class KeyService:
 
     def handle(self, path: str, authorization: str | None, body: bytes,
                source: str) -> Reply:
-        """Answers one request (admitted again: ``handle`` alone is safe too); never
-        raises."""
+        """Answers one request that ``admit`` let in (the caller is authenticated again,
+        from the review cache, so ``handle`` alone lets no one in); never raises."""
         op = OPS.get(path.split("?", 1)[0], "")
         try:
-            caller = self._admit(path, authorization, source)
+            caller = self._caller(path, authorization, source)
             out = self._serve(path.split("?", 1)[0], caller, body)
         except _Refused as exc:
             return self._refusal(path, exc)
@@ -161,10 +161,17 @@ class KeyService:
         return Reply(exc.status, body)
 
     def _admit(self, path: str, authorization: str | None, source: str) -> keyaccess.Caller:
-        if path.split("?", 1)[0] not in OPS:
-            raise _Refused(404, INVALID, f"not found: {USAGE}")
+        """The caller, rate-limited by source address and by node."""
         if not self.sources.allow(source):
             raise _Refused(429, LIMITED, f"too many requests from {source}")
+        caller = self._caller(path, authorization, source)
+        if not self.nodes.allow(caller.node):
+            raise _Refused(429, LIMITED, f"too many requests from node {caller.node}")
+        return caller
+
+    def _caller(self, path: str, authorization: str | None, source: str) -> keyaccess.Caller:
+        if path.split("?", 1)[0] not in OPS:
+            raise _Refused(404, INVALID, f"not found: {USAGE}")
         token = _bearer(authorization)
         key = turnlimits.token_key(token, (self._audience,))
         try:
@@ -178,8 +185,6 @@ class KeyService:
         except keyaccess.Denied as exc:
             log.warning("key service: refused a caller from %s: %s", source, exc)
             raise _Refused(exc.status, DENIED, str(exc)) from None
-        if not self.nodes.allow(caller.node):
-            raise _Refused(429, LIMITED, f"too many requests from node {caller.node}")
         return caller
 
     def _serve(self, path: str, caller: keyaccess.Caller, body: bytes) -> dict[str, Any]:

@@ -397,3 +397,17 @@ def test_key_service_settings() -> None:
                  "HERMIT_KEY_SERVICE_CALLERS"):
         with pytest.raises(SettingsError, match=f"{name} is required"):
             KeyServiceSettings.from_env({k: v for k, v in env.items() if k != name})
+
+
+def test_a_node_is_rate_limited_and_its_token_reviewed_once() -> None:
+    kube = FakeKube()
+    svc = keyservice.KeyService(_local(), kube, callers=[AGENT], audience=AUDIENCE,
+                                clock=lambda: 1000.0)
+    answers = [svc.admit("/v1/keys/current", "Bearer token-a", f"10.0.0.{i % 200}")
+               for i in range(keyservice.NODE_BURST + 1)]
+    assert answers[:-1] == [None] * keyservice.NODE_BURST
+    assert answers[-1] is not None and answers[-1].status == 429
+    assert "node node-a" in answers[-1].body["error"]
+    assert kube.reviews == 1
+    # Another node has its own budget.
+    assert svc.admit("/v1/keys/current", "Bearer token-b", "10.0.1.1") is None
