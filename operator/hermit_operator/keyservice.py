@@ -45,6 +45,7 @@ from hermit_common.keyclient import (
 from hermit_common.kubeapi import KubeApiError
 from hermit_common.protocol import KubeObject, one_line
 from hermit_common.seal import (
+    KEY_BYTES,
     Bound,
     KeyringWrapper,
     KeyWrapper,
@@ -195,7 +196,10 @@ class KeyService:
             context = _field(request, "context")
             self._authorize(caller, _bound(bound_of_context, context), path)
             if path == PATH_WRAP:
-                wrapped = self._wrapper.wrap(_field(request, "dek"), context)
+                dek = _field(request, "dek")
+                if len(dek) != KEY_BYTES:
+                    raise _Refused(400, INVALID, f'"dek" must be {KEY_BYTES} bytes')
+                wrapped = self._wrapper.wrap(dek, context)
                 return {"keyId": wrapped.key_id, "blob": b64(wrapped.blob)}
             dek = self._wrapper.unwrap(
                 Wrapped(_key_id(request), _field(request, "blob")), context)

@@ -357,7 +357,9 @@ def test_malformed_requests_are_400(service: tuple[str, Path, FakeKube]) -> None
     headers = {"Authorization": "Bearer token-a"}
     for body in (b"[]", b"not json", json.dumps({"context": "!!"}).encode(),
                  json.dumps({"context": base64.b64encode(b"{}").decode(),
-                             "dek": ""}).encode()):
+                             "dek": ""}).encode(),
+                 json.dumps({"context": base64.b64encode(CTX.sandbox_bytes()).decode(),
+                             "dek": base64.b64encode(b"short").decode()}).encode()):
         resp = requests.post(f"{url}/v1/keys/wrap", data=body, headers=headers,
                              verify=str(cert), timeout=10)
         assert resp.status_code == 400, (body, resp.text)
