@@ -36,6 +36,7 @@ import requests
 from hermit_common.errors import CheckpointRefused, HermitError
 from hermit_common.seal import KEY_BYTES, Wrapped, b64, unb64
 from hermit_common.settings import KEY_SERVICE_AUDIENCE
+from hermit_common.turns import NamedHost
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +66,17 @@ class KeyServiceUnavailable(HermitError):
 
 
 class RemoteKeyWrapper:
-    """A ``KeyWrapper`` over the key service at ``url`` (https), trusting ``ca_file``."""
+    """A ``KeyWrapper`` over the key service at ``url`` (https), trusting ``ca_file``
+    (and verifying its certificate for ``server_name`` when given)."""
 
     def __init__(self, url: str, *, ca_file: str, token_file: str,
-                 clock: Any = time.monotonic, session: requests.Session | None = None,
+                 server_name: str | None = None, clock: Any = time.monotonic,
                  backoff_seconds: float = 0.5) -> None:
         self._url, self._ca_file, self._token_file = url.rstrip("/"), ca_file, token_file
         self._clock, self._backoff = clock, backoff_seconds
-        self._http = session if session is not None else requests.Session()
+        self._http = requests.Session()
+        if server_name:  # the URL names an address: verify the certificate for this name
+            self._http.mount("https://", NamedHost(server_name))
         self._lock = threading.Lock()
         self._deks: OrderedDict[tuple[bytes, str, bytes], tuple[float, bytes]] = OrderedDict()
         self._current: tuple[float, str] | None = None

@@ -565,7 +565,8 @@ def sealing_from(settings: SealSettings) -> Sealing | None:
                                 f"{settings.key_service_ca_file}: no such file")
         return Sealing(RemoteKeyWrapper(settings.key_service_url,
                                         ca_file=settings.key_service_ca_file,
-                                        token_file=settings.key_service_token_file),
+                                        token_file=settings.key_service_token_file,
+                                        server_name=settings.key_service_server_name),
                        accept_plain=settings.accept_plain)
     if settings.keys_dir is None:
         return None

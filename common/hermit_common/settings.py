@@ -170,6 +170,9 @@ class SealSettings:
     key_service_url: str | None = None  # https://...: wrap, unwrap, sign, verify there
     key_service_ca_file: str | None = None  # the CA that signed the key service's cert
     key_service_token_file: str = KEY_SERVICE_TOKEN_PATH  # audience hermit.dev/keys
+    # The name its certificate is verified for, when the URL names an address (a
+    # Service's ClusterIP on a cluster without DNS); None: the URL's host.
+    key_service_server_name: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> SealSettings:
@@ -192,7 +195,9 @@ class SealSettings:
                    accept_plain=env.flag("HERMIT_SEAL_ACCEPT_PLAIN", False),
                    key_service_url=url, key_service_ca_file=ca_file,
                    key_service_token_file=env.text("HERMIT_SEAL_KEY_SERVICE_TOKEN_FILE",
-                                                   KEY_SERVICE_TOKEN_PATH))
+                                                   KEY_SERVICE_TOKEN_PATH),
+                   key_service_server_name=env.optional_str(
+                       "HERMIT_SEAL_KEY_SERVICE_SERVER_NAME"))
 
 
 @dataclass(frozen=True)

@@ -489,6 +489,11 @@ def test_with_the_key_service_only_the_operator_mounts_the_sealing_secret() -> N
     assert any(r["ports"][0]["port"] == 9443 and r["to"][0]["podSelector"]["matchLabels"][
         "app.kubernetes.io/component"] == "operator" for r in agent_np["egress"])
 
+    links = _key_service_parts("nodeAgent.sealing.keyService.serviceLinks=true")
+    assert links["agent_env"]["HERMIT_SEAL_KEY_SERVICE_URL"] == \
+        "https://$(HERMIT_KEYS_SERVICE_HOST):9443"
+    assert links["agent_env"]["HERMIT_SEAL_KEY_SERVICE_SERVER_NAME"] == "hermit-keys.default.svc"
+
     off = _key_service_parts("nodeAgent.sealing.keyService.enabled=false")
     assert off["agent_env"]["HERMIT_SEAL_KEYS_DIR"] == "/etc/hermit/sealing"
     assert "HERMIT_SEAL_KEY_SERVICE_URL" not in off["agent_env"]

@@ -413,3 +413,20 @@ def test_a_node_is_rate_limited_and_its_token_reviewed_once() -> None:
     assert kube.reviews == 1
     # Another node has its own budget.
     assert svc.admit("/v1/keys/current", "Bearer token-b", "10.0.1.1") is None
+
+
+def test_the_certificate_is_verified_for_the_server_name_when_given(
+        service: tuple[str, Path, FakeKube], tmp_path: Path) -> None:
+    """By a Service's ClusterIP (no cluster DNS): the certificate must be the name's."""
+    from hermit_common.keyclient import KeyServiceUnavailable
+
+    url, cert, _ = service
+    token = tmp_path / "t"
+    token.write_text("token-a")
+    named = RemoteKeyWrapper(url, ca_file=str(cert), token_file=str(token),
+                             server_name="keys.hermit.internal", backoff_seconds=0.01)
+    assert named.current_key_id() == "k1"
+    wrong = RemoteKeyWrapper(url, ca_file=str(cert), token_file=str(token),
+                             server_name="other.hermit.internal", backoff_seconds=0.01)
+    with pytest.raises(KeyServiceUnavailable, match="SSLError"):
+        wrong.current_key_id()
