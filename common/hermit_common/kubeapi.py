@@ -179,6 +179,20 @@ class KubeApi:
         except KubeNotFound:
             return None
 
+    # -- callers ----------------------------------------------------------------------
+
+    def review_token(self, token: str, audiences: list[str]) -> KubeObject:
+        """The status of a TokenReview of a caller's bearer token (``authenticated``,
+        ``user``, ``audiences``, ``error``); ``audiences`` empty: the API server's own."""
+        spec: KubeObject = {"token": token}
+        if audiences:
+            spec["audiences"] = audiences
+        out = self._call("reviewing a caller's token",
+                         client.AuthenticationV1Api(self._client).create_token_review,
+                         {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                          "spec": spec})
+        return dict(self._dict(out).get("status") or {})
+
     # -- AgentSandboxes -------------------------------------------------------------
 
     def get_sandbox(self, namespace: str, name: str) -> KubeObject | None:

@@ -84,6 +84,9 @@ OPERATOR_SANDBOXES: Final = "hermit_operator_sandboxes"  # labels: phase (api.SA
 # prometheus_client's Info: exposed as <name>_info{version} 1.
 OPERATOR_BUILD: Final = "hermit_operator_build"
 NODE_BUILD: Final = "hermit_node_build"
+# Key service requests (hermit_operator.keyservice): labels op (current, wrap, unwrap,
+# sign, verify, "" for an unknown path) and result (keyservice.RESULTS).
+OPERATOR_KEY_REQUESTS: Final = "hermit_operator_key_requests_total"
 
 # hermit_operator_sandbox_downtime_seconds{reason}: why the sandbox moved, from the
 # stopping Checkpoint's spec.reason (Preemption, Eviction). A Suspend is not downtime
@@ -110,4 +113,4 @@ ALL: Final = (NODE_NOTICES, NODE_CHECKPOINT_SECONDS, NODE_CHECKPOINT_BYTES,
               OPERATOR_PODS_CREATED, OPERATOR_CHECKPOINTS_DELETED, OPERATOR_DOWNTIME,
               OPERATOR_RESYNCS, OPERATOR_WORK_LOST, OPERATOR_SANDBOXES,
               f"{OPERATOR_BUILD}_info", NODE_CHECKPOINT_FAILURES, NODE_NOTICE_MARGIN,
-              f"{NODE_BUILD}_info")
+              f"{NODE_BUILD}_info", OPERATOR_KEY_REQUESTS)

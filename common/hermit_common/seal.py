@@ -46,9 +46,10 @@ from hermit_common import bounded
 from hermit_common.errors import CheckpointRefused, SettingsError
 from hermit_common.settings import SealSettings
 
-__all__ = ["CURRENT_KEY", "ChunkCipher", "Context", "Expected", "KeyWrapper", "Keyring",
-           "KeyringWrapper", "Opened", "Sealing", "Wrapped", "check_lineage", "is_sealed",
-           "new_dek", "open_manifest", "seal_manifest", "sealing_from"]
+__all__ = ["CURRENT_KEY", "Bound", "ChunkCipher", "Context", "Expected", "KeyWrapper", "Keyring",
+           "KeyringWrapper", "Opened", "Sealing", "Wrapped", "b64", "bound_of_context",
+           "bound_of_signed", "check_lineage", "is_sealed",
+           "new_dek", "open_manifest", "seal_manifest", "sealing_from", "unb64"]
 
 KEY_BYTES: Final = 32
 NONCE_BYTES: Final = 12
@@ -69,21 +70,21 @@ def _canonical(data: object) -> bytes:
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
-def _b64(data: bytes) -> str:
+def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
-def _unb64(text: object, what: str) -> bytes:
+def unb64(text: object, what: str, where: str = "sealed manifest field") -> bytes:
     if not isinstance(text, str):
-        raise CheckpointRefused(f"sealed manifest field {what} is not a string")
+        raise CheckpointRefused(f"{where} {what} is not a string")
     try:
         data = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
-        raise CheckpointRefused(f"sealed manifest field {what} is not base64") from None
+        raise CheckpointRefused(f"{where} {what} is not base64") from None
     # Only the one canonical encoding: a changed padding bit decodes to the same bytes,
     # and a sealed manifest must not take any change without being refused.
-    if _b64(data) != text:
-        raise CheckpointRefused(f"sealed manifest field {what} is not canonical base64")
+    if b64(data) != text:
+        raise CheckpointRefused(f"{where} {what} is not canonical base64")
     return data
 
 
@@ -156,7 +157,7 @@ class Wrapped:
 
     def to_bytes(self) -> bytes:
         """As stored next to the sandbox's chunks."""
-        data: dict[str, Any] = {"kek": self.key_id, "dek": _b64(self.blob)}
+        data: dict[str, Any] = {"kek": self.key_id, "dek": b64(self.blob)}
         if self.lineage:
             data["lineage"] = list(self.lineage)
         if self.source:
@@ -183,7 +184,7 @@ class Wrapped:
         if not isinstance(lineage, list) or not all(isinstance(u, str) for u in lineage) or \
                 not isinstance(source, str) or (source and not _UID_RE.match(source)):
             raise CheckpointRefused("the wrapped data key is malformed")
-        return cls(data["kek"], _unb64(data["dek"], "dek"), tuple(lineage), source)
+        return cls(data["kek"], unb64(data["dek"], "dek"), tuple(lineage), source)
 
 
 class KeyWrapper(Protocol):
@@ -371,6 +372,55 @@ def _signed_bytes(envelope: Mapping[str, Any]) -> bytes:
     return tag + _canonical(body)
 
 
+@dataclass(frozen=True)
+class Bound:
+    """The sandbox a wrap/unwrap context or signed manifest bytes are bound to: what a
+    key service authorises a caller for (hermit_operator.keyaccess)."""
+
+    namespace: str
+    sandbox: str
+    sandbox_uid: str
+
+    def describe(self) -> str:
+        return f"sandbox {self.namespace}/{self.sandbox} (uid {self.sandbox_uid})"
+
+
+_SIGNED_TAGS: Final = (b"hermit/manifest/v1\0", b"hermit/manifest/v2\0")
+
+
+def _bound_of(data: object, what: str) -> Bound:
+    if not isinstance(data, dict):
+        raise CheckpointRefused(f"{what} is not a JSON object")
+    names = [data.get(k) for k in ("namespace", "sandbox", "sandbox_uid")]
+    if not all(isinstance(n, str) and n for n in names):
+        raise CheckpointRefused(f"{what} names no namespace, sandbox and sandbox_uid")
+    return Bound(*(str(n) for n in names))
+
+
+def bound_of_context(context: bytes) -> Bound:
+    """The sandbox a data key's context (``Context.sandbox_bytes``) names, parsed within
+    bounds; CheckpointRefused when it is not one."""
+    data = bounded.load_json(context, limit=bounded.KEY_RECORD_MAX_BYTES,
+                             what="the key context",
+                             max_containers=bounded.ENVELOPE_MAX_CONTAINERS)
+    return _bound_of(data, "the key context")
+
+
+def bound_of_signed(data: bytes) -> Bound:
+    """The sandbox the signed bytes of a manifest (``_signed_bytes``) are bound to: its
+    envelope's context, parsed within the stored manifest's bounds; CheckpointRefused
+    when the bytes are not a manifest's."""
+    tag = next((t for t in _SIGNED_TAGS if data.startswith(t)), None)
+    if tag is None:
+        raise CheckpointRefused("the signed bytes are not a sealed manifest's")
+    body = bounded.load_json(data[len(tag):], limit=bounded.STORED_MANIFEST_MAX_BYTES,
+                             what="the signed manifest",
+                             max_containers=bounded.ENVELOPE_MAX_CONTAINERS)
+    if not isinstance(body, dict):
+        raise CheckpointRefused("the signed manifest is not a JSON object")
+    return _bound_of(body.get("context"), "the signed manifest's context")
+
+
 def seal_manifest(wrapper: KeyWrapper, dek: bytes, wrapped: Wrapped, context: Context,
                   manifest_json: bytes) -> bytes:
     """The stored bytes of a sealed manifest: an envelope signed with ``wrapped.key_id``
@@ -381,9 +431,9 @@ def seal_manifest(wrapper: KeyWrapper, dek: bytes, wrapped: Wrapped, context: Co
     ciphertext = AESGCM(dek).encrypt(nonce, manifest_json, _canonical(context.to_dict()))
     envelope: dict[str, Any] = {
         "sealed": SEALED_FORMAT, "context": context.to_dict(), "kek": wrapped.key_id,
-        "dek": _b64(wrapped.blob), "nonce": _b64(nonce), "ciphertext": _b64(ciphertext),
+        "dek": b64(wrapped.blob), "nonce": b64(nonce), "ciphertext": b64(ciphertext),
     }
-    envelope["signature"] = _b64(wrapper.sign(wrapped.key_id, _signed_bytes(envelope)))
+    envelope["signature"] = b64(wrapper.sign(wrapped.key_id, _signed_bytes(envelope)))
     return _canonical(envelope)
 
 
@@ -476,17 +526,17 @@ def open_manifest(wrapper: KeyWrapper, raw: bytes, expect: Expected) -> Opened:
     """
     envelope = _parse_envelope(raw)
     key_id = envelope["kek"]
-    signature = _unb64(envelope["signature"], "signature")
+    signature = unb64(envelope["signature"], "signature")
     if not wrapper.verify(key_id, _signed_bytes(envelope), signature):
         raise CheckpointRefused(f"its manifest's signature (sealing key {key_id!r}) does "
                                 "not verify: the manifest was altered")
     context = _claimed_context(envelope["context"], envelope["sealed"])
     _check_context(context, expect)
-    dek = wrapper.unwrap(Wrapped(key_id, _unb64(envelope["dek"], "dek")),
+    dek = wrapper.unwrap(Wrapped(key_id, unb64(envelope["dek"], "dek")),
                          context.sandbox_bytes())
-    nonce = _unb64(envelope["nonce"], "nonce")
+    nonce = unb64(envelope["nonce"], "nonce")
     try:
-        plain = AESGCM(dek).decrypt(nonce, _unb64(envelope["ciphertext"], "ciphertext"),
+        plain = AESGCM(dek).decrypt(nonce, unb64(envelope["ciphertext"], "ciphertext"),
                                     _canonical(context.to_dict()))
     except (InvalidTag, ValueError):
         raise CheckpointRefused("its manifest does not decrypt") from None
@@ -503,8 +553,21 @@ class Sealing:
 
 
 def sealing_from(settings: SealSettings) -> Sealing | None:
-    """The store's sealing from the settings (None: no keys, checkpoints are plain).
-    Raises SettingsError naming HERMIT_SEAL_KEYS_DIR when its keys cannot be used."""
+    """The store's sealing from the settings (None: no keys, checkpoints are plain): the
+    key service's (HERMIT_SEAL_KEY_SERVICE_URL) or the mounted keys'. Raises SettingsError
+    naming the setting when it cannot be used."""
+    if settings.key_service_url is not None:
+        from hermit_common.keyclient import RemoteKeyWrapper
+
+        assert settings.key_service_ca_file is not None  # SealSettings.from_env checks it
+        if not Path(settings.key_service_ca_file).is_file():
+            raise SettingsError(f"HERMIT_SEAL_KEY_SERVICE_CA_FILE="
+                                f"{settings.key_service_ca_file}: no such file")
+        return Sealing(RemoteKeyWrapper(settings.key_service_url,
+                                        ca_file=settings.key_service_ca_file,
+                                        token_file=settings.key_service_token_file,
+                                        server_name=settings.key_service_server_name),
+                       accept_plain=settings.accept_plain)
     if settings.keys_dir is None:
         return None
     try:

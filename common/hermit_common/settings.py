@@ -153,18 +153,84 @@ class StoreSettings:
         )
 
 
+# The key service's audience (docs/security.md#the-key-service): a node-agent's projected
+# token for it is good for nothing else, and the API server refuses it.
+KEY_SERVICE_AUDIENCE = "hermit.dev/keys"
+KEY_SERVICE_TOKEN_PATH = "/var/run/secrets/hermit.dev/keys/token"
+
+
 @dataclass(frozen=True)
 class SealSettings:
-    """Sealed checkpoints (docs/security.md): where the key-encryption keys are mounted."""
+    """Sealed checkpoints (docs/security.md): where the key-encryption keys are, either
+    mounted (``keys_dir``) or behind the operator's key service (``key_service_url``:
+    the node-agent then holds no key-encryption key)."""
 
     keys_dir: str | None = None  # a mounted Secret (current + KEKs); None: written plain
     accept_plain: bool = False  # read plain (unsealed) checkpoints too: a migration only
+    key_service_url: str | None = None  # https://...: wrap, unwrap, sign, verify there
+    key_service_ca_file: str | None = None  # the CA that signed the key service's cert
+    key_service_token_file: str = KEY_SERVICE_TOKEN_PATH  # audience hermit.dev/keys
+    # The name its certificate is verified for, when the URL names an address (a
+    # Service's ClusterIP on a cluster without DNS); None: the URL's host.
+    key_service_server_name: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> SealSettings:
         env = Env(environ)
-        return cls(keys_dir=env.optional_str("HERMIT_SEAL_KEYS_DIR"),
-                   accept_plain=env.flag("HERMIT_SEAL_ACCEPT_PLAIN", False))
+        keys_dir = env.optional_str("HERMIT_SEAL_KEYS_DIR")
+        url = env.optional_url("HERMIT_SEAL_KEY_SERVICE_URL")
+        ca_file = env.optional_str("HERMIT_SEAL_KEY_SERVICE_CA_FILE")
+        if url is not None and keys_dir is not None:
+            raise SettingsError("HERMIT_SEAL_KEYS_DIR and HERMIT_SEAL_KEY_SERVICE_URL are both "
+                                "set: a node-agent either holds the keys or asks the key "
+                                "service, not both")
+        if url is not None and not url.startswith("https://"):
+            raise SettingsError(f"HERMIT_SEAL_KEY_SERVICE_URL={url!r} is not https: the key "
+                                "service is only spoken to over TLS")
+        if url is not None and ca_file is None:
+            raise SettingsError("HERMIT_SEAL_KEY_SERVICE_CA_FILE is required with "
+                                "HERMIT_SEAL_KEY_SERVICE_URL (the CA of the key service's "
+                                "certificate)")
+        return cls(keys_dir=keys_dir,
+                   accept_plain=env.flag("HERMIT_SEAL_ACCEPT_PLAIN", False),
+                   key_service_url=url, key_service_ca_file=ca_file,
+                   key_service_token_file=env.text("HERMIT_SEAL_KEY_SERVICE_TOKEN_FILE",
+                                                   KEY_SERVICE_TOKEN_PATH),
+                   key_service_server_name=env.optional_str(
+                       "HERMIT_SEAL_KEY_SERVICE_SERVER_NAME"))
+
+
+@dataclass(frozen=True)
+class KeyServiceSettings:
+    """The operator's key service (docs/security.md#the-key-service): node-agents wrap,
+    unwrap, sign and verify there, each only for the sandboxes its node serves."""
+
+    port: int = 0  # 0: off
+    keys_dir: str | None = None  # the sealing Secret, mounted in the operator only
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    callers: tuple[str, ...] = ()  # service-account usernames allowed (the node-agent's)
+    audience: str = KEY_SERVICE_AUDIENCE
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> KeyServiceSettings:
+        env = Env(environ)
+        port = env.integer("HERMIT_KEY_SERVICE_PORT", 0, minimum=0, maximum=65535)
+        if not port:
+            return cls()
+        raw = env.text("HERMIT_KEY_SERVICE_CALLERS")
+        callers = tuple(dict.fromkeys(c.strip() for c in raw.split(",") if c.strip()))
+        if not callers or not all(c.startswith("system:serviceaccount:") and
+                                  c.count(":") == 3 for c in callers):
+            raise SettingsError(f"HERMIT_KEY_SERVICE_CALLERS={raw!r} must list service-account "
+                                "usernames (system:serviceaccount:NAMESPACE:NAME, comma "
+                                "separated)")
+        return cls(port=port,
+                   keys_dir=env.text("HERMIT_SEAL_KEYS_DIR"),
+                   tls_cert_file=env.text("HERMIT_KEY_SERVICE_TLS_CERT_FILE"),
+                   tls_key_file=env.text("HERMIT_KEY_SERVICE_TLS_KEY_FILE"),
+                   callers=callers,
+                   audience=env.text("HERMIT_KEY_SERVICE_AUDIENCE", KEY_SERVICE_AUDIENCE))
 
 
 @dataclass(frozen=True)
@@ -425,6 +491,7 @@ class OperatorSettings:
     # Every sandbox is looked at again this often, a safety net behind the watches: one
     # whose inputs did not change since it was last reconciled costs nothing.
     resync_seconds: float = 600.0
+    key_service: KeyServiceSettings = KeyServiceSettings()
 
     @property
     def clusterwide(self) -> bool:
@@ -453,6 +520,7 @@ class OperatorSettings:
             overlap_moves=env.flag("HERMIT_OVERLAP_MOVES", True),
             resync_seconds=env.number("HERMIT_RESYNC_SECONDS", 600.0, minimum=10.0,
                                       maximum=86400.0),
+            key_service=KeyServiceSettings.from_env(environ),
             **_leader_settings(env),
         )
 

@@ -78,9 +78,10 @@ class _Kube(KubeApi):
         return None if out is None else (self._dict(out).get("status") or {}).get("hostIP")
 
 
-class _NamedHost(HTTPAdapter):
+class NamedHost(HTTPAdapter):
     """Verifies the server's certificate for ``name`` (and sends it as SNI), whatever
-    address the URL names: one certificate serves every node's IP."""
+    address the URL names: one certificate serves every node's IP (the turn endpoint),
+    or a Service reached by its ClusterIP (the key service, keyclient.py)."""
 
     def __init__(self, name: str) -> None:
         self._name = name
@@ -104,7 +105,7 @@ class TurnClient:
         # Per request: a session's verify loses to REQUESTS_CA_BUNDLE in the environment.
         self._verify: str | bool = ca_file if ca_file is not None else True
         if tls and server_name:
-            self._http.mount("https://", _NamedHost(server_name))
+            self._http.mount("https://", NamedHost(server_name))
 
     def _api(self) -> _Kube:
         if self._kube is None:

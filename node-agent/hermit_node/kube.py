@@ -191,18 +191,6 @@ class Kube(KubeApi):
 
     # -- turn requests: who is calling, and may they (docs/turns.md) ------------------
 
-    def review_token(self, token: str, audiences: list[str]) -> KubeObject:
-        """The status of a TokenReview of a caller's bearer token (``authenticated``,
-        ``user``, ``audiences``, ``error``); ``audiences`` empty: the API server's own."""
-        spec: KubeObject = {"token": token}
-        if audiences:
-            spec["audiences"] = audiences
-        out = self._call("reviewing a caller's token",
-                         client.AuthenticationV1Api(self._client).create_token_review,
-                         {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
-                          "spec": spec})
-        return dict(self._dict(out).get("status") or {})
-
     def review_access(self, user: KubeObject, attributes: KubeObject) -> KubeObject:
         """The status of a SubjectAccessReview (``allowed``, ``denied``, ``reason``) of
         ``user`` (a TokenReview's ``status.user``) for ``attributes`` (resourceAttributes)."""

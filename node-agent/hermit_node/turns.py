@@ -40,12 +40,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
-from hermit_common import api, protocol
+from hermit_common import api, protocol, turnlimits
 from hermit_common import metrics as hermit_metrics
 from hermit_common.errors import HermitError
+from hermit_common.hardhttp import Reply
 from hermit_common.protocol import KubeObject
 from hermit_common.settings import TURN_AUDIENCE
-from hermit_node import inspector, metrics, planner, requests, turnlimits
+from hermit_node import inspector, metrics, planner, requests
 from hermit_node.inspector import Decision, Snapshot
 from hermit_node.kube import KubeError
 from hermit_node.planner import SandboxPod
@@ -60,10 +61,6 @@ _PATH: Final = re.compile(
     r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?)/turns/?$")
 
 
-@dataclass(frozen=True)
-class Reply:
-    status: int
-    body: dict[str, Any]
 
 
 @dataclass

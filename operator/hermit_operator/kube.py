@@ -13,7 +13,7 @@ import contextlib
 
 from kubernetes import client
 
-from hermit_common import api
+from hermit_common import api, protocol
 from hermit_common.kubeapi import (
     KubeApi,
     KubeApiError,
@@ -56,6 +56,15 @@ class Kube(KubeApi):
         out = self._get_or_none(f"reading pod {namespace}/{name}",
                                 self._core.read_namespaced_pod, name, namespace)
         return None if out is None else self._dict(out)
+
+    def list_node_sandbox_pods(self, node: str) -> list[KubeObject]:
+        """Every sandbox pod (labelled ``hermit.dev/sandbox``) bound to ``node``, in every
+        namespace, read now (the key service's authorisation: keyaccess.py)."""
+        out = self._call(f"listing the sandbox pods of node {node}",
+                         self._core.list_pod_for_all_namespaces,
+                         field_selector=f"spec.nodeName={node}",
+                         label_selector=protocol.LABEL_SANDBOX)
+        return [self._dict(p) for p in out.items or []]
 
     def create_pod(self, manifest: KubeObject) -> KubeObject:
         """Create the pod; when it already exists and belongs to the same owner, return it.

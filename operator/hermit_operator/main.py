@@ -1,7 +1,9 @@
 """``hermit-operator``: settings from the environment, a Kubernetes pre-flight, then kopf.
 
 HERMIT_METRICS_PORT serves the metrics, ``/healthz`` and ``/readyz`` from the start, so a
-standby that waits for the leadership Lease answers its probes too (operator.health).
+standby that waits for the leadership Lease answers its probes too (operator.health);
+HERMIT_KEY_SERVICE_PORT, when set, serves the key service (keyservice.py) on every
+replica from the start too.
 
 Exit codes: 2 for a bad setting, 1 when the Kubernetes API cannot be used; each with a
 one-line message on stderr.
@@ -13,12 +15,16 @@ import json
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from hermit_common import health as http_health
 from hermit_common.errors import HermitError, SettingsError
 from hermit_common.settings import OperatorSettings, redacted
 from hermit_operator.health import KOPF_LIVENESS_ENDPOINT, OperatorHealth
 from hermit_operator.leader import LeaseElector
+
+if TYPE_CHECKING:
+    from hermit_operator.kube import Kube
 
 log = logging.getLogger("hermit.operator")
 
@@ -62,6 +68,8 @@ def main() -> None:
         http_health.serve(settings.metrics_port, health.liveness, health.readiness)
     except OSError as exc:
         _fail(f"cannot serve metrics on port {settings.metrics_port}: {exc.strerror}", 1)
+    if settings.key_service.port:
+        _serve_keys(settings, kube)
     elector = _lead(settings, health) if settings.leader_election else None
     health.leading()
     kopf.configure(verbose=settings.log_level == "DEBUG")
@@ -74,6 +82,21 @@ def main() -> None:
         liveness_endpoint=KOPF_LIVENESS_ENDPOINT,
         memo=kopf.Memo(settings=settings, kube=kube, elector=elector),
     )
+
+
+def _serve_keys(settings: OperatorSettings, kube: Kube) -> None:
+    """The key service (keyservice.py), on every replica: it needs no leadership."""
+    from hermit_operator import keyservice
+
+    try:
+        keyservice.serve(settings.key_service, kube)
+    except SettingsError as exc:
+        _fail(str(exc), 2)
+    except OSError as exc:
+        _fail(f"cannot serve the key service on port {settings.key_service.port}: "
+              f"{exc.strerror}", 1)
+    log.info("key service on port %d (callers: %s)", settings.key_service.port,
+             ", ".join(settings.key_service.callers))
 
 
 def _lead(settings: OperatorSettings, health: OperatorHealth) -> LeaseElector:

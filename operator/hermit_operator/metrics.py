@@ -42,6 +42,18 @@ DOWNTIME: Final = Histogram(
     buckets=metrics.DOWNTIME_BUCKETS,
 )
 
+KEY_REQUESTS: Final = Counter(
+    metrics.OPERATOR_KEY_REQUESTS,
+    "Key service requests, by op (current, wrap, unwrap, sign, verify) and result (ok, "
+    "refused, denied, invalid, limited, error). denied: a caller that is not a node-agent, "
+    "or a node asking for a sandbox it neither runs nor restores.",
+    ["op", "result"],
+)
+
+
+def record_key_request(op: str, result: str) -> None:
+    KEY_REQUESTS.labels(op=op, result=result).inc()
+
 
 def observe_downtime(reason: str, seconds: float) -> None:
     """One finished move (reason from hermit_common.metrics.DOWNTIME_REASONS)."""

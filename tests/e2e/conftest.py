@@ -398,6 +398,9 @@ def hermit_release(kube: Kube, s3_for_pods: S3, e2e_config: E2EConfig) -> Iterat
          # test_policy.py switches to restricted for the test that shows it; a cluster
          # whose node-agents hold it can run everything so: HERMIT_E2E_POD_POLICY_PROFILE.
          "--set", f"operator.podPolicy.profile={POD_POLICY_PROFILE}",
+         # The local cluster runs no cluster DNS: node-agents reach the operator's key
+         # service by its Service's ClusterIP (docs/security.md#the-key-service).
+         "--set", "nodeAgent.sealing.keyService.serviceLinks=true",
          "--wait", "--timeout", "180s"],
         env=env, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, f"helm install failed: {proc.stdout}{proc.stderr}"

@@ -3,9 +3,10 @@ the sandbox's into its checkpoint.
 
 The node-agent (root, privileged, hostPID) copies the sandbox's workspace volume and
 writable layer from host paths. A tenant that swaps a directory of its workspace for a
-symlink while that copy runs would have the agent read through the link: the sealing key
-at /etc/hermit/sealing/..data, the agent's service-account token, any host path through
-/proc/1/root. Here the sandbox's own container (and a process started in it with
+symlink while that copy runs would have the agent read through the link: its token for
+the key service at /var/run/secrets/hermit.dev/keys/..data (what gets its node's sandbox
+keys; no sealing key is mounted in a node-agent), its service-account token, any host path
+through /proc/1/root. Here the sandbox's own container (and a process started in it with
 ``kubectl exec``, as harnesses do) swaps directories for symlinks to those three targets
 in a tight loop while Manual checkpoints are taken, many times. The judge is outside the
 sandbox: the test downloads every checkpoint from the bucket with the cluster's sealing
@@ -67,19 +68,22 @@ pytestmark = [pytest.mark.e2e, pytest.mark.attack, pytest.mark.timeout(900)]
 
 CHECKPOINTS = 20
 DIRS_PER_TARGET = 8
-SEALING_DIR = "/etc/hermit/sealing/..data"
+# The node-agent's key material: with the key service (the chart's default) no sealing
+# key is mounted, and what opens its node's sandboxes' keys is its token for the key
+# service (docs/security.md#the-key-service).
+SEALING_DIR = "/var/run/secrets/hermit.dev/keys/..data"
 TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 HOST_MARKER_ROOT = Path("/var/tmp")  # on this machine, which is every node's host
 
 # kind: (the file the tenant puts in each directory, named like a file of the target)
-KINDS = {"key": "1", "token": "token", "host": "marker"}
+KINDS = {"key": "token", "token": "token", "host": "marker"}
 
 RACER = r"""
 set -u
 base=$1
 mkdir -p "$base" && cd "$base" || exit 1
 for kind in key token host; do
-  case $kind in key) f=1; t=$SEALING;; token) f=token; t=$TOKEN;; host) f=marker; t=$HOST;; esac
+  case $kind in key) f=token; t=$SEALING;; token) f=token; t=$TOKEN;; host) f=marker; t=$HOST;; esac
   i=0
   while [ $i -lt $DIRS ]; do
     mkdir -p "$kind$i" && echo "tenant-$kind$i" > "$kind$i/$f"

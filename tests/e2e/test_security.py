@@ -23,8 +23,10 @@ from kubernetes.client.rest import ApiException
 from hermit_common import api, protocol
 from tests.e2e import sandboxes as sb
 from tests.e2e.conftest import (
+    BUCKET,
     RELEASE_NS,
     REPO,
+    S3,
     E2EConfig,
     Kube,
     pod_manifest,
@@ -411,3 +413,97 @@ def test_a_pod_faked_with_the_sandbox_label_and_a_restore_from_is_not_restored(
                   outcome=REFUSED,
                   evidence=f"restore-phase Failed, not retryable: {message[:120]}; a "
                            "RestoreRefused Event; nothing restored into it")
+
+
+# -- issue 17.3: a node decrypts only what it serves (the key service) ----------------------
+
+# Run inside a node-agent pod, with its own settings and its own projected token: unwrap
+# the sandbox's stored data key through the key service, as its store would.
+_UNWRAP = r'''
+import base64, os
+from hermit_common.keyclient import KeyAccessDenied
+from hermit_common.seal import Context, Wrapped, sealing_from
+from hermit_common.settings import SealSettings
+sealing = sealing_from(SealSettings.from_env(os.environ))
+record = Wrapped.from_bytes(base64.b64decode("{record}"))
+context = Context("{ns}", "{name}", "{uid}", lineage=record.lineage)
+try:
+    print("UNWRAPPED", len(sealing.wrapper.unwrap(record, context.sandbox_bytes())))
+except KeyAccessDenied as exc:
+    print("DENIED", exc)
+'''
+
+
+def _key_record(s3: S3, ns: str, name: str, uid: str) -> bytes:
+    import boto3
+
+    s3c = boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id=s3.access_key,
+                       aws_secret_access_key=s3.secret_key, region_name="us-east-1")
+    keys = [o["Key"] for page in s3c.get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
+            for o in page.get("Contents", [])
+            if f"/{ns}/" in f"/{o['Key']}" and o["Key"].endswith(f"/keys/{uid}")]
+    assert len(keys) == 1, f"the key record of {ns}/{name}: {keys}"
+    return bytes(s3c.get_object(Bucket=BUCKET, Key=keys[0])["Body"].read())
+
+
+@pytest.mark.attack
+def test_a_node_agent_gets_no_key_of_a_sandbox_on_another_node_and_mounts_no_kek(
+        kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
+        s3_for_pods: S3, attack: Attack) -> None:
+    """With the key service (nodeAgent.sealing.keyService), the node-agent of the node a
+    sandbox runs on unwraps its stored data key; the node-agent of another node, asking
+    with its own token from inside its own pod, is refused; no node-agent pod mounts the
+    sealing Secret or holds a key-encryption key under /etc or /var/run/secrets (the
+    node's own files are not looked at: a node that runs the operator's pod holds its
+    Secret volumes, docs/security.md)."""
+    import base64
+
+    name, where = sb.start_on_spot(kube, e2e_config, hermit_release, namespace)
+    sb.checkpoint_now(namespace, name, f"{name}-keys")  # writes the sandbox's key record
+    uid = str(sb.sandbox(namespace, name)["metadata"]["uid"])
+    record = _key_record(s3_for_pods, namespace, name, uid)
+    script = _UNWRAP.format(record=base64.b64encode(record).decode(), ns=namespace,
+                            name=name, uid=uid)
+    agents = {p.spec.node_name: p for p in kube.api.list_namespaced_pod(
+        RELEASE_NS, label_selector="app.kubernetes.io/component=node-agent").items
+        if p.status.phase == "Running" and p.spec.node_name}
+    others = sorted(n for n in agents if n != where.node)
+    assert where.node in agents and others, f"needs node-agents on two nodes: {sorted(agents)}"
+
+    def unwrap_from(node: str) -> str:
+        return sb.exec_sh(RELEASE_NS, agents[node].metadata.name,
+                          f"python3 - <<'EOF'\n{script}\nEOF").strip()
+
+    mine = unwrap_from(where.node)
+    assert mine == "UNWRAPPED 32", mine
+    theirs = unwrap_from(others[0])
+    print(f"\n{where.node}: {mine}\n{others[0]}: {theirs[:300]}")
+    assert theirs.startswith("DENIED") and \
+        f"node {others[0]} neither runs nor restores sandbox {namespace}/{name}" in theirs, \
+        theirs
+
+    # No node-agent holds a KEK: no Secret volume of the sealing Secret, and none of its
+    # key values in any file the pod sees under /etc or /var/run.
+    [sealing] = [s for s in kube.api.list_namespaced_secret(RELEASE_NS).items
+                 if s.metadata.name.endswith("-sealing")]
+    keks = [base64.b64decode(v).decode() for k, v in (sealing.data or {}).items()
+            if k != "current"]
+    assert keks
+    for node, pod in sorted(agents.items()):
+        secrets = {v.secret.secret_name for v in pod.spec.volumes or [] if v.secret}
+        assert sealing.metadata.name not in secrets, (node, secrets)
+        env = {e.name for c in pod.spec.containers for e in c.env or []}
+        assert "HERMIT_SEAL_KEYS_DIR" not in env and "HERMIT_SEAL_KEY_SERVICE_URL" in env
+        found = sb.exec_sh(RELEASE_NS, pod.metadata.name, "; ".join(
+            f"grep -rlsF -D skip '{k}' /etc /var/run/secrets 2>/dev/null" for k in keks)
+            + "; echo END")
+        assert found.strip() == "END", f"{node}: a KEK in {found}"
+    attack.record(
+        "key service: a node asks for another node's sandbox key",
+        tried=f"exec in the node-agent pod of {others[0]}: its own projected token "
+              f"(audience hermit.dev/keys) unwraps the stored data key of {namespace}/{name}, "
+              f"which runs on {where.node}",
+        outcome=REFUSED,
+        evidence=f"{theirs[:160]}; the node-agent of {where.node} unwraps it; no node-agent "
+                 f"pod ({len(agents)}) mounts the sealing Secret or has a KEK under /etc, "
+                 "/var/run/secrets")

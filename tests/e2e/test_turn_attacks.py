@@ -36,8 +36,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hermit_common import metrics, protocol
-from hermit_node import turnlimits
+from hermit_common import metrics, protocol, turnlimits
 from tests.e2e import sandboxes as sb
 from tests.e2e.conftest import E2EConfig, Kube
 from tests.support.attacks import CONTAINED, REFUSED, Attack

@@ -24,7 +24,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from hermit_common import api, protocol
-from tests.support.controlplane import ControlPlane, control_plane
+from tests.support.controlplane import ControlPlane, control_plane, install_crds
 
 __all__ = ["control_plane"]
 
@@ -97,9 +97,7 @@ def _ckpt(name: str, node: str, reason: str = protocol.PREEMPTION, **annotations
 @pytest.fixture(scope="module")
 def plane(control_plane: ControlPlane) -> Iterator[ControlPlane]:
     admin = Caller(control_plane, None)
-    ext = client.ApiextensionsV1Api(admin.client)
-    for path in sorted((ROOT / "crds").glob("*.yaml")):
-        ext.create_custom_resource_definition(yaml.safe_load(path.read_text()))
+    install_crds(admin.client)
     admin.core.create_namespace({"metadata": {"name": NS}})
     admin.core.create_namespaced_service_account(NS, {"metadata": {"name": "default"}})
     for node in ("node-a", "node-b"):

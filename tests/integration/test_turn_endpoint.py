@@ -7,9 +7,7 @@ Sources are distinct loopback addresses (127.0.0.0/8 is all local on Linux)."""
 
 from __future__ import annotations
 
-import datetime
 import http.client
-import ipaddress
 import json
 import socket
 import ssl
@@ -21,14 +19,12 @@ from typing import Any
 
 import pytest
 import requests
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
+from hermit_common import turnlimits
 from hermit_common.turns import TurnClient
-from hermit_node import turnlimits, turnserver
+from hermit_node import turnserver
 from tests.support.attacks import CONTAINED, REFUSED, Attack
+from tests.support.tls import self_signed
 from tests.support.wait import wait_until
 from tests.unit.test_turns import PATH, FakeKube, service, snap
 
@@ -223,27 +219,6 @@ def test_oversized_heads_and_bodies_are_refused(
     assert kube.token_reviews == 0
 
 
-def _self_signed(tmp: Path, dns: str) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, dns)])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([
-                x509.DNSName(dns), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    cert_file, key_file = tmp / "tls.crt", tmp / "tls.key"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_file, key_file
-
-
 class _FixedEndpoint(TurnClient):
     def __init__(self, url: str, **kw: Any) -> None:
         super().__init__(**kw)
@@ -254,7 +229,7 @@ class _FixedEndpoint(TurnClient):
 
 
 def test_tls_serves_turns_and_a_slow_handshake_is_cut_off(tmp_path: Path) -> None:
-    cert_file, key_file = _self_signed(tmp_path, "turns.hermit.internal")
+    cert_file, key_file = self_signed(tmp_path, "turns.hermit.internal")
     kube = CountingKube()
     server = turnserver.serve(0, service(kube, [snap(), snap()]), host="127.0.0.1",
                               tls=turnserver.TlsFiles(str(cert_file), str(key_file)),

@@ -190,6 +190,8 @@ def test_helm_template_renders() -> None:
         # operator, node-agent, turn-client (bound to nothing: docs/turns.md)
         "ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding",
         "DaemonSet", "Deployment", "Role", "RoleBinding", "Secret", "Service", "Service",
+        # the key service: its Service, serving certificate and CA (docs/security.md)
+        "Service", "Secret", "Secret",
         "ServiceAccount", "ServiceAccount", "ServiceMonitor", "ServiceMonitor",
         # the node-agent's node, pod and checkpoint scopes; the operator's verified mark
         *["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"] * 4,
@@ -432,3 +434,69 @@ def test_only_the_operator_may_mark_a_checkpoint_verified() -> None:
     off = _policies("nodeAgent.nodeScopedPolicy=false")
     assert "hermit-node-agent-node-scope" not in off and "hermit-checkpoint-trust" in off
     assert "hermit-checkpoint-trust" not in _policies("operator.enabled=false")
+
+
+def _key_service_parts(*sets: str) -> dict[str, Any]:
+    docs = _render(*sets)
+    [ds] = [d for d in docs if d["kind"] == "DaemonSet"]
+    [dep] = [d for d in docs if d["kind"] == "Deployment"]
+    [op_role] = [d for d in docs if d["kind"] == "ClusterRole"
+                 if d["metadata"]["name"].endswith("-operator")]
+
+    def env(obj: dict[str, Any]) -> dict[str, str]:
+        return {e["name"]: e.get("value", "")
+                for e in obj["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+    def volumes(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        return {v["name"]: v for v in obj["spec"]["template"]["spec"]["volumes"]}
+
+    return {"docs": docs, "agent_env": env(ds), "agent_volumes": volumes(ds),
+            "op_env": env(dep), "op_volumes": volumes(dep), "op_rules": op_role["rules"]}
+
+
+def test_with_the_key_service_only_the_operator_mounts_the_sealing_secret() -> None:
+    on = _key_service_parts("nodeAgent.sealing.keyService.enabled=true",
+                            "networkPolicy.enabled=true")
+    secrets = {v["secret"]["secretName"] for v in on["agent_volumes"].values()
+               if "secret" in v}
+    assert secrets == {"hermit-keys-ca"}, "the node-agent mounts the CA, no key"
+    assert "HERMIT_SEAL_KEYS_DIR" not in on["agent_env"]
+    assert on["agent_env"]["HERMIT_SEAL_KEY_SERVICE_URL"] == \
+        "https://hermit-keys.default.svc:9443"
+    [token] = on["agent_volumes"]["keys-token"]["projected"]["sources"]
+    assert token["serviceAccountToken"]["audience"] == "hermit.dev/keys"
+    assert on["op_volumes"]["sealing-keys"]["secret"]["secretName"] == "hermit-sealing"
+    # The operator runs as 65532: its Secret volumes are its group's.
+    [dep] = [d for d in on["docs"] if d["kind"] == "Deployment"]
+    assert dep["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == 65532
+    assert {on["op_volumes"][v]["secret"]["defaultMode"]
+            for v in ("sealing-keys", "keys-tls")} == {0o440}
+    assert on["op_env"]["HERMIT_KEY_SERVICE_CALLERS"] == \
+        "system:serviceaccount:default:hermit-node-agent"
+    assert {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"],
+            "verbs": ["create"]} in on["op_rules"]
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in on["docs"]}
+    ca = by_name[("Secret", "hermit-keys-ca")]["data"]
+    tls = by_name[("Secret", "hermit-keys-tls")]["data"]
+    assert set(ca) == {"ca.crt"} and ca["ca.crt"] == tls["ca.crt"] and "tls.key" in tls
+    assert by_name[("Service", "hermit-keys")]["spec"]["ports"][0]["targetPort"] == "keys"
+    # The operator accepts the key port from node-agents only; node-agents reach it.
+    op_np = by_name[("NetworkPolicy", "hermit-operator")]["spec"]
+    [keys_in] = [r for r in op_np["ingress"] if r["ports"][0]["port"] == "keys"]
+    assert keys_in["from"][0]["podSelector"]["matchLabels"][
+        "app.kubernetes.io/component"] == "node-agent"
+    agent_np = by_name[("NetworkPolicy", "hermit-node-agent")]["spec"]
+    assert any(r["ports"][0]["port"] == 9443 and r["to"][0]["podSelector"]["matchLabels"][
+        "app.kubernetes.io/component"] == "operator" for r in agent_np["egress"])
+
+    links = _key_service_parts("nodeAgent.sealing.keyService.serviceLinks=true")
+    assert links["agent_env"]["HERMIT_SEAL_KEY_SERVICE_URL"] == \
+        "https://$(HERMIT_KEYS_SERVICE_HOST):9443"
+    assert links["agent_env"]["HERMIT_SEAL_KEY_SERVICE_SERVER_NAME"] == "hermit-keys.default.svc"
+
+    off = _key_service_parts("nodeAgent.sealing.keyService.enabled=false")
+    assert off["agent_env"]["HERMIT_SEAL_KEYS_DIR"] == "/etc/hermit/sealing"
+    assert "HERMIT_SEAL_KEY_SERVICE_URL" not in off["agent_env"]
+    assert "sealing-keys" not in off["op_volumes"]
+    assert not any("tokenreviews" in r["resources"] for r in off["op_rules"])
+    assert not [d for d in off["docs"] if d["metadata"]["name"].startswith("hermit-keys")]

@@ -43,10 +43,12 @@ def container(docs: list[Obj], kind: str) -> Obj:
 def test_both_pods_probe_healthz_and_readyz_on_the_metrics_port(kind: str,
                                                                 metrics: str) -> None:
     c = container(render(f"metrics.enabled={metrics}", "metrics.port=9200"), kind)
-    # The node-agent also serves the turn endpoint on the node's IP (docs/turns.md).
+    # The node-agent also serves the turn endpoint on the node's IP (docs/turns.md), the
+    # operator the key service (docs/security.md#the-key-service).
     turns = [{"name": "turns", "containerPort": 9103, "hostPort": 9103, "protocol": "TCP"}]
+    keys = [{"name": "keys", "containerPort": 9443, "protocol": "TCP"}]
     assert c["ports"] == [{"name": "metrics", "containerPort": 9200, "protocol": "TCP"},
-                          *(turns if kind == "DaemonSet" else [])]
+                          *(turns if kind == "DaemonSet" else keys)]
     live, ready = c["livenessProbe"], c["readinessProbe"]
     assert live["httpGet"] == {"path": LIVENESS_PATH, "port": "metrics"}
     assert ready["httpGet"] == {"path": READINESS_PATH, "port": "metrics"}
@@ -100,10 +102,18 @@ def test_network_policies_select_each_component_and_open_only_what_it_needs() ->
         assert spec["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == component
         assert spec["policyTypes"] == ["Ingress", "Egress"]
         turns = [{"ports": [{"port": "turns", "protocol": "TCP"}]}]  # docs/turns.md
+        # The key service, from node-agents only (docs/security.md#the-key-service).
+        keys = [{"ports": [{"port": "keys", "protocol": "TCP"}], "from": [{"podSelector": {
+            "matchLabels": {"app.kubernetes.io/name": "hermit",
+                            "app.kubernetes.io/instance": "hermit",
+                            "app.kubernetes.io/component": "node-agent"}}}]}]
         assert spec["ingress"] == [{"ports": [{"port": "metrics", "protocol": "TCP"}]},
-                                   *(turns if component == "node-agent" else [])]
+                                   *(turns if component == "node-agent" else keys)]
     assert egress_ports(specs["operator"]) == [api, dns]
-    assert egress_ports(specs["node-agent"]) == [api, dns, {(443, "TCP")}, {(80, "TCP")}]
+    assert egress_ports(specs["node-agent"]) == [api, dns, {(443, "TCP")}, {(80, "TCP")},
+                                                 {(9443, "TCP")}]
+    assert specs["node-agent"]["egress"][4]["to"][0]["podSelector"]["matchLabels"][
+        "app.kubernetes.io/component"] == "operator"
     assert specs["node-agent"]["egress"][3]["to"] == [
         {"ipBlock": {"cidr": "169.254.169.254/32"}}]
 
@@ -128,8 +138,9 @@ def test_network_policy_values_narrow_the_peers() -> None:
     agent = specs["node-agent"]
     assert agent["egress"][0]["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
     assert agent["egress"][2]["to"] == [{"ipBlock": {"cidr": "52.216.0.0/15"}}]
-    # No metadata rule without a cloud; the extra rule last, in both policies.
-    assert len(agent["egress"]) == 4
+    # No metadata rule without a cloud (API, DNS, S3, the key service); the extra rule
+    # last, in both policies.
+    assert len(agent["egress"]) == 5
     for spec in specs.values():
         assert spec["egress"][-1] == {"ports": [{"port": 8125}]}
         assert spec["ingress"][0]["from"] == [

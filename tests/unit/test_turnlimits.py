@@ -11,11 +11,12 @@ import pytest
 from prometheus_client import REGISTRY
 
 from hermit_common import metrics as hermit_metrics
+from hermit_common import turnlimits
 from hermit_common.errors import SettingsError
 from hermit_common.kubeapi import KubeApiError
 from hermit_common.settings import TURN_AUDIENCE, NodeSettings
-from hermit_node import turnlimits, turns
-from hermit_node.turnlimits import ConnectionSlots, Deadlines, RateLimiter, ReviewCache
+from hermit_common.turnlimits import ConnectionSlots, Deadlines, RateLimiter, ReviewCache
+from hermit_node import turns
 from tests.unit.test_turns import FakeKube, post, service, snap
 
 
@@ -138,7 +139,7 @@ def test_deadlines_pop_what_expired_and_forget_what_was_disarmed() -> None:
 def test_the_request_budget_refuses_a_head_past_it() -> None:
     import http.client
 
-    from hermit_node.turnserver import _Budget
+    from hermit_common.hardhttp import _Budget
 
     budget = _Budget(io.BytesIO(b"GET / HTTP/1.0\r\n" + b"X: " + b"a" * 100 + b"\r\n"), 32)
     assert budget.readline(65537) == b"GET / HTTP/1.0\r\n"

@@ -119,3 +119,14 @@ app.kubernetes.io/component: {{ .component }}
 443
 {{- end -}}
 {{- end -}}
+
+{{/* The key service (docs/security.md#the-key-service): on when sealing is, the value
+asks for it, and both components are installed. */}}
+{{- define "hermit.keyService.enabled" -}}
+{{- $s := .Values.nodeAgent.sealing -}}
+{{- if and .Values.operator.enabled .Values.nodeAgent.enabled $s.enabled $s.keyService.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{- define "hermit.keyService.name" -}}
+{{- printf "%s-keys" (include "hermit.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
