@@ -18,7 +18,11 @@ Answers, by HTTP status:
 
 Unwrapped data keys are kept in memory for ``DEK_TTL_SECONDS`` per (context, wrapped
 key), and the current key id for ``CURRENT_TTL_SECONDS``: a checkpoint or restore asks
-the service once or twice, not per chunk. Key bytes and tokens never reach a log.
+the service once or twice, not per chunk. A manifest is signed under its data key
+(seal.SEALED_FORMAT 3), so once a node holds a sandbox's data key it checkpoints that
+sandbox with the service down (an operator restart during a notice): the key is kept
+for hours, and an unreachable service leaves the last known current key id in use. Key
+bytes and tokens never reach a log.
 """
 
 from __future__ import annotations
@@ -48,7 +52,9 @@ PATH_SIGN: Final = "/v1/keys/sign"  # {"keyId", "data"} -> {"signature"}
 PATH_VERIFY: Final = "/v1/keys/verify"  # {"keyId", "data", "signature"} -> {"valid"}
 PATHS: Final = (PATH_CURRENT, PATH_WRAP, PATH_UNWRAP, PATH_SIGN, PATH_VERIFY)
 
-DEK_TTL_SECONDS: Final = 300.0
+# A node that ran a sandbox has seen its memory; keeping its key for a day exposes nothing
+# more, and keeps checkpoints independent of the key service's availability.
+DEK_TTL_SECONDS: Final = 24 * 3600.0
 CURRENT_TTL_SECONDS: Final = 30.0
 MAX_DEKS_CACHED: Final = 1024
 ATTEMPTS: Final = 4
@@ -92,7 +98,18 @@ class RemoteKeyWrapper:
         with self._lock:
             if self._current is not None and self._current[0] > now:
                 return self._current[1]
-        key_id = self._str(self._post(PATH_CURRENT, {}), "keyId")
+        try:
+            key_id = self._str(self._post(PATH_CURRENT, {}), "keyId")
+        except KeyServiceUnavailable as exc:
+            with self._lock:
+                known = self._current
+            if known is None:
+                raise
+            # A rotation is picked up once the service answers again; until then the
+            # sandbox's data key stays wrapped under the key it has (still valid).
+            log.warning("the key service did not answer (%s): key id %r stays current",
+                        exc, known[1])
+            return known[1]
         with self._lock:
             self._current = (now + CURRENT_TTL_SECONDS, key_id)
         return key_id

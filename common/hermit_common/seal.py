@@ -13,9 +13,11 @@ Pure functions and small classes over the ``cryptography`` library; the store
   HMAC(DEK, name, sha256 of the bytes encrypted): deterministic, and a different
   input can never reuse a nonce.
 - A manifest is encrypted under the DEK and signed with HMAC-SHA256 under a key
-  derived from the KEK, over the namespace, sandbox, uid, checkpoint name, parent
-  checkpoint and uid lineage it is bound to. ``open_manifest`` verifies the signature
-  and that binding before it decrypts anything; a failure is a ``CheckpointRefused``.
+  derived from the DEK (format 3; format 2 signed under the KEK and is still read),
+  over the namespace, sandbox, uid, checkpoint name, parent checkpoint and uid lineage
+  it is bound to, and the wrapped DEK. ``open_manifest`` checks that binding, opens the
+  wrapped DEK for exactly that context and verifies the signature before it decrypts
+  anything; a failure is a ``CheckpointRefused``.
 - A fork inherits its source's DEK (the lineage grows by the fork's uid), so the
   chunks of a fork and of its source have the same names; a DEK record is bound to
   its sandbox and lineage and opens for no other.
@@ -55,7 +57,13 @@ KEY_BYTES: Final = 32
 NONCE_BYTES: Final = 12
 CURRENT_KEY: Final = "current"  # the Secret's key that names the KEK new checkpoints use
 SEALED_FORMAT_V1: Final = 1  # binds namespace, sandbox, uid, checkpoint (still read)
-SEALED_FORMAT: Final = 2  # also the parent checkpoint and the uid lineage
+SEALED_FORMAT_V2: Final = 2  # also the parent checkpoint and the uid lineage (still read)
+# Signed under a key derived from the sandbox's data key, not the KEK: a node-agent that
+# holds a sandbox's data key seals its checkpoints without asking anyone (with the key
+# service, an operator outage cannot fail a preemption checkpoint).
+SEALED_FORMAT: Final = 3
+SEALED_FORMATS: Final = (SEALED_FORMAT_V1, SEALED_FORMAT_V2, SEALED_FORMAT)
+_DEK_SIGN_INFO: Final = b"hermit/dek/manifest-signature/v1"
 MAX_LINEAGE: Final = 64  # a fork of a fork of ...: beyond, a fork starts a new lineage
 _UID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 _KEY_ID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -367,9 +375,14 @@ def is_sealed(raw: bytes) -> bool:
 
 def _signed_bytes(envelope: Mapping[str, Any]) -> bytes:
     body = {k: v for k, v in envelope.items() if k != "signature"}
-    tag = b"hermit/manifest/v1\0" if envelope.get("sealed") == SEALED_FORMAT_V1 \
-        else b"hermit/manifest/v2\0"
-    return tag + _canonical(body)
+    return _SIGNED_TAGS[SEALED_FORMATS.index(envelope["sealed"])] + _canonical(body)
+
+
+def _dek_signature(dek: bytes, signed: bytes) -> bytes:
+    """A format-3 manifest's signature: HMAC-SHA256 under a key derived from the DEK."""
+    key = HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None,
+               info=_DEK_SIGN_INFO).derive(dek)
+    return hmac.new(key, signed, hashlib.sha256).digest()
 
 
 @dataclass(frozen=True)
@@ -385,7 +398,8 @@ class Bound:
         return f"sandbox {self.namespace}/{self.sandbox} (uid {self.sandbox_uid})"
 
 
-_SIGNED_TAGS: Final = (b"hermit/manifest/v1\0", b"hermit/manifest/v2\0")
+_SIGNED_TAGS: Final = (b"hermit/manifest/v1\0", b"hermit/manifest/v2\0",
+                       b"hermit/manifest/v3\0")  # by SEALED_FORMATS
 
 
 def _bound_of(data: object, what: str) -> Bound:
@@ -421,11 +435,13 @@ def bound_of_signed(data: bytes) -> Bound:
     return _bound_of(body.get("context"), "the signed manifest's context")
 
 
-def seal_manifest(wrapper: KeyWrapper, dek: bytes, wrapped: Wrapped, context: Context,
+def seal_manifest(dek: bytes, wrapped: Wrapped, context: Context,
                   manifest_json: bytes) -> bytes:
-    """The stored bytes of a sealed manifest: an envelope signed with ``wrapped.key_id``
-    over ``context``: its namespace, sandbox, uid, checkpoint, parent and lineage (which
-    must be set, and ``wrapped`` bound to it)."""
+    """The stored bytes of a sealed manifest: an envelope with ``wrapped`` (the DEK under
+    the KEK, bound to the sandbox), signed under a key derived from ``dek`` over
+    ``context``: its namespace, sandbox, uid, checkpoint, parent and lineage (which must
+    be set, and ``wrapped`` bound to it). Only the DEK's holder can sign; only the KEK's
+    can make a wrapped DEK that opens for that sandbox."""
     check_lineage(context.lineage, context.sandbox_uid)
     nonce = os.urandom(NONCE_BYTES)
     ciphertext = AESGCM(dek).encrypt(nonce, manifest_json, _canonical(context.to_dict()))
@@ -433,7 +449,7 @@ def seal_manifest(wrapper: KeyWrapper, dek: bytes, wrapped: Wrapped, context: Co
         "sealed": SEALED_FORMAT, "context": context.to_dict(), "kek": wrapped.key_id,
         "dek": b64(wrapped.blob), "nonce": b64(nonce), "ciphertext": b64(ciphertext),
     }
-    envelope["signature"] = b64(wrapper.sign(wrapped.key_id, _signed_bytes(envelope)))
+    envelope["signature"] = b64(_dek_signature(dek, _signed_bytes(envelope)))
     return _canonical(envelope)
 
 
@@ -451,10 +467,9 @@ def _parse_envelope(raw: bytes) -> dict[str, Any]:
         raise CheckpointRefused("its sealed manifest is not JSON") from None
     if not isinstance(data, dict) or set(data) != _ENVELOPE_FIELDS:
         raise CheckpointRefused("its sealed manifest does not have the envelope's fields")
-    if data["sealed"] not in (SEALED_FORMAT_V1, SEALED_FORMAT) or \
-            isinstance(data["sealed"], bool):
+    if data["sealed"] not in SEALED_FORMATS or isinstance(data["sealed"], bool):
         raise CheckpointRefused(f"its sealed manifest has format {data['sealed']!r:.20}, "
-                                f"not {SEALED_FORMAT_V1} or {SEALED_FORMAT}")
+                                f"not one of {', '.join(map(str, SEALED_FORMATS))}")
     if not isinstance(data["kek"], str) or not _KEY_ID_RE.match(data["kek"]):
         raise CheckpointRefused("its sealed manifest names no valid key id")
     return data
@@ -475,7 +490,7 @@ class Expected:
 
 def _claimed_context(claimed: object, sealed_format: int) -> Context:
     names = {"namespace", "sandbox", "sandbox_uid", "checkpoint"}
-    if sealed_format == SEALED_FORMAT:
+    if sealed_format != SEALED_FORMAT_V1:
         names |= {"parent", "lineage"}
     if not isinstance(claimed, dict) or set(claimed) != names or \
             not all(isinstance(v, str) for k, v in claimed.items() if k != "lineage"):
@@ -518,22 +533,34 @@ class Opened:
 def open_manifest(wrapper: KeyWrapper, raw: bytes, expect: Expected) -> Opened:
     """Verifies and decrypts a sealed manifest read where ``expect`` says.
 
-    The signature is checked first, then that the signed context is the one expected
-    (namespace, sandbox, checkpoint, and uid, parent and lineage when given); only then
-    is anything decrypted. A manifest of the first format (no parent, no lineage
-    signed) is read under its own, older rules. Raises CheckpointRefused with the
-    reason (without the checkpoint's name: callers add it).
+    Formats 1 and 2 (signed under the KEK): the signature is checked first, then that
+    the signed context is the one expected (namespace, sandbox, checkpoint, and uid,
+    parent and lineage when given); only then is anything decrypted. A manifest of the
+    first format (no parent, no lineage signed) is read under its own, older rules.
+
+    Format 3 (signed under the DEK): the claimed context must be the one expected, then
+    the wrapped DEK is opened for exactly that context (authenticated decryption under
+    the KEK: no one without the KEK makes one that opens), then the signature over the
+    whole envelope is checked with the DEK; only then is the manifest decrypted.
+
+    Raises CheckpointRefused with the reason (without the checkpoint's name: callers add
+    it).
     """
     envelope = _parse_envelope(raw)
     key_id = envelope["kek"]
     signature = unb64(envelope["signature"], "signature")
-    if not wrapper.verify(key_id, _signed_bytes(envelope), signature):
+    signed = _signed_bytes(envelope)
+    if envelope["sealed"] != SEALED_FORMAT and not wrapper.verify(key_id, signed, signature):
         raise CheckpointRefused(f"its manifest's signature (sealing key {key_id!r}) does "
                                 "not verify: the manifest was altered")
     context = _claimed_context(envelope["context"], envelope["sealed"])
     _check_context(context, expect)
     dek = wrapper.unwrap(Wrapped(key_id, unb64(envelope["dek"], "dek")),
                          context.sandbox_bytes())
+    if envelope["sealed"] == SEALED_FORMAT and \
+            not hmac.compare_digest(_dek_signature(dek, signed), signature):
+        raise CheckpointRefused("its manifest's signature does not verify under the "
+                                "sandbox's data key: the manifest was altered")
     nonce = unb64(envelope["nonce"], "nonce")
     try:
         plain = AESGCM(dek).decrypt(nonce, unb64(envelope["ciphertext"], "ciphertext"),

@@ -929,7 +929,7 @@ class CheckpointStore:
                 "parsing): the sandbox has too many files to checkpoint")
         if keys is not None:
             assert self._sealing is not None
-            raw = seal_manifest(self._sealing.wrapper, keys.dek, keys.wrapped,
+            raw = seal_manifest(keys.dek, keys.wrapped,
                                 dataclasses.replace(session.context, lineage=lineage), raw)
         self._put_manifest(manifest_key, raw, deadline)
         with state.lock:

@@ -262,7 +262,7 @@ def _remote(service: tuple[str, Path, FakeKube], token: str, tmp_path: Path,
 def _seal(wrapper: Any, ctx: Context) -> bytes:
     dek = new_dek()
     wrapped = wrapper.wrap(dek, ctx.sandbox_bytes())
-    return seal_manifest(wrapper, dek, wrapped, ctx, b'{"marker":"M"}')
+    return seal_manifest(dek, wrapped, ctx, b'{"marker":"M"}')
 
 
 def _expect(ctx: Context) -> Expected:
@@ -298,6 +298,29 @@ def test_unwrapped_keys_are_cached_per_context(service: tuple[str, Path, FakeKub
     sent = remote.requests
     assert remote.unwrap(wrapped, CTX.sandbox_bytes()) == b"k" * 32
     assert remote.requests == sent
+
+
+def test_with_the_service_down_a_node_still_seals_its_sandboxs_checkpoints(
+        service: tuple[str, Path, FakeKube], tmp_path: Path) -> None:
+    """What an operator restart during a notice must not break: once the node holds the
+    sandbox's data key (a checkpoint or restore asked for it), it seals and opens that
+    sandbox's manifests with no request at all (format 3 signs under the data key), and
+    the current key id stays the last one the service gave."""
+    remote = _remote(service, "token-a", tmp_path)
+    key_id = remote.current_key_id()
+    dek = new_dek()
+    wrapped = remote.wrap(dek, CTX.sandbox_bytes())
+    _, cert, _ = service
+    down = RemoteKeyWrapper("https://127.0.0.1:9", ca_file=str(cert),
+                            token_file=str(tmp_path / "token-a.jwt"), backoff_seconds=0.01)
+    down._deks, down._current = remote._deks, (0.0, key_id)  # what the node learnt before
+    raw = seal_manifest(dek, wrapped, CTX, b'{"marker":"M"}')
+    assert open_manifest(down, raw, _expect(CTX)).plain == b'{"marker":"M"}'
+    assert down.current_key_id() == key_id  # expired, the service unreachable: kept
+    assert down.requests > 0  # it did try the service for the key id
+    sent = down.requests
+    assert open_manifest(down, raw, _expect(CTX)).dek == dek
+    assert down.requests == sent, "opening a format-3 manifest asked the service"
 
 
 def test_a_node_gets_no_key_of_a_sandbox_on_another_node(

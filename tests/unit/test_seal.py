@@ -54,7 +54,7 @@ def _sealed(wrapper: KeyringWrapper, ctx: Context = CTX,
             body: bytes = MANIFEST) -> tuple[bytes, bytes]:
     dek = new_dek()
     wrapped = wrapper.wrap(dek, ctx.sandbox_bytes())
-    return seal_manifest(wrapper, dek, wrapped, ctx, body), dek
+    return seal_manifest(dek, wrapped, ctx, body), dek
 
 
 def _location(ctx: Context) -> Expected:
@@ -77,8 +77,16 @@ def test_manifest_round_trip_hides_plaintext() -> None:
     assert open_manifest(wrapper, raw, _location(CTX), None)[0] == MANIFEST
 
 
-@pytest.mark.parametrize("field", ["ciphertext", "dek", "nonce", "kek", "context"])
-def test_any_altered_field_is_refused(field: str) -> None:
+# What refuses an altered field of a format-3 envelope, before anything is decrypted: the
+# wrapped DEK does not open for the claimed context (the KEK's authenticated encryption),
+# the claimed context is malformed, or the signature under the DEK does not verify.
+NOT_OPENED = "does not open for this sandbox"
+
+
+@pytest.mark.parametrize("field, refusal", [
+    ("ciphertext", "signature"), ("dek", NOT_OPENED), ("nonce", "signature"),
+    ("kek", NOT_OPENED), ("context", "sealed lineage is not")])
+def test_any_altered_field_is_refused(field: str, refusal: str) -> None:
     wrapper = _Ring("k1", "k1", "k2").wrapper()
     raw, _ = _sealed(wrapper)
     envelope = json.loads(raw)
@@ -90,7 +98,7 @@ def test_any_altered_field_is_refused(field: str) -> None:
         blob = bytearray(base64.b64decode(envelope[field]))
         blob[0] ^= 1
         envelope[field] = base64.b64encode(bytes(blob)).decode()
-    with pytest.raises(CheckpointRefused, match="signature"):
+    with pytest.raises(CheckpointRefused, match=refusal):
         open_manifest(wrapper, json.dumps(envelope).encode(), _location(CTX), "uid-1")
 
 
@@ -144,7 +152,7 @@ def test_foreign_keyring_is_refused() -> None:
     raw, _ = _sealed(_Ring("k1", "k1").wrapper())
     other = _Ring("k1", "k1")
     other.data["k1"] = _b64key(b"another cluster")
-    with pytest.raises(CheckpointRefused, match="signature"):
+    with pytest.raises(CheckpointRefused, match=NOT_OPENED):
         open_manifest(other.wrapper(), raw, _location(CTX), "uid-1")
 
 
@@ -264,14 +272,15 @@ def test_a_swapped_parent_or_lineage_is_refused(expect: Expected, says: str) -> 
     assert seal.open_manifest(wrapper, raw, right).context == CTX
 
 
-@pytest.mark.parametrize("field, value", [("parent", "ckpt-x"),
-                                          ("lineage", ["uid-7", "uid-1"])])
-def test_parent_and_lineage_are_signed(field: str, value: object) -> None:
+@pytest.mark.parametrize("field, value, refusal", [
+    ("parent", "ckpt-x", "signature"),  # signed under the DEK
+    ("lineage", ["uid-7", "uid-1"], NOT_OPENED)])  # also binds the wrapped DEK
+def test_parent_and_lineage_are_signed(field: str, value: object, refusal: str) -> None:
     wrapper = _Ring("k1", "k1").wrapper()
     raw, _ = _sealed(wrapper)
     envelope = json.loads(raw)
     envelope["context"][field] = value
-    with pytest.raises(CheckpointRefused, match="signature"):
+    with pytest.raises(CheckpointRefused, match=refusal):
         open_manifest(wrapper, json.dumps(envelope).encode(), _location(CTX), "uid-1")
 
 
@@ -339,3 +348,44 @@ def test_key_records_carry_their_lineage() -> None:
     assert old.lineage == () and old.source == ""
     with pytest.raises(CheckpointRefused, match="malformed"):
         Wrapped.from_bytes(json.dumps({"kek": "k1", "dek": "AAAA", "lineage": "x"}).encode())
+
+
+def _sealed_v2(wrapper: KeyringWrapper, ctx: Context = CTX) -> bytes:
+    """A manifest as format 2 sealed it (before format 3): signed under the KEK."""
+    dek = new_dek()
+    wrapped = wrapper.wrap(dek, ctx.sandbox_bytes())
+    nonce = os.urandom(seal.NONCE_BYTES)
+    envelope = {"sealed": seal.SEALED_FORMAT_V2, "context": ctx.to_dict(),
+                "kek": wrapped.key_id, "dek": seal.b64(wrapped.blob), "nonce": seal.b64(nonce),
+                "ciphertext": seal.b64(AESGCM(dek).encrypt(
+                    nonce, MANIFEST, seal._canonical(ctx.to_dict())))}
+    envelope["signature"] = seal.b64(wrapper.sign(wrapped.key_id,
+                                                  seal._signed_bytes(envelope)))
+    return seal._canonical(envelope)
+
+
+def test_format_3_signs_under_the_data_key_and_format_2_still_opens() -> None:
+    """Format 3 needs no KEK to seal (the signature is the DEK's): a node-agent seals its
+    sandbox's checkpoints with the data key alone. A format-2 manifest (KEK-signed)
+    still opens, and a change to it still fails its KEK signature."""
+    wrapper = _Ring("k1", "k1").wrapper()
+    raw, _ = _sealed(wrapper)
+    assert json.loads(raw)["sealed"] == seal.SEALED_FORMAT == 3
+
+    class NoSigning:  # a wrapper that must not be asked to sign or verify for format 3
+        current_key_id, wrap, unwrap = (wrapper.current_key_id, wrapper.wrap,
+                                        wrapper.unwrap)
+
+        def sign(self, key_id: str, data: bytes) -> bytes:
+            raise AssertionError("format 3 asked the KEK to sign")
+
+        def verify(self, key_id: str, data: bytes, signature: bytes) -> bool:
+            raise AssertionError("format 3 asked the KEK to verify")
+
+    assert seal.open_manifest(NoSigning(), raw, _location(CTX)).plain == MANIFEST
+    old = _sealed_v2(wrapper)
+    assert seal.open_manifest(wrapper, old, _location(CTX)).plain == MANIFEST
+    envelope = json.loads(old)
+    envelope["context"]["parent"] = "ckpt-x"
+    with pytest.raises(CheckpointRefused, match="signature"):
+        seal.open_manifest(wrapper, json.dumps(envelope).encode(), _location(CTX))
