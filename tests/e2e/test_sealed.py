@@ -29,7 +29,6 @@ from tests.e2e.conftest import (
     S3,
     E2EConfig,
     Kube,
-    run_cluster_command,
     wait_until,
 )
 
@@ -80,20 +79,15 @@ def test_preempted_sandbox_is_sealed_in_the_bucket(
 ) -> None:
     name, where = _start_with_marker(kube, e2e_config, namespace)
     started = time.monotonic()
-    preempt = run_cluster_command(e2e_config.preempt_cmd, node=where.node,
-                                  notice=str(NOTICE_SECONDS))
-    try:
-        ckpt: dict[str, Any] = wait_until(
+    with sb.preempting(e2e_config, where.node, NOTICE_SECONDS):
+        old = sb.LastTick(kube, namespace, where.pod)
+        ckpt = sb.durable_reading(
             "a Completed Preemption checkpoint", NOTICE_SECONDS + 30,
-            sb.completed_checkpoint(namespace, "Preemption", sandbox_name=name), 0.2)
-        last = sb.ticks(kube, namespace, where.pod)
+            sb.completed_checkpoint(namespace, "Preemption", sandbox_name=name), [old])
+        last = old.final()
         after = sb.wait_running(kube, namespace, name, restores=where.restores + 1,
                                 avoid=where.node, timeout=180, min_ticks=1)
-        sb.assert_continues(kube, namespace, after.pod, last[-1] if last else 0,
-                            exact=bool(last))
-    finally:
-        out, _ = preempt.communicate(timeout=NOTICE_SECONDS + 180)
-    assert preempt.returncode == 0, f"preempt command failed: {out}"
+        sb.assert_continues(kube, namespace, after.pod, last, exact=True)
     # The marker went through the store: the restored pod has it in its workspace and
     # in its environment.
     assert MARKER in sb.exec_sh(namespace, after.pod, f"cat {MARKER_FILE}")
