@@ -225,14 +225,15 @@ def ensure_spot_nodes(kube: Kube, cfg: E2EConfig, count: int) -> None:
 # -- the tests act on the cluster only through these -----------------------------------------
 
 @contextmanager
-def preempting(cfg: E2EConfig, node: str, notice: int) -> Iterator[None]:
+def preempting(cfg: E2EConfig, node: str, notice: int, grace: float = 180) -> Iterator[None]:
     """A spot notice of ``notice`` seconds on ``node``, given as the body starts; after
-    the body the preempt command (it ends with the node) must have succeeded."""
+    the body the preempt command (it ends with the node, at most ``grace`` seconds after
+    the notice) must have succeeded."""
     proc = run_cluster_command(cfg.preempt_cmd, node=node, notice=str(notice))
     try:
         yield
     finally:
-        out, _ = proc.communicate(timeout=notice + 180)
+        out, _ = proc.communicate(timeout=notice + grace)
     assert proc.returncode == 0, f"preempt command failed: {out}"
 
 
