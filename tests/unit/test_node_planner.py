@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -24,6 +23,7 @@ from hermit_node.checkpoint import CheckpointResult
 from hermit_node.kube import KubeConflict, KubeError, KubeTransient
 from hermit_node.restore import RestoreResult
 from hermit_node.watchers import Notice
+from tests.support.wait import wait_until
 from tests.unit.test_crds import schema_errors
 
 NODE = "node-a"
@@ -1103,7 +1103,7 @@ def test_jobs_run_the_most_urgent_first_and_freeze_at_most_two_at_once() -> None
     # A routine checkpoint occupies a worker and a freezing slot; the rest queue behind it.
     assert jobs.submit(("ns", "r1"), job("r1", True), priority=agent_module.ROUTINE,
                        freezes=True)
-    wait_for(lambda: order == ["r1"])
+    wait_until("r1 run", 10.0, lambda: order == ["r1"], 0.01)
     assert jobs.submit(("ns", "r2"), job("r2", True), priority=agent_module.ROUTINE,
                        freezes=True)
     assert jobs.submit(("ns", "s1"), job("s1", True), priority=agent_module.URGENT,
@@ -1114,7 +1114,7 @@ def test_jobs_run_the_most_urgent_first_and_freeze_at_most_two_at_once() -> None
     # One job per sandbox: a second one for a queued sandbox is refused.
     assert not jobs.submit(("ns", "s2"), job("s2-again", True), priority=agent_module.URGENT)
     # The urgent one takes the free freezing slot; the restore (no freezing) the last worker.
-    wait_for(lambda: sorted(order) == ["r1", "s1", "x1"])
+    wait_until("r1, s1 and x1 run", 10.0, lambda: sorted(order) == ["r1", "s1", "x1"], 0.01)
     gate.set()
     jobs.shutdown()
     assert sorted(order[3:]) == ["r2", "s2"]
@@ -1132,7 +1132,7 @@ def test_jobs_queue_in_priority_then_submission_order() -> None:
         gate.wait(10)
 
     jobs.submit(("ns", "first"), first)
-    wait_for(lambda: order == ["first"])
+    wait_until("the first run", 10.0, lambda: order == ["first"], 0.01)
     for name, priority in (("routine-1", agent_module.ROUTINE),
                            ("restore", agent_module.RESTORE), ("stop-1", agent_module.URGENT),
                            ("routine-2", agent_module.ROUTINE), ("stop-2", agent_module.URGENT)):
@@ -1141,13 +1141,6 @@ def test_jobs_queue_in_priority_then_submission_order() -> None:
     gate.set()
     jobs.shutdown()
     assert order == ["first", "stop-1", "stop-2", "restore", "routine-1", "routine-2"]
-
-
-def wait_for(probe: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not probe():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def test_library_loggers_stay_at_info_when_hermit_logs_debug() -> None:
@@ -1203,8 +1196,9 @@ def test_a_routine_upload_leaves_its_slot_to_a_notices_checkpoint(tmp_path: Path
     agent.reconcile_once()
     assert engine.uploading.wait(10)
     agent.on_notice(notice())  # box-1's Preemption checkpoint takes the only slot
-    wait_for(lambda: (kube.checkpoints.get("box-1-preempt") or {}).get(
-        "status", {}).get("phase") == "Completed")
+    wait_until("box-1's Preemption checkpoint Completed", 10.0, lambda: (
+        kube.checkpoints.get("box-1-preempt") or {}).get("status", {}).get("phase")
+        == "Completed", 0.01)
     engine.release.set()
     agent.shutdown()
     assert kube.checkpoints["manual"]["status"]["phase"] == "Completed"
