@@ -29,8 +29,8 @@ from cryptography.x509.oid import NameOID
 from hermit_common.turns import TurnClient
 from hermit_node import turnlimits, turnserver
 from tests.support.attacks import CONTAINED, REFUSED, Attack
+from tests.support.turns import PATH, FakeKube, service, snap
 from tests.support.wait import wait_until
-from tests.unit.test_turns import PATH, FakeKube, service, snap
 
 LEGIT = "127.0.0.1"
 HEAD_TIMEOUT = 3.0  # the test server's request deadline (the default is 10 s)

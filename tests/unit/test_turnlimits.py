@@ -16,7 +16,7 @@ from hermit_common.kubeapi import KubeApiError
 from hermit_common.settings import TURN_AUDIENCE, NodeSettings
 from hermit_node import turnlimits, turns
 from hermit_node.turnlimits import ConnectionSlots, Deadlines, RateLimiter, ReviewCache
-from tests.unit.test_turns import FakeKube, post, service, snap
+from tests.support.turns import FakeKube, post, service, snap
 
 
 class Clock:
