@@ -97,10 +97,13 @@ def _preempt(kube: Kube, cfg: E2EConfig, ns: str, name: str, where: sb.Running) 
     done = sb.completed_checkpoint(ns, protocol.PREEMPTION, sandbox_name=name, not_in=earlier)
 
     def moved() -> sb.Running | None:
+        # One time per poll for both: two reads of one poll are one observation, or their
+        # order within it, rounded, would decide which came first.
+        now = sb.since(started)
         if "replacement" not in seen and kube.pod(ns, new_pod) is not None:
-            seen["replacement"] = sb.since(started)
+            seen["replacement"] = now
         if "durable" not in seen and done() is not None:
-            seen["durable"] = sb.since(started)
+            seen["durable"] = now
         # The old pod's last tick is the one its checkpoint holds (it is frozen, then ended).
         last.append(max([*sb.ticks(kube, ns, where.pod), last[-1]]))
         s = sb.status(ns, name)
