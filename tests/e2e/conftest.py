@@ -14,12 +14,11 @@ import os
 import shlex
 import subprocess
 import tempfile
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import yaml
@@ -29,9 +28,9 @@ from kubernetes.client.exceptions import ApiException
 from hermit_testbed.errors import TestbedError
 from hermit_testbed.minio import MinioServer, start_minio, stop_minio
 from tests.support import diagnostics
+from tests.support.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
-T = TypeVar("T")
 
 SPOT_LABEL = "karpenter.sh/capacity-type"
 # How each provider marks a spot node (hack/cluster gives each spot node one of them).
@@ -71,22 +70,6 @@ def _e2e_config() -> E2EConfig:
         lose_node_cmd=env.get("HERMIT_E2E_LOSE_NODE_CMD",
                               f"{REPO}/hack/cluster preempt-node {{node}} --no-notice"),
     )
-
-
-def wait_until(what: str, timeout: float, probe: Callable[[], T | None], every: float = 1.0) -> T:
-    """Polls probe until it returns something other than None/False; fails at the deadline."""
-    deadline = time.monotonic() + timeout
-    last_error = ""
-    while True:
-        try:
-            result = probe()
-            if result is not None and result is not False:
-                return result
-        except ApiException as exc:
-            last_error = f" (last error: {exc.status} {exc.reason})"
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}{last_error}")
-        time.sleep(every)
 
 
 @pytest.hookimpl(wrapper=True)

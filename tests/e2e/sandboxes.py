@@ -189,6 +189,26 @@ class LastTick:
         if seen:
             self.value = max(self.value or 0, seen[-1])
 
+    def final(self) -> int:
+        """The last tick, read once more; fails when no read ever saw one."""
+        self.read()
+        assert self.value is not None, f"no tick of the old pod {self._pod} was ever read"
+        return self.value
+
+
+def durable_reading(what: str, timeout: float, probe: Callable[[], Obj | None],
+                    old: list[LastTick], every: float = 0.2) -> Obj:
+    """Waits for ``probe`` (a stopping checkpoint Completed), reading the last tick of each
+    of the ``old`` pods before every probe: the reads while the checkpoint is taken see the
+    tick it froze, so the restored pod's first tick can be asserted exactly."""
+
+    def durable_while_reading() -> Obj | None:
+        for pod in old:
+            pod.read()  # the old pod is deleted soon after: read it while it is frozen
+        return probe()
+
+    return wait_until(what, timeout, durable_while_reading, every)
+
 
 def ready_spot_nodes(kube: Kube) -> list[str]:
     return sorted(name_of(n) for n in kube.nodes() if is_ready(n) and is_spot(n))
@@ -197,10 +217,51 @@ def ready_spot_nodes(kube: Kube) -> list[str]:
 def ensure_spot_nodes(kube: Kube, cfg: E2EConfig, count: int) -> None:
     """Adds spot nodes until ``count`` are Ready (one at a time: add-node takes a lock)."""
     while len(ready_spot_nodes(kube)) < count:
-        added = run_cluster_command(cfg.add_node_cmd)
-        out, _ = added.communicate(timeout=300)
-        assert added.returncode == 0, f"add-node failed: {out}"
+        add_spot_node(cfg)
     wait_until(f"{count} Ready spot nodes", 120, lambda: len(ready_spot_nodes(kube)) >= count)
+
+
+# -- cluster actions that have no Kubernetes API: E2EConfig's commands (docs/cluster.md); ---
+# -- the tests act on the cluster only through these -----------------------------------------
+
+@contextmanager
+def preempting(cfg: E2EConfig, node: str, notice: int, grace: float = 180) -> Iterator[None]:
+    """A spot notice of ``notice`` seconds on ``node``, given as the body starts; after
+    the body the preempt command (it ends with the node, at most ``grace`` seconds after
+    the notice) must have succeeded."""
+    proc = run_cluster_command(cfg.preempt_cmd, node=node, notice=str(notice))
+    try:
+        yield
+    finally:
+        out, _ = proc.communicate(timeout=notice + grace)
+    assert proc.returncode == 0, f"preempt command failed: {out}"
+
+
+def preempt_now(cfg: E2EConfig, node: str) -> None:
+    """A cleanup: ``node`` preempted with no notice left, its outcome not judged (a node
+    that keeps advising a rebalance must not be used by another test)."""
+    run_cluster_command(cfg.preempt_cmd, node=node, notice="0").communicate(timeout=180)
+
+
+def rebalance(cfg: E2EConfig, node: str, timeout: float = 120) -> None:
+    """An AWS rebalance recommendation on ``node``, advised until the node is preempted."""
+    proc = run_cluster_command(cfg.rebalance_cmd, node=node)
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"rebalance command failed: {out}"
+
+
+def lose_node(cfg: E2EConfig, node: str, timeout: float = 180) -> None:
+    """``node`` lost without any notice (the instance gone at once)."""
+    proc = run_cluster_command(cfg.lose_node_cmd, node=node)
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"losing {node} failed: {out}"
+
+
+def add_spot_node(cfg: E2EConfig, timeout: float = 300) -> None:
+    """One more spot node (the caller waits for it to be Ready)."""
+    proc = run_cluster_command(cfg.add_node_cmd)
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"add-node failed: {out}"
 
 
 def completed_checkpoint(ns: str, reason: str, *, sandbox_name: str,

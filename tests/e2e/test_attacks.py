@@ -58,7 +58,6 @@ from tests.e2e.conftest import (
     S3,
     E2EConfig,
     Kube,
-    run_cluster_command,
     wait_until,
 )
 from tests.support import forge
@@ -391,9 +390,7 @@ def test_a_forged_checkpoint_with_full_capabilities_is_refused_on_the_next_node(
 
     # The node is lost without notice: nothing newer is taken, the sandbox moves.
     last = sb.ticks(kube, namespace, where.pod)
-    lose = run_cluster_command(e2e_config.lose_node_cmd, node=where.node)
-    out, _ = lose.communicate(timeout=180)
-    assert lose.returncode == 0, f"losing {where.node} failed: {out}"
+    sb.lose_node(e2e_config, where.node)
     try:
         after = sb.wait_running(kube, namespace, name, restores=1, avoid=where.node, timeout=300,
                                 min_ticks=1)

@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 
+from . import sandboxes as sb
 from .conftest import (
     IMDS_ANNOTATION,
     SPOT_LABEL,
@@ -22,7 +23,6 @@ from .conftest import (
     name_of,
     pod_manifest,
     ready_nodes,
-    run_cluster_command,
     wait_pod_phase,
     wait_until,
 )
@@ -116,8 +116,7 @@ def test_preempt_spot_node_with_notice(kube: Kube, namespace: str, e2e_config: E
 
     notice = 30
     start = time.monotonic()
-    proc = run_cluster_command(e2e_config.preempt_cmd, node=victim, notice=str(notice))
-    try:
+    with sb.preempting(e2e_config, victim, notice, grace=120):
         action = wait_until(f"the spot notice on {imds}", 30, lambda: _instance_action(imds), 0.5)
         assert action["action"] == "terminate", action
         assert kube.node(victim) is not None, "node went away at the notice"
@@ -125,18 +124,13 @@ def test_preempt_spot_node_with_notice(kube: Kube, namespace: str, e2e_config: E
         assert time.monotonic() - start >= notice - 1, "node went away before its notice expired"
         wait_until("pod victim gone", 90, lambda: kube.pod(namespace, "victim") is None)
         assert _instance_action(imds) is None, "metadata endpoint outlived its instance"
-    finally:
-        out, _ = proc.communicate(timeout=notice + 120)
-    assert proc.returncode == 0, f"preempt command failed: {out}"
 
 
 def test_add_node_brings_a_ready_spot_node(
     kube: Kube, namespace: str, e2e_config: E2EConfig
 ) -> None:
     before = {name_of(n) for n in kube.nodes()}
-    proc = run_cluster_command(e2e_config.add_node_cmd)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, f"add-node failed: {out}"
+    sb.add_spot_node(e2e_config)
 
     def new_spot() -> str | None:
         fresh = [n for n in _spot_nodes(kube) if n not in before]

@@ -30,9 +30,10 @@ def test_a_drained_sandbox_runs_on_its_new_node_while_its_memory_streams_in(
     name, where = sb.start_on_spot(kube, e2e_config, lazy_release, namespace)
     started = time.monotonic()
     with sb.draining(e2e_config, where.node) as drain:
-        ckpt = wait_until("a Completed Eviction checkpoint", 120, sb.completed_checkpoint(
-            namespace, "Eviction", sandbox_name=name), 0.2)
-        last = sb.ticks(kube, namespace, where.pod)
+        old = sb.LastTick(kube, namespace, where.pod)
+        ckpt = sb.durable_reading("a Completed Eviction checkpoint", 120, sb.completed_checkpoint(
+            namespace, "Eviction", sandbox_name=name), [old])
+        last = old.final()
         out, _ = drain.communicate(timeout=240)
         assert drain.returncode == 0, f"drain failed: {out}"
         after = sb.wait_running(kube, namespace, name, restores=1, avoid=where.node,
@@ -44,8 +45,7 @@ def test_a_drained_sandbox_runs_on_its_new_node_while_its_memory_streams_in(
         log = sb.node_agent_log(kube, lazy_release, after.node)
         assert "cannot restore lazily" not in log, log[-3000:]
         # The workload checks its patterned memory every tick and exits if it is wrong.
-        sb.assert_continues(kube, namespace, after.pod, last[-1] if last else 0,
-                            exact=bool(last))
+        sb.assert_continues(kube, namespace, after.pod, last, exact=True)
         line = next(ln for ln in log.splitlines() if filled in ln)
         print(f"drain of {where.node}: sandbox running on {after.node} {running} s after "
               f"the drain began; {line.split('every page in', 1)[1].strip()}")

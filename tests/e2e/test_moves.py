@@ -11,7 +11,6 @@ forks it.
 from __future__ import annotations
 
 import re
-import subprocess
 import time
 import uuid
 from typing import Any
@@ -22,16 +21,12 @@ from hermit_common import metrics
 from tests.e2e import sandboxes as sb
 from tests.e2e.conftest import (
     RELEASE_NS,
-    REPO,
     E2EConfig,
     Kube,
-    run_cluster_command,
     wait_until,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
-
-Obj = dict[str, Any]
 
 NOTICE_SECONDS = 20
 
@@ -41,28 +36,18 @@ def _preempt(kube: Kube, cfg: E2EConfig, ns: str, name: str, where: sb.Running,
     """One spot notice on the sandbox's node; returns where it runs next and the timings."""
     sb.wait_agent_ready(kube, RELEASE_NS, where.node)
     started = time.monotonic()
-    preempt = run_cluster_command(cfg.preempt_cmd, node=where.node, notice=str(NOTICE_SECONDS))
-    try:
-        completed = sb.completed_checkpoint(ns, "Preemption", sandbox_name=name, not_in=done)
+    with sb.preempting(cfg, where.node, NOTICE_SECONDS):
         old = sb.LastTick(kube, ns, where.pod)
-
-        def durable_while_reading() -> Obj | None:
-            old.read()  # the old pod is deleted soon after: read it while it is frozen
-            return completed()
-
-        ckpt = wait_until(f"generation {generation}: a Completed Preemption checkpoint",
-                          NOTICE_SECONDS, durable_while_reading, 0.2)
+        ckpt = sb.durable_reading(
+            f"generation {generation}: a Completed Preemption checkpoint", NOTICE_SECONDS,
+            sb.completed_checkpoint(ns, "Preemption", sandbox_name=name, not_in=done), [old])
         durable = sb.since(started)
         done.add(ckpt["metadata"]["name"])
-        old.read()
-        assert old.value is not None, f"no tick of the old pod {where.pod} was ever read"
+        last = old.final()
         after = sb.wait_running(kube, ns, name, restores=where.restores + 1, avoid=where.node,
                                 timeout=180, min_ticks=1)
         running = sb.since(started)
-        seen = sb.assert_continues(kube, ns, after.pod, old.value, exact=True)
-    finally:
-        out, _ = preempt.communicate(timeout=NOTICE_SECONDS + 180)
-    assert preempt.returncode == 0, f"preempt command failed: {out}"
+        seen = sb.assert_continues(kube, ns, after.pod, last, exact=True)
     timing = {"generation": generation, "from": where.node, "to": after.node,
               "checkpoint": ckpt["metadata"]["name"], "notice_to_durable_s": durable,
               "notice_to_running_s": running, "frozen_ms": ckpt["status"].get("frozenMs"),
@@ -180,10 +165,7 @@ def test_node_lost_without_notice_restores_the_interval_checkpoint(
     last_before = wait_until("ten ticks past the checkpoint", 30, lambda: (
         t := sb.ticks(kube, namespace, where.pod)) and t[-1] >= at_checkpoint + 10 and t[-1])
     lost_at = time.monotonic()
-    kill = subprocess.run(
-        [str(REPO / "hack/cluster"), "preempt-node", where.node, "--no-notice"],
-        capture_output=True, text=True, timeout=120, check=False)
-    assert kill.returncode == 0, kill.stdout + kill.stderr
+    sb.lose_node(e2e_config, where.node, timeout=120)
     after = sb.wait_running(kube, namespace, name, restores=1, avoid=where.node, timeout=240,
                             min_ticks=1)
     seen = sb.assert_continues(kube, namespace, after.pod, last_before, exact=False)
@@ -208,15 +190,15 @@ def test_kubectl_drain_checkpoints_and_moves_the_sandbox(
     name, where = sb.start_on_spot(kube, e2e_config, hermit_release, namespace)
     started = time.monotonic()
     with sb.draining(e2e_config, where.node) as drain:
-        ckpt = wait_until("a Completed Eviction checkpoint", 120, sb.completed_checkpoint(
-            namespace, "Eviction", sandbox_name=name), 0.2)
-        last = sb.ticks(kube, namespace, where.pod)
+        old = sb.LastTick(kube, namespace, where.pod)
+        ckpt = sb.durable_reading("a Completed Eviction checkpoint", 120, sb.completed_checkpoint(
+            namespace, "Eviction", sandbox_name=name), [old])
+        last = old.final()
         out, _ = drain.communicate(timeout=240)
         assert drain.returncode == 0, f"drain failed: {out}"
         drained = sb.since(started)
         after = sb.wait_running(kube, namespace, name, restores=1, avoid=where.node,
                                 min_ticks=1)
-        sb.assert_continues(kube, namespace, after.pod, last[-1] if last else 0,
-                            exact=bool(last))
+        sb.assert_continues(kube, namespace, after.pod, last, exact=True)
         print(f"drain of {where.node}: done in {drained} s; sandbox moved to "
               f"{after.node} from checkpoint {ckpt['metadata']['name']}")

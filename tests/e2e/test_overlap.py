@@ -31,7 +31,6 @@ from tests.e2e.conftest import (
     E2EConfig,
     Kube,
     helm_binary,
-    run_cluster_command,
     wait_until,
 )
 
@@ -98,17 +97,18 @@ def _preempt(kube: Kube, cfg: E2EConfig, ns: str, name: str, where: sb.Running) 
     before = sb.status(ns, name)
     new_pod = f"{name}-{int(before['incarnation']) + 1}"
     seen: dict[str, float] = {}
-    started = time.monotonic()
-    preempt = run_cluster_command(cfg.preempt_cmd, node=where.node, notice=str(NOTICE_SECONDS))
     last = [where.last_tick]
     earlier = {c["metadata"]["name"] for c in sb.checkpoints(ns)}
     done = sb.completed_checkpoint(ns, protocol.PREEMPTION, sandbox_name=name, not_in=earlier)
 
     def moved() -> sb.Running | None:
+        # One time per poll for both: two reads of one poll are one observation, or their
+        # order within it, rounded, would decide which came first.
+        now = sb.since(started)
         if "replacement" not in seen and kube.pod(ns, new_pod) is not None:
-            seen["replacement"] = sb.since(started)
+            seen["replacement"] = now
         if "durable" not in seen and done() is not None:
-            seen["durable"] = sb.since(started)
+            seen["durable"] = now
         # The old pod's last tick is the one its checkpoint holds (it is frozen, then ended).
         last.append(max([*sb.ticks(kube, ns, where.pod), last[-1]]))
         s = sb.status(ns, name)
@@ -118,12 +118,10 @@ def _preempt(kube: Kube, cfg: E2EConfig, ns: str, name: str, where: sb.Running) 
             return None
         return sb.Running(s["nodeName"], new_pod, int(s["restores"]), 0)
 
-    try:
+    started = time.monotonic()
+    with sb.preempting(cfg, where.node, NOTICE_SECONDS):
         after = wait_until(f"sandbox {name} running again in pod {new_pod}", 180, moved, 0.2)
         running = sb.since(started)
-    finally:
-        out, _ = preempt.communicate(timeout=NOTICE_SECONDS + 180)
-    assert preempt.returncode == 0, f"preempt command failed: {out}"
     ckpt = done()
     assert ckpt is not None and after.node != where.node
     ticks = sb.assert_continues(kube, ns, new_pod, last[-1])

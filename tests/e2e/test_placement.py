@@ -23,7 +23,6 @@ from tests.e2e.conftest import (
     labels_of,
     name_of,
     ready_nodes,
-    run_cluster_command,
     spot_conventions,
     wait_until,
 )
@@ -105,9 +104,7 @@ def test_the_spot_affinity_matches_each_providers_label(
 
 
 def _spot_node_added(kube: Kube, cfg: E2EConfig, exclude: set[str]) -> str:
-    added = run_cluster_command(cfg.add_node_cmd)
-    out, _ = added.communicate(timeout=300)
-    assert added.returncode == 0, f"add-node failed: {out}"
+    sb.add_spot_node(cfg)
     return wait_until("a new schedulable spot node", 120, lambda: next(
         (n for n in sb.ready_spot_nodes(kube) if n not in exclude), None))
 
@@ -135,12 +132,13 @@ def _fall_back(kube: Kube, cfg: E2EConfig, ns: str, name: str, where: sb.Running
     """Preempt the only spot node: the replacement waits for spot, then restores the same
     checkpoint on an on-demand node with nothing lost."""
     started = time.monotonic()
-    preempt = run_cluster_command(cfg.preempt_cmd, node=where.node, notice=str(NOTICE_SECONDS))
-    try:
-        ckpt = wait_until("a Completed Preemption checkpoint", NOTICE_SECONDS,
-                          sb.completed_checkpoint(ns, "Preemption", sandbox_name=name), 0.2)
+    with sb.preempting(cfg, where.node, NOTICE_SECONDS):
+        old = sb.LastTick(kube, ns, where.pod)
+        ckpt = sb.durable_reading("a Completed Preemption checkpoint", NOTICE_SECONDS,
+                                  sb.completed_checkpoint(ns, "Preemption", sandbox_name=name),
+                                  [old])
         t["notice_to_durable_s"] = sb.since(started)
-        last = sb.ticks(kube, ns, where.pod)
+        last = old.final()
         ready = wait_until("Ready=False WaitingForSpotCapacity", 60, lambda: (
             c := _ready(ns, name)).get("reason") == api.REASON_WAITING_FOR_SPOT and c, 0.2)
         t["notice_to_waiting_s"] = sb.since(started)
@@ -161,11 +159,7 @@ def _fall_back(kube: Kube, cfg: E2EConfig, ns: str, name: str, where: sb.Running
                 if e["reason"] == api.REASON_ON_DEMAND_FALLBACK]
         assert fell and fell[0]["type"] == "Warning", sb.events(kube, ns, name)
         print(f"fallback: {fell[0]['message']}")
-        seen = sb.assert_continues(kube, ns, after.pod, last[-1] if last else 0,
-                                   exact=bool(last))
-    finally:
-        out, _ = preempt.communicate(timeout=NOTICE_SECONDS + 180)
-    assert preempt.returncode == 0, f"preempt command failed: {out}"
+        seen = sb.assert_continues(kube, ns, after.pod, last, exact=True)
     return sb.Running(after.node, after.pod, after.restores, seen[-1])
 
 

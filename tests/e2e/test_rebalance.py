@@ -18,7 +18,7 @@ import pytest
 
 from hermit_common import protocol
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import E2EConfig, Kube, helm_set, run_cluster_command, wait_until
+from tests.e2e.conftest import E2EConfig, Kube, helm_set, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -47,9 +47,7 @@ def test_rebalance_recommendation_checkpoints_early_and_the_notice_uploads_littl
 ) -> None:
     hermit_release = prefetch_release
     name, where = sb.start_on_spot(kube, e2e_config, hermit_release, namespace)
-    advise = run_cluster_command(e2e_config.rebalance_cmd, node=where.node)
-    out, _ = advise.communicate(timeout=60)
-    assert advise.returncode == 0, f"rebalance command failed: {out}"
+    sb.rebalance(e2e_config, where.node, timeout=60)
     preempted = False
     try:
         early = _early_checkpoint(kube, namespace, name, where)
@@ -58,8 +56,7 @@ def test_rebalance_recommendation_checkpoints_early_and_the_notice_uploads_littl
         ckpt = _preempt(kube, e2e_config, namespace, name, where)
     finally:
         if not preempted:  # the node keeps advising: no other test may use it
-            run_cluster_command(e2e_config.preempt_cmd, node=where.node,
-                                notice="0").communicate(timeout=180)
+            sb.preempt_now(e2e_config, where.node)
     st, pst = early["status"], ckpt["status"]
     cached, chunks, message = _restored_from_cache(kube, namespace, name)
     print(f"Rebalance checkpoint: {st['uploadedBytes']} bytes uploaded of "
@@ -105,16 +102,13 @@ def _early_checkpoint(kube: Kube, ns: str, name: str, where: sb.Running) -> sb.O
 
 def _preempt(kube: Kube, cfg: E2EConfig, ns: str, name: str, where: sb.Running) -> sb.Obj:
     """A spot notice: the Completed Preemption checkpoint, the sandbox continued elsewhere."""
-    preempt = run_cluster_command(cfg.preempt_cmd, node=where.node, notice=str(NOTICE_SECONDS))
-    try:
-        ckpt = wait_until("a Completed Preemption checkpoint", NOTICE_SECONDS,
-                          sb.completed_checkpoint(ns, protocol.PREEMPTION,
-                                                  sandbox_name=name), 0.2)
-        last = sb.ticks(kube, ns, where.pod)
+    with sb.preempting(cfg, where.node, NOTICE_SECONDS):
+        old = sb.LastTick(kube, ns, where.pod)
+        ckpt = sb.durable_reading("a Completed Preemption checkpoint", NOTICE_SECONDS,
+                                  sb.completed_checkpoint(ns, protocol.PREEMPTION,
+                                                          sandbox_name=name), [old])
+        last = old.final()
         after = sb.wait_running(kube, ns, name, restores=1, avoid=where.node,
                                 timeout=180, min_ticks=1)
-        sb.assert_continues(kube, ns, after.pod, last[-1] if last else 0, exact=bool(last))
-    finally:
-        out, _ = preempt.communicate(timeout=NOTICE_SECONDS + 180)
-    assert preempt.returncode == 0, f"preempt command failed: {out}"
+        sb.assert_continues(kube, ns, after.pod, last, exact=True)
     return ckpt

@@ -11,8 +11,10 @@ shows the marker, neither as stored nor after an attempted zstd decompression.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -22,6 +24,9 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from hermit_common import api, protocol
+from hermit_common.manifest import Binding
+from hermit_common.settings import StoreSettings
+from hermit_common.store import CheckpointStore
 from tests.e2e import sandboxes as sb
 from tests.e2e.conftest import (
     BUCKET,
@@ -29,7 +34,6 @@ from tests.e2e.conftest import (
     S3,
     E2EConfig,
     Kube,
-    run_cluster_command,
     wait_until,
 )
 
@@ -75,31 +79,68 @@ def _shows(data: bytes, needle: bytes) -> bool:
         return False
 
 
+def _assert_the_scan_finds_the_marker_unsealed(s3: S3, ns: str, work: Path) -> None:
+    """A checkpoint holding the marker as the sealed one does (a workspace file, and the
+    workload's environment amid its memory pages), written with the project's own store
+    with sealing off to the same bucket, under namespace ``ns`` (no sandbox's): the scan
+    of the sealed objects must find the marker there, stored or zstd-compressed. Its
+    objects are deleted afterwards."""
+    images, workspace = work / "criu", work / "workspace"
+    images.mkdir()
+    workspace.mkdir()
+    (workspace / Path(MARKER_FILE).name).write_text(f"{MARKER}\n")
+    environ = f"PATH=/bin\0HERMIT_E2E_MARKER={MARKER}\0HERMIT_TICK_MS={sb.TICK_MS}\0"
+    page = 4096
+    (images / "pages-1.img").write_bytes(
+        bytes(range(256)) * (4 * page // 256) + environ.encode().ljust(page, b"\0")
+        + os.urandom(4 * page))
+    store = CheckpointStore(StoreSettings(bucket=BUCKET, endpoint_url=s3.endpoint,
+                                          access_key_id=s3.access_key,
+                                          secret_access_key=s3.secret_key), sealing=None)
+    binding = Binding(namespace=ns, sandbox="plain", sandbox_uid=str(uuid.uuid4()),
+                      checkpoint="plain-1", criu_version="control", kernel="control")
+    store.upload(binding, {"criu": images, "workspace": workspace}, {})
+    objects = _objects(s3, ns)
+    s3c = _s3c(s3)
+    for key in objects:
+        s3c.delete_object(Bucket=BUCKET, Key=key)
+    chunks = [k for k in objects if "/chunks/" in k]
+    manifests = [k for k in objects if k.endswith("/manifest.json")]
+    assert manifests and chunks, sorted(objects)
+    assert not any(objects[k].startswith(b'{"ciphertext":') for k in manifests)
+    # Both chunks that hold it: the workspace file's and the memory image's.
+    found = [k for k in chunks if _shows(objects[k], MARKER.encode())]
+    assert len(found) >= 2, (f"the scan finds the marker in {found} of the unsealed "
+                             f"chunks {chunks}: it could miss it in the sealed ones too")
+    print(f"\ncontrol: the scan finds the marker in {len(found)} of {len(chunks)} chunks of "
+          f"the same content stored unsealed")
+
+
 def test_preempted_sandbox_is_sealed_in_the_bucket(
     kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig, s3_for_pods: S3,
+    tmp_path: Path,
 ) -> None:
     name, where = _start_with_marker(kube, e2e_config, namespace)
     started = time.monotonic()
-    preempt = run_cluster_command(e2e_config.preempt_cmd, node=where.node,
-                                  notice=str(NOTICE_SECONDS))
-    try:
-        ckpt: dict[str, Any] = wait_until(
+    with sb.preempting(e2e_config, where.node, NOTICE_SECONDS):
+        old = sb.LastTick(kube, namespace, where.pod)
+        ckpt = sb.durable_reading(
             "a Completed Preemption checkpoint", NOTICE_SECONDS + 30,
-            sb.completed_checkpoint(namespace, "Preemption", sandbox_name=name), 0.2)
-        last = sb.ticks(kube, namespace, where.pod)
+            sb.completed_checkpoint(namespace, "Preemption", sandbox_name=name), [old])
+        last = old.final()
         after = sb.wait_running(kube, namespace, name, restores=where.restores + 1,
                                 avoid=where.node, timeout=180, min_ticks=1)
-        sb.assert_continues(kube, namespace, after.pod, last[-1] if last else 0,
-                            exact=bool(last))
-    finally:
-        out, _ = preempt.communicate(timeout=NOTICE_SECONDS + 180)
-    assert preempt.returncode == 0, f"preempt command failed: {out}"
+        sb.assert_continues(kube, namespace, after.pod, last, exact=True)
     # The marker went through the store: the restored pod has it in its workspace and
     # in its environment.
     assert MARKER in sb.exec_sh(namespace, after.pod, f"cat {MARKER_FILE}")
     assert MARKER in sb.exec_sh(namespace, after.pod,
                            "cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n'")
 
+    # The scan's positive control first: it finds the marker in a checkpoint written
+    # with sealing off, so its finding nothing below means the objects hide it.
+    _assert_the_scan_finds_the_marker_unsealed(s3_for_pods, f"{namespace[:50]}-plain",
+                                               tmp_path)
     objects = _objects(s3_for_pods, namespace)
     manifests = [k for k in objects if k.endswith("/manifest.json")]
     chunks = [k for k in objects if "/chunks/" in k]

@@ -30,7 +30,6 @@ from tests.e2e.conftest import (
     E2EConfig,
     Kube,
     pod_manifest,
-    run_cluster_command,
     wait_pod_phase,
     wait_until,
 )
@@ -324,8 +323,7 @@ def test_another_node_pre_creating_a_sandboxs_checkpoints_blocks_nothing(
           "still Pending, ignored")
 
     sb.wait_agent_ready(kube, RELEASE_NS, where.node)
-    preempt = run_cluster_command(e2e_config.preempt_cmd, node=where.node, notice="20")
-    try:
+    with sb.preempting(e2e_config, where.node, 20):
         def stopped() -> Obj | None:
             for c in sb.checkpoints(namespace):
                 labels = c["metadata"].get("labels") or {}
@@ -342,9 +340,6 @@ def test_another_node_pre_creating_a_sandboxs_checkpoints_blocks_nothing(
                                 timeout=180, min_ticks=1)
         assert sb.status(namespace, name)["restoredFrom"]["name"] == real["metadata"]["name"]
         print(f"  moved to {after.node}")
-    finally:
-        out, _ = preempt.communicate(timeout=200)
-    assert preempt.returncode == 0, f"preempt command failed: {out}"
     attack.record("another node pre-creates a sandbox's checkpoints",
                   tried=f"{there}'s node-agent token created {', '.join(squats)} (the names "
                         f"{where.node} gives its stopping requests) and a Pending {pending}",

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import RELEASE_NS, E2EConfig, Kube, run_cluster_command, wait_until
+from tests.e2e.conftest import RELEASE_NS, E2EConfig, Kube, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -43,25 +43,19 @@ def test_a_precopied_one_gib_sandbox_is_durable_within_a_15_second_notice(
     try:
         early = _precopied(namespace, name, e2e_config, where.node)
     except BaseException:  # the node keeps advising: no other test may use it
-        run_cluster_command(e2e_config.preempt_cmd, node=where.node,
-                            notice="0").communicate(timeout=180)
+        sb.preempt_now(e2e_config, where.node)
         raise
     started = time.monotonic()
-    preempt = run_cluster_command(e2e_config.preempt_cmd, node=where.node,
-                                  notice=str(NOTICE_SECONDS))
-    try:
-        ckpt = wait_until("a Completed Preemption checkpoint", NOTICE_SECONDS + 30,
-                          _completed_or_print(namespace, name, started), 0.1)
+    with sb.preempting(e2e_config, where.node, NOTICE_SECONDS):
+        old = sb.LastTick(kube, namespace, where.pod)
+        ckpt = sb.durable_reading("a Completed Preemption checkpoint", NOTICE_SECONDS + 30,
+                                  _completed_or_print(namespace, name, started), [old], 0.1)
         durable = sb.since(started)
-        last = sb.ticks(kube, namespace, where.pod)
+        last = old.final()
         after = sb.wait_running(kube, namespace, name, restores=1, avoid=where.node,
                                 timeout=240, min_ticks=1)
         running = sb.since(started)
-        seen = sb.assert_continues(kube, namespace, after.pod, last[-1] if last else 0,
-                                   exact=bool(last))
-    finally:
-        out, _ = preempt.communicate(timeout=NOTICE_SECONDS + 180)
-    assert preempt.returncode == 0, f"preempt command failed: {out}"
+        seen = sb.assert_continues(kube, namespace, after.pod, last, exact=True)
     st = ckpt["status"]
     mb = 1e6
     print(f"{MEM_MB} MiB sandbox, {NOTICE_SECONDS} s notice: notice->durable {durable} s, "
@@ -80,9 +74,7 @@ def test_a_precopied_one_gib_sandbox_is_durable_within_a_15_second_notice(
 
 def _precopied(ns: str, name: str, cfg: E2EConfig, node: str) -> Obj:
     """A rebalance recommendation's early checkpoint, Completed: the pre-copy."""
-    advise = run_cluster_command(cfg.rebalance_cmd, node=node)
-    out, _ = advise.communicate(timeout=120)
-    assert advise.returncode == 0, f"rebalance command failed: {out}"
+    sb.rebalance(cfg, node)
     early = wait_until("a Completed Rebalance checkpoint", 240, sb.completed_checkpoint(
         ns, "Rebalance", sandbox_name=name), 0.5)
     st: Obj = early["status"]

@@ -38,7 +38,6 @@ from tests.e2e.conftest import (
     E2EConfig,
     Kube,
     helm_binary,
-    run_cluster_command,
     wait_until,
 )
 
@@ -208,23 +207,21 @@ def _preempt_both(kube: Kube, cfg: E2EConfig, ns: str, names: tuple[str, str],
     node = where[0].node
     sb.wait_agent_ready(kube, RELEASE_NS, node)
     started = time.monotonic()
-    preempt = run_cluster_command(cfg.preempt_cmd, node=node, notice=str(NOTICE_SECONDS))
-    try:
-        ckpts, last = [], []
-        for n, w in zip(names, where, strict=True):
-            ckpts.append(wait_until(f"a Completed Preemption checkpoint of {n}",
+    with sb.preempting(cfg, node, NOTICE_SECONDS):
+        # Both old pods are read while either checkpoint is taken: each is frozen from
+        # its own checkpoint until it is deleted.
+        old = [sb.LastTick(kube, ns, w.pod) for w in where]
+        ckpts = [sb.durable_reading(f"a Completed Preemption checkpoint of {n}",
                                     NOTICE_SECONDS, sb.completed_checkpoint(
-                                        ns, "Preemption", sandbox_name=n), 0.2))
-            last.append(sb.ticks(kube, ns, w.pod))  # the old pod's final ticks
-        for n, w, seen in zip(names, where, last, strict=True):
+                                        ns, "Preemption", sandbox_name=n), old)
+                 for n in names]
+        last = [o.final() for o in old]
+        for n, w, final in zip(names, where, last, strict=True):
             after = sb.wait_running(kube, ns, n, restores=1, avoid=node, timeout=180,
                                     min_ticks=1)
-            sb.assert_continues(kube, ns, after.pod, seen[-1] if seen else 0, exact=bool(seen))
+            sb.assert_continues(kube, ns, after.pod, final, exact=True)
             print(f"{n}: {w.node} -> {after.node}, running {sb.since(started)} s after the "
                   f"notice")
-    finally:
-        out, _ = preempt.communicate(timeout=NOTICE_SECONDS + 180)
-    assert preempt.returncode == 0, f"preempt command failed: {out}"
     return ckpts[0], ckpts[1]
 
 

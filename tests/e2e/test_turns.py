@@ -4,7 +4,6 @@ and a node lost without notice loses nothing of its last completed turn."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 import uuid
 
@@ -16,7 +15,7 @@ from hermit_common.kubeapi import KubeApi
 from hermit_common.settings import TURN_AUDIENCE
 from hermit_common.turns import TurnClient, TurnResult
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import REPO, E2EConfig, Kube, wait_until
+from tests.e2e.conftest import E2EConfig, Kube, wait_until
 from tests.support.attacks import REFUSED, Attack
 
 STRANGER = "stranger"
@@ -99,10 +98,7 @@ def test_turns_checkpoint_only_changes_and_a_loss_keeps_the_last_turn(
     last = str(results[-1].checkpoint)
 
     lost_at = time.monotonic()
-    kill = subprocess.run([str(REPO / "hack/cluster"), "preempt-node", node,
-                           "--no-notice"], capture_output=True, text=True, timeout=120,
-                          check=False)
-    assert kill.returncode == 0, kill.stdout + kill.stderr
+    sb.lose_node(e2e_config, node, timeout=120)
     new_node, new_pod = sb.wait_turn_sandbox(namespace, name, restores=1, avoid=node)
     restored = sb.status(namespace, name).get("restoredFrom") or {}
     assert restored.get("name") == last, f"expected a restore of {last}: {restored}"

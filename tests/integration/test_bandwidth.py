@@ -125,7 +125,7 @@ def test_an_urgent_upload_goes_ahead_of_a_routine_one(store: CheckpointStore,
     urgent_began = time.monotonic()
     routine_at_urgent_start = routine.uploaded
     _start(store, limiter, URGENT, urgent)
-    wait_until("the urgent upload to end", lambda: urgent.ended > 0, 60.0)
+    wait_until("the urgent upload to end", 60.0, lambda: urgent.ended > 0, 0.01)
     routine_during_urgent = routine.uploaded - routine_at_urgent_start
     _join(urgent, routine)
     assert urgent.result is not None and routine.result is not None

@@ -340,7 +340,7 @@ def test_attacker_starts(tmp_path: Path,
     d.mkdir()
     halt = attacker([str(d)], tmp_path, "self")
     os.close(os.open(d, os.O_RDONLY | os.O_DIRECTORY))
-    wait_until("the attacker's swap", d.is_symlink, timeout=10)
+    wait_until("the attacker's swap", 10, d.is_symlink, 0.01)
     halt()
     assert (tmp_path / "victim.moved").is_dir()
 
@@ -405,8 +405,8 @@ def test_a_sidecar_swapping_workspace_dirs_during_real_checkpoints(
             sidecar_id, node.image_ref,
             ["/bin/sh", "-c", SIDECAR.format(n=SIDECAR_VICTIMS, target=target.link)],
             mounts=[Mount(sandbox.workspace, "/workspace")])
-        wait_until("the sidecar's directories", (sandbox.workspace / "sidecar-ready").exists,
-                   timeout=30)
+        wait_until("the sidecar's directories", 30,
+                   (sandbox.workspace / "sidecar-ready").exists, 0.01)
         sandbox.wait_ticks(3)
         outcomes: Counter[str] = Counter()
         uid = str(uuid.uuid4())

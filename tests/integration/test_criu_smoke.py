@@ -14,12 +14,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+
+from tests.support.wait import wait_until
 
 pytestmark = [
     pytest.mark.integration,
@@ -38,16 +40,6 @@ while True:
     n += 1
     time.sleep(0.02)
 """
-
-
-def wait_for(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    """Poll ``cond`` until it is true or fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def read_lines(path: Path) -> list[tuple[str, int]]:
@@ -116,7 +108,7 @@ def test_dump_and_restore_a_counter_process(
     pid = proc.pid
     restored_pid: int | None = None
     try:
-        wait_for(lambda: len(read_lines(out)) >= 5, "the counter to write 5 lines")
+        wait_until("the counter to write 5 lines", 20.0, lambda: len(read_lines(out)) >= 5, 0.05)
 
         with images_dir_fd(images) as fd:
             dumper = new_criu(pycriu, criu_bin, fd, "dump.log")
@@ -156,10 +148,8 @@ def test_dump_and_restore_a_counter_process(
         restored_pid = int(resp.pid)
         assert restored_pid == pid
 
-        wait_for(
-            lambda: len(read_lines(out)) >= len(before) + 5,
-            "the restored counter to write 5 more lines",
-        )
+        wait_until("the restored counter to write 5 more lines", 20.0,
+                   lambda: len(read_lines(out)) >= len(before) + 5, 0.05)
         after = read_lines(out)
         assert {t for t, _ in after} == {token}, "a different token: the process restarted"
         assert [n for _, n in after] == list(range(len(after))), "the counter did not continue"

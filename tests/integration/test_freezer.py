@@ -77,7 +77,7 @@ def test_a_frozen_tree_is_ended_without_running_again(cgroup: Path, tmp_path: Pa
          f"echo $$ > {cgroup}/cgroup.procs; "
          f"sh -c 'while :; do echo tick >> {ticks}; sleep 0.01; done' & wait"])
     try:
-        wait_until("the child to tick", lambda: _size(ticks) >= 20, 10)
+        wait_until("the child to tick", 10, lambda: _size(ticks) >= 20, 0.01)
         procs = [int(p) for p in (cgroup / "cgroup.procs").read_text().split()]
         assert len(procs) >= 2, f"init and child in the cgroup: {procs}"
         init = min(procs)
@@ -87,8 +87,8 @@ def test_a_frozen_tree_is_ended_without_running_again(cgroup: Path, tmp_path: Pa
         frozen_size = _size(ticks)
         killed = freezer.end_frozen(cgroup, init)
         assert killed >= 2
-        wait_until("the tree to end",
-                   lambda: not (cgroup / "cgroup.procs").read_text().split(), 10)
+        wait_until("the tree to end", 10,
+                   lambda: not (cgroup / "cgroup.procs").read_text().split(), 0.01)
         assert _size(ticks) == frozen_size, "a process of the ended tree ran after the freeze"
     finally:
         proc.kill()

@@ -16,16 +16,16 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
+
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 ROOT = Path(__file__).resolve().parents[2]
-T = TypeVar("T")
 
 
 def _build(script: str, *args: str) -> Path:
@@ -53,17 +53,6 @@ def init_bin() -> Path:
 @pytest.fixture(scope="module")
 def stateful_bin() -> Path:
     return _build("build-init", "stateful")
-
-
-def wait_for(cond: Callable[[], T | None], what: str, timeout: float = 10.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.02)
 
 
 def read_text(path: Path) -> str | None:
@@ -181,9 +170,10 @@ def test_signals_are_forwarded(init_bin: Path, tmp_path: Path, cleanup: Cleanup)
     )
     proc = spawn([init_bin, "--", child, tmp_path])
     cleanup.append(proc)
-    wait_for(lambda: (tmp_path / "ready").exists(), "the child to start")
+    wait_until("the child to start", 10.0, lambda: (tmp_path / "ready").exists(), 0.02)
     proc.send_signal(signal.SIGUSR1)
-    wait_for(lambda: "USR1" in (read_text(tmp_path / "signals") or ""), "USR1 to be forwarded")
+    wait_until("USR1 to be forwarded", 10.0,
+               lambda: "USR1" in (read_text(tmp_path / "signals") or ""), 0.02)
     proc.send_signal(signal.SIGTERM)
     rc, _, _ = finish(proc)
     assert rc == 0
@@ -200,8 +190,9 @@ def test_orphans_are_reparented_and_reaped(
     )
     proc = spawn([init_bin, "--", main, tmp_path])
     cleanup.append(proc)
-    orphan = int(wait_for(lambda: read_text(tmp_path / "orphan.pid"), "the orphan to start"))
-    first = wait_for(lambda: proc_stat(orphan), "the orphan's /proc entry")
+    orphan = int(wait_until("the orphan to start", 10.0,
+                            lambda: read_text(tmp_path / "orphan.pid") or None, 0.02))
+    first = wait_until("the orphan's /proc entry", 10.0, lambda: proc_stat(orphan), 0.02)
     # Its parent is the ( ... & ) subshell until that exits, which a loaded machine may
     # take a moment to do; then the orphan must be hermit-init's, no one else's.
     def reparented() -> tuple[str, int] | None:
@@ -209,10 +200,10 @@ def test_orphans_are_reparented_and_reaped(
         moved = stat is not None and (stat[1] != first[1] or first[1] == proc.pid)
         return stat if moved else None
 
-    stat = wait_for(reparented, "the orphan's first parent to exit")
+    stat = wait_until("the orphan's first parent to exit", 10.0, reparented, 0.02)
     assert stat[1] == proc.pid, \
         "the orphan was not reparented to hermit-init (subreaper)"
-    wait_for(lambda: proc_stat(orphan) is None, "the orphan to exit and be reaped", timeout=10)
+    wait_until("the orphan to exit and be reaped", 10, lambda: proc_stat(orphan) is None, 0.02)
     (tmp_path / "stop").touch()
     rc, _, _ = finish(proc)
     assert rc == 0
@@ -288,11 +279,11 @@ def start_restore_ns(
                 pass
         return None
 
-    pid = wait_for(init_pid, "hermit-init to start in its pid namespace")
+    pid = wait_until("hermit-init to start in its pid namespace", 10.0, init_pid, 0.02)
     cleanup.append(pid)
     # A namespace's PID 1 drops SIGTERM while it neither handles nor blocks it, so a signal
     # sent between exec and hermit-init's sigprocmask would be lost: wait for its signal loop.
-    wait_for(lambda: waits_for_signals(pid), "hermit-init to wait for signals")
+    wait_until("hermit-init to wait for signals", 10.0, lambda: waits_for_signals(pid), 0.02)
     return proc, pid
 
 
@@ -315,8 +306,9 @@ def test_restore_adopts_a_reparented_tree(init_bin: Path, tmp_path: Path, cleanu
     )
     proc, init_pid = start_restore_ns(init_bin, ["--restore-timeout", "30"], cleanup)
     detach_into(init_pid, ["sh", adopted, tmp_path])
-    wait_for(lambda: (tmp_path / "ready").exists(), "the adopted process to start")
-    wait_for(lambda: children(init_pid), "the process to be reparented to hermit-init")
+    wait_until("the adopted process to start", 10.0, lambda: (tmp_path / "ready").exists(), 0.02)
+    wait_until("the process to be reparented to hermit-init", 10.0,
+               lambda: children(init_pid) or None, 0.02)
     os.kill(init_pid, signal.SIGTERM)
     rc, _, err = finish(proc)
     assert rc == 0, err
@@ -332,7 +324,8 @@ def test_restore_propagates_exit_code_of_a_nested_init(
     user = script(tmp_path / "user.sh", 'while [ ! -e "$1/stop" ]; do sleep 0.02; done\nexit 5\n')
     proc, init_pid = start_restore_ns(init_bin, [], cleanup)
     detach_into(init_pid, ["unshare", "--pid", "--fork", init_bin, "--", "sh", user, tmp_path])
-    wait_for(lambda: children(init_pid), "the nested tree to be reparented to hermit-init")
+    wait_until("the nested tree to be reparented to hermit-init", 10.0,
+               lambda: children(init_pid) or None, 0.02)
     (tmp_path / "stop").touch()
     rc, _, err = finish(proc)
     assert rc == 5, err
@@ -427,18 +420,19 @@ def test_stateful_workload(
     env = workload_env(tmp_path)
     proc = spawn([init_bin, "--", stateful_bin], env=env)
     cleanup.append(proc)
-    wait_for(lambda: counter(tmp_path) >= 10, "the counter to reach 10")
+    wait_until("the counter to reach 10", 10.0, lambda: counter(tmp_path) >= 10, 0.02)
     workload = children(proc.pid)[0]
 
     (tmp_path / "state" / "counter.txt").write_text("100000\n")
-    wait_for(lambda: 0 < counter(tmp_path) < 100000, "the next tick")
+    wait_until("the next tick", 10.0, lambda: 0 < counter(tmp_path) < 100000, 0.02)
     value, child = ask(int(env["PORT"]))
     assert 10 <= value < 100000, "the counter must live in memory, not on disk"
     assert (tmp_path / "state" / "child.pid").read_text().strip() == str(child)
     stat = proc_stat(child)
     assert stat is not None and stat[1] == workload, "the TCP answer must name the live child"
     beats = (tmp_path / "state" / "child.txt").read_text()
-    wait_for(lambda: read_text(tmp_path / "state" / "child.txt") != beats, "a child heartbeat")
+    wait_until("a child heartbeat", 10.0,
+               lambda: read_text(tmp_path / "state" / "child.txt") != beats, 0.02)
     assert not (tmp_path / "delete-me").exists()
     assert (tmp_path / "state" / "created.txt").exists()
 
@@ -459,7 +453,8 @@ def test_stateful_max_ticks(stateful_bin: Path, tmp_path: Path) -> None:
 
 def test_stateful_fails_when_its_child_is_lost(stateful_bin: Path, tmp_path: Path) -> None:
     proc = spawn([stateful_bin], env=workload_env(tmp_path, HERMIT_TICK_MS="10"))
-    child = int(wait_for(lambda: read_text(tmp_path / "state" / "child.pid"), "child.pid"))
+    child = int(wait_until("child.pid", 10.0,
+                           lambda: read_text(tmp_path / "state" / "child.pid") or None, 0.02))
     os.kill(child, signal.SIGKILL)
     rc, _, err = finish(proc)
     assert rc == 4, "losing the background child must fail the workload"
@@ -473,7 +468,7 @@ def test_stateful_memory_is_verified(stateful_bin: Path, tmp_path: Path) -> None
     first = proc.stdout.readline()
     m = re.fullmatch(r"mem addr=0x([0-9a-f]+) mb=8\n", first)
     assert m, first
-    wait_for(lambda: counter(tmp_path) >= 3, "ticks with memory verification")
+    wait_until("ticks with memory verification", 10.0, lambda: counter(tmp_path) >= 3, 0.02)
     rss_kib = int(re.findall(r"VmRSS:\s+(\d+)", Path(f"/proc/{proc.pid}/status").read_text())[0])
     assert rss_kib >= 8 * 1024
     with open(f"/proc/{proc.pid}/mem", "r+b", buffering=0) as mem:
@@ -533,9 +528,10 @@ def test_workload_migrates_with_criu_under_hermit_init(
         env=env,
     )
     cleanup.append(source)
-    source_init = wait_for(lambda: children(source.pid), "the source hermit-init")[0]
+    source_init = wait_until("the source hermit-init", 10.0,
+                             lambda: children(source.pid) or None, 0.02)[0]
     cleanup.append(source_init)
-    wait_for(lambda: counter(tmp_path) >= 10, "the workload to tick")
+    wait_until("the workload to tick", 10.0, lambda: counter(tmp_path) >= 10, 0.02)
     _, child_before = ask(port)
 
     run_criu([criu, "dump", "-t", source_init, "-D", images, "-o", "dump.log"], images / "dump.log")
@@ -547,9 +543,11 @@ def test_workload_migrates_with_criu_under_hermit_init(
     nsenter = ["nsenter", "-t", str(target_init), "--pid", "--mount", "--"]
     run_criu([*nsenter, criu, *restore], images / "restore.log")
 
-    value, child_after = wait_for(lambda: try_ask(port), "the restored workload to answer")
+    value, child_after = wait_until("the restored workload to answer", 10.0,
+                                    lambda: try_ask(port), 0.02)
     assert value >= dumped and child_after == child_before
-    wait_for(lambda: counter(tmp_path) >= dumped + 10, "the restored workload to keep ticking")
+    wait_until("the restored workload to keep ticking", 10.0,
+               lambda: counter(tmp_path) >= dumped + 10, 0.02)
     os.kill(target_init, signal.SIGTERM)
     rc, _, err = finish(target)
     assert rc == 0, err

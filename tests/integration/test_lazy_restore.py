@@ -17,13 +17,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from hermit_node import lazypages, pagesource
 from hermit_node.criu import Criu, DumpRequest, RestoreRequest, read_pagemaps
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -49,14 +49,6 @@ while True:
 """
 
 
-def wait_for(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.01)
-
-
 def lines(path: Path, word: str) -> list[str]:
     text = path.read_text() if path.exists() else ""
     return [ln.split()[1] for ln in text.splitlines() if ln.startswith(word + " ")]
@@ -74,9 +66,11 @@ def check_memory(out: Path, digest: str) -> None:
     ticks = len(lines(out, "tick"))
     checks = len(lines(out, "check"))
     (out.parent / (out.name + ".check")).touch()
-    wait_for(lambda: len(lines(out, "check")) > checks, "the restored process to hash its memory")
+    wait_until("the restored process to hash its memory", 60.0,
+               lambda: len(lines(out, "check")) > checks, 0.01)
     assert lines(out, "check")[-1] == digest, "the restored memory differs from the dumped"
-    wait_for(lambda: len(lines(out, "tick")) > ticks + 3, "the restored process to tick on")
+    wait_until("the restored process to tick on", 60.0,
+               lambda: len(lines(out, "tick")) > ticks + 3, 0.01)
 
 
 def restore(criu: Criu, images: Path, log_file: str, *, lazy: bool) -> int:
@@ -91,7 +85,7 @@ def dump_holder(criu: Criu, out: Path, images: Path) -> str:
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        wait_for(lambda: bool(lines(out, "tick")), "the holder to fill its memory")
+        wait_until("the holder to fill its memory", 60.0, lambda: bool(lines(out, "tick")), 0.01)
         criu.dump(DumpRequest(pid=proc.pid, images_dir=images, leave_running=False))
         proc.wait(timeout=30)
     finally:

@@ -6,8 +6,7 @@ lists again."""
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +18,11 @@ from hermit_common import api, protocol
 from hermit_node.informer import GONE, Informer, WatchedNode
 from hermit_node.kube import Kube, KubeError
 from tests.support.controlplane import ControlPlane, control_plane
+from tests.support.wait import wait_until
 
 __all__ = ["control_plane"]
 
 NS = "watch"
-
-
-def wait_until(what: str, check: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +42,7 @@ def apis(control_plane: ControlPlane) -> Iterator[tuple[client.CoreV1Api, Any, K
     core.create_namespaced_service_account(NS, {"metadata": {"name": "default"}})
     for node in ("node-a", "node-b"):
         core.create_node({"metadata": {"name": node}})
-    wait_until("the Checkpoint CRD", lambda: _served(custom))
+    wait_until("the Checkpoint CRD", 20.0, lambda: _served(custom), 0.05)
     yield core, custom, Kube(api_client, "node-a")
 
 
@@ -80,12 +73,12 @@ def test_the_copy_holds_only_this_nodes_objects_and_follows_them(
             core.create_namespaced_pod(NS, {"metadata": {"name": f"p-{node}"}, "spec": {
                 "nodeName": node, "containers": [{"name": "c", "image": "x"}]}})
         core.patch_node("node-a", {"spec": {"unschedulable": True}})
-        wait_until("the events", lambda: _names(view.checkpoints_now()) == ["box-node-a"]
+        wait_until("the events", 20.0, lambda: _names(view.checkpoints_now()) == ["box-node-a"]
                    and _names(view.pods_now()) == ["p-node-a"]
-                   and bool(((view.node_now() or {}).get("spec") or {}).get("unschedulable")))
+                   and bool(((view.node_now() or {}).get("spec") or {}).get("unschedulable")), 0.05)
         custom.delete_namespaced_custom_object(api.GROUP, api.VERSION, NS,
                                                api.CHECKPOINT_PLURAL, "box-node-a")
-        wait_until("the delete", lambda: view.checkpoints_now() == [])
+        wait_until("the delete", 20.0, lambda: view.checkpoints_now() == [], 0.05)
         assert view.healthy()
     finally:
         stop.set()
@@ -116,16 +109,16 @@ def test_an_old_resource_version_is_gone_and_the_informer_lists_again(
     inf = Informer(source, lambda: None, stop, watch_seconds=1)  # short watches
     inf._thread.start()
     try:
-        wait_until("the first list", lambda: inf.synced)
+        wait_until("the first list", 20.0, lambda: inf.synced, 0.05)
         custom.create_namespaced_custom_object(
             api.GROUP, api.VERSION, NS, api.CHECKPOINT_PLURAL,
             protocol.checkpoint_object("box", "box-late", protocol.MANUAL, 1, node="node-a"))
-        wait_until("its event", lambda: "box-late" in _names(inf.snapshot()))
+        wait_until("its event", 20.0, lambda: "box-late" in _names(inf.snapshot()), 0.05)
         assert source.lists == 1
         with inf._lock:
             inf._store.resource_version = "1"  # as if the watch had fallen far behind
-        wait_until("the list after 410 Gone", lambda: source.lists == 2)
-        wait_until("a healthy watch again", lambda: inf.healthy)
+        wait_until("the list after 410 Gone", 20.0, lambda: source.lists == 2, 0.05)
+        wait_until("a healthy watch again", 20.0, lambda: inf.healthy, 0.05)
         assert "box-late" in _names(inf.snapshot())
     finally:
         stop.set()

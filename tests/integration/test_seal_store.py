@@ -184,8 +184,9 @@ def test_tampered_swapped_and_foreign_manifests_are_refused(
     # another cluster's keys, or none: refused
     stranger = _Secret()
     stranger.add("k1")
+    # (format 3: its wrapped data key does not open under another KEK of the same id)
     _refused(_store(minio_server, bucket, stranger.sealing()), tmp_path / "d5", "c1",
-             "signature .* does not verify")
+             "data key wrapped by sealing key 'k1' does not open for this sandbox")
     _refused(_store(minio_server, bucket, None), tmp_path / "d6", "c1",
              "is sealed, and this node-agent has no sealing keys")
 
@@ -250,7 +251,7 @@ def test_plain_checkpoints_need_the_migration_setting(
     migrating.download(NS, BOX, "c-plain", tmp_path / "d2", expect_uid=UID)
     sealed = migrating.upload(_binding("c-sealed"), _sections(tmp_path / "src2"),
                               {"engine": 1})
-    assert b'"sealed":2' in _get(minio_server, bucket, migrating.manifest_key(NS, BOX,
+    assert b'"sealed":3' in _get(minio_server, bucket, migrating.manifest_key(NS, BOX,
                                                                               "c-sealed"))
     assert sealed.chunks_uploaded > 0  # sealed chunks are new objects, not the plain ones
     assert migrating.collect_garbage(NS, BOX) == 0  # both kinds are referenced

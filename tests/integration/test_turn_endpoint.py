@@ -25,8 +25,8 @@ from hermit_common.turns import TurnClient
 from hermit_node import turnserver
 from tests.support.attacks import CONTAINED, REFUSED, Attack
 from tests.support.tls import self_signed
+from tests.support.turns import PATH, FakeKube, service, snap
 from tests.support.wait import wait_until
-from tests.unit.test_turns import PATH, FakeKube, service, snap
 
 LEGIT = "127.0.0.1"
 HEAD_TIMEOUT = 3.0  # the test server's request deadline (the default is 10 s)
@@ -113,8 +113,8 @@ def test_a_slowloris_does_not_block_a_legitimate_caller_and_is_cut_off(
     # 60 slow connections from 60 addresses, and 40 more from one address (its own cap).
     slow = [Slow(port, f"127.0.1.{i + 1}") for i in range(60)]
     crowd = [Slow(port, "127.0.2.1") for _ in range(40)]
-    wait_until("the slow connections opened",
-               lambda: server.slots.open >= 60 + turnlimits.MAX_CONNECTIONS_PER_SOURCE, 10)
+    wait_until("the slow connections opened", 10,
+               lambda: server.slots.open >= 60 + turnlimits.MAX_CONNECTIONS_PER_SOURCE, 0.01)
     # While they hold their connections, the legitimate caller is served at once.
     started = time.monotonic()
     status, body = _post(port, "good")
@@ -122,9 +122,9 @@ def test_a_slowloris_does_not_block_a_legitimate_caller_and_is_cut_off(
     assert (status, body.get("checkpoint")) == (201, "box-1-turn1"), body
     assert served_in < 2.0, f"the legitimate caller waited {served_in:.1f} s"
     # One address gets its share of connections, not the endpoint's.
-    wait_until("the crowd's extra connections closed", lambda: len(
+    wait_until("the crowd's extra connections closed", 5, lambda: len(
         [s for s in crowd if s.closed_after is not None]) >= 40 -
-        turnlimits.MAX_CONNECTIONS_PER_SOURCE, 5)
+        turnlimits.MAX_CONNECTIONS_PER_SOURCE, 0.01)
     over = [s for s in crowd if s.closed_after is not None]
     assert len(over) >= 40 - turnlimits.MAX_CONNECTIONS_PER_SOURCE
     assert server.refused_connections >= 40 - turnlimits.MAX_CONNECTIONS_PER_SOURCE
@@ -136,7 +136,7 @@ def test_a_slowloris_does_not_block_a_legitimate_caller_and_is_cut_off(
     assert all(s.closed_after is not None and s.closed_after >= HEAD_TIMEOUT - 0.5
                for s in slow), "a connection was closed before its deadline"
     assert server.cut_off >= 60 + turnlimits.MAX_CONNECTIONS_PER_SOURCE - 1
-    wait_until("every slot given back", lambda: server.slots.open == 0, 5)
+    wait_until("every slot given back", 5, lambda: server.slots.open == 0, 0.01)
     print(f"slowloris: {len(slow) + len(crowd)} slow connections, legitimate caller served "
           f"in {served_in * 1000:.0f} ms, {server.refused_connections} refused over the "
           f"caps, {server.cut_off} cut off after at most {max(t or 0 for t in lasted):.1f} s; "

@@ -25,6 +25,7 @@ from hermit_node.watchers import (
 from tests.fakes.azure_events import AzureEventsServer
 from tests.fakes.gcp_metadata import GcpMetadataServer, etag_of
 from tests.support.aemm import AemmFactory
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -75,15 +76,6 @@ def watching() -> Iterator[Callable[[Watcher], Watching]]:
     yield start
     for w in started:
         w.close()
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")
 
 
 def settings(**kwargs: object) -> WatcherSettings:
@@ -138,7 +130,7 @@ def test_aws_token_expiry_and_aemm_restart(aemm: AemmFactory,
                              token_ttl_seconds=2)
     assert {n.kind for n in watcher.poll_once()} >= {"spot-interruption"}
     first = watcher.token()
-    wait_until(lambda: watcher.token() != first, 5, "a refreshed token before expiry")
+    wait_until("a refreshed token before expiry", 5, lambda: watcher.token() != first, 0.05)
     assert {n.kind for n in watcher.poll_once()} >= {"spot-interruption"}
 
     # A restarted IMDS forgets its tokens: the 401 makes the watcher get a new one.
@@ -211,8 +203,8 @@ def test_gcp_preemption_is_seen_through_the_long_poll(
                                           poll_interval_seconds=2.0), long_poll_seconds=30)
     assert watcher.poll_once() == []
     w = watching(watcher)
-    wait_until(lambda: any(r.query.get("last_etag") for r in gcp.requests_for("preempted")),
-               5, "a long-poll with last_etag")
+    wait_until("a long-poll with last_etag", 5, lambda: any(
+        r.query.get("last_etag") for r in gcp.requests_for("preempted")), 0.05)
     flipped = time.monotonic()
     gcp.set("preempted", "TRUE")
     notice = w.next(timeout=5)
@@ -234,9 +226,9 @@ def test_gcp_maintenance_events_repeat(gcp: GcpMetadataServer,
     gcp.set("maintenance-event", "MIGRATE_ON_HOST_MAINTENANCE")
     assert w.next(timeout=5).action == "migrate"
     gcp.set("maintenance-event", "NONE")
-    wait_until(lambda: any(r.query.get("last_etag") == etag_of("NONE")
-                           for r in gcp.requests_for("maintenance-event")),
-               5, "the watcher to read NONE and long-poll on it")
+    wait_until("the watcher to read NONE and long-poll on it", 5, lambda: any(
+        r.query.get("last_etag") == etag_of("NONE")
+        for r in gcp.requests_for("maintenance-event")), 0.05)
     gcp.set("maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE")
     notice = w.next(timeout=5)
     assert (notice.kind, notice.action) == ("scheduled-maintenance", "terminate")

@@ -6,46 +6,27 @@ Rendering with ``helm template`` is checked too, with the helm on PATH or in
 
 from __future__ import annotations
 
-import copy
-import os
 import re
-import shutil
 import subprocess
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "hermit"
+from tests.support.chart import (
+    CHART,
+    ROOT,
+    SCHEMA,
+    VALUES,
+    WITH_BUCKET,
+    Values,
+    errors,
+    find_helm,
+    merged,
+)
+
 SETTINGS_PY = ROOT / "common" / "hermit_common" / "settings.py"
-
-Values = dict[str, Any]
-
-VALUES: Values = yaml.safe_load((CHART / "values.yaml").read_text())
-SCHEMA: dict[str, Any] = yaml.safe_load((CHART / "values.schema.json").read_text())
-WITH_BUCKET: Values = {**copy.deepcopy(VALUES), "s3": {**VALUES["s3"], "bucket": "checkpoints"}}
-
-
-def merged(base: Values, override: Values) -> Values:
-    """Helm's merge of user values over the chart's: maps merge, everything else replaces."""
-    out = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merged(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-def errors(values: Values) -> list[str]:
-    validator = jsonschema.Draft7Validator(SCHEMA)
-    return [
-        f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}"
-        for e in validator.iter_errors(values)
-    ]
 
 
 def test_schema_is_a_valid_draft7_schema() -> None:
@@ -171,13 +152,8 @@ def test_chart_env_names_are_read_by_the_settings() -> None:
     assert {"HERMIT_NODE_NAME", "HERMIT_S3_BUCKET"} <= in_chart
 
 
-def _helm() -> str | None:
-    cached = Path(os.environ.get("HERMIT_CACHE", Path.home() / ".cache" / "hermit")) / "bin"
-    return shutil.which("helm") or shutil.which("helm", path=str(cached))
-
-
 def test_helm_template_renders() -> None:
-    helm = _helm()
+    helm = find_helm()
     if helm is None:
         pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
     out = subprocess.run(
@@ -202,7 +178,7 @@ def test_helm_template_renders() -> None:
 
 
 def _render(*sets: str) -> list[dict[str, Any]]:
-    helm = _helm()
+    helm = find_helm()
     if helm is None:
         pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
     args = [a for s in ("s3.bucket=checkpoints", *sets) for a in ("--set", s)]
@@ -247,7 +223,7 @@ def test_per_sandbox_storage_is_off_by_default_and_grants_get_on_secrets_per_nam
 
 
 def test_per_sandbox_storage_needs_its_namespaces() -> None:
-    helm = _helm()
+    helm = find_helm()
     if helm is None:
         pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
     proc = subprocess.run([helm, "template", "hermit", str(CHART), "--set",
@@ -307,7 +283,7 @@ def test_the_chunk_cache_is_two_gib_by_default_and_the_value_sets_it() -> None:
 
 
 def test_the_turn_port_is_on_the_node_and_the_client_role_is_narrow() -> None:
-    helm = _helm()
+    helm = find_helm()
     if helm is None:
         pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
     out = subprocess.run([helm, "template", "hermit", str(CHART), "--set",

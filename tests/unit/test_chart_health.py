@@ -11,13 +11,13 @@ import pytest
 import yaml
 
 from hermit_common.health import LIVENESS_PATH, READINESS_PATH
-from tests.unit.test_chart import CHART, WITH_BUCKET, _helm, errors, merged
+from tests.support.chart import CHART, WITH_BUCKET, errors, find_helm, merged
 
 Obj = dict[str, Any]
 
 
 def render(*sets: str) -> list[Obj]:
-    helm = _helm()
+    helm = find_helm()
     if helm is None:
         pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
     argv = [helm, "template", "hermit", str(CHART), "--namespace", "hermit-system",

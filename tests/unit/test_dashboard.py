@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from hermit_common import metrics
-from tests.unit.test_chart import CHART, _helm
+from tests.support.chart import CHART, find_helm
 
 DASHBOARD = CHART / "dashboards" / "hermit.json"
 _SERIES_SUFFIXES = ("_bucket", "_count", "_sum")
@@ -71,7 +71,7 @@ def test_the_code_defines_every_listed_metric() -> None:
 
 
 def _render(*sets: str) -> list[dict[str, Any]]:
-    helm = _helm()
+    helm = find_helm()
     if helm is None:
         pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
     args = [helm, "template", "hermit", str(CHART), "--namespace", "hermit-system",

@@ -41,7 +41,7 @@ def test_upload_summary() -> None:
 
 
 def test_display_fields_fit_their_schema_limits() -> None:
-    from tests.unit.test_crds import CRDS, schema_of, walk
+    from tests.support.crds import CRDS, schema_of, walk
 
     nodes = {path: node for crd in CRDS.values() for path, node in walk(schema_of(crd))}
     assert len(display.size(2 ** 63)) <= nodes[".status.size"]["maxLength"]

@@ -10,7 +10,7 @@ from hermit_common import gc, protocol
 from hermit_common.gc import CollectResult
 from hermit_common.settings import NodeSettings
 from hermit_node import collect, planner
-from tests.unit.test_node_planner import ckpt, pod, sps
+from tests.support.node_agent import ckpt, pod, sps
 
 
 def test_doomed_keeps_what_is_kept_and_what_is_young() -> None:

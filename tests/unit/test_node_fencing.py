@@ -8,7 +8,7 @@ from typing import Any
 from hermit_common import protocol
 from hermit_node import fence
 from hermit_node.kube import KubeTransient
-from tests.unit.test_node_planner import (
+from tests.support.node_agent import (
     DIGEST,
     FakeEngine,
     FakeKube,

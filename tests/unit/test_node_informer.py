@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,8 @@ from hermit_common import protocol
 from hermit_common.kubeapi import KubeApiError, KubeTransient
 from hermit_node import informer, planner
 from hermit_node.informer import Informer, Store, apply_event, backoff_seconds, relist_due
-from tests.unit.test_node_planner import FakeEngine, FakeKube, ckpt, make_agent, pod, sps
+from tests.support.node_agent import FakeEngine, FakeKube, ckpt, make_agent, pod, sps
+from tests.support.wait import wait_until
 
 
 def obj(name: str, rv: str, namespace: str | None = "ns") -> dict[str, Any]:
@@ -94,13 +94,6 @@ def test_list_then_watch_from_its_resource_version() -> None:
     assert source.listed == 1 and source.watched_from == ["10", "12"]
 
 
-def wait_until(condition: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
-
-
 def test_gone_relists_and_other_failures_back_off_then_relist() -> None:
     stop = threading.Event()
     source = Script(
@@ -111,8 +104,9 @@ def test_gone_relists_and_other_failures_back_off_then_relist() -> None:
     inf._thread.start()
     try:
         # 410 relists at once (b); a reset backs off (0.5 s at most) and relists too (c).
-        wait_until(lambda: source.listed >= 3)
-        wait_until(lambda: [protocol.name_of(o) for o in inf.snapshot()] == ["c"])
+        wait_until("three lists", 10.0, lambda: source.listed >= 3, 0.01)
+        wait_until("the third list's snapshot", 10.0,
+                   lambda: [protocol.name_of(o) for o in inf.snapshot()] == ["c"], 0.01)
     finally:
         stop.set()
     assert source.watched_from[:2] == ["10", "20"]
@@ -124,8 +118,9 @@ def test_a_failing_list_is_not_healthy_and_keeps_the_last_copy() -> None:
     inf = Informer(source, lambda: None, stop)
     inf._thread.start()
     try:
-        wait_until(lambda: source.listed >= 2)  # the relist after the failure fails too
-        wait_until(lambda: not inf.healthy)
+        # The relist after the failure fails too.
+        wait_until("two lists", 10.0, lambda: source.listed >= 2, 0.01)
+        wait_until("the informer unhealthy", 10.0, lambda: not inf.healthy, 0.01)
         assert [protocol.name_of(o) for o in inf.snapshot()] == ["a"]
     finally:
         stop.set()
@@ -171,7 +166,7 @@ def test_jobs_taken_are_forgotten_once_seen_finished_and_never_run_twice(
     view = LaggingView(kube)
     agent._view = view
     agent.reconcile_once()
-    wait_until(lambda: not agent._running)
+    wait_until("the agent stopped", 10.0, lambda: not agent._running, 0.01)
     assert kube.checkpoints["manual"]["status"]["phase"] == "Completed"
     agent.reconcile_once()  # the copy still says Pending: remembered, not taken again
     assert agent._taken == {"uid-manual"}

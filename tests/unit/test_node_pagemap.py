@@ -19,26 +19,14 @@ from hermit_node.pagemap import (
     parse_pagemap,
 )
 from hermit_node.protowire import IMG_COMMON_MAGIC
+from tests.support.pagemap import pb_msg
 
 P = PAGE_SIZE
 MIB4 = 4 << 20
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _msg(*fields: tuple[int, int]) -> bytes:
-    return b"".join(_varint(num << 3) + _varint(value) for num, value in fields)
-
-
 def _image(pages_id: int, *entries: bytes) -> bytes:
-    body = [_msg((1, pages_id)), *entries]
+    body = [pb_msg((1, pages_id)), *entries]
     return struct.pack("<II", IMG_COMMON_MAGIC, PAGEMAP_MAGIC) + b"".join(
         struct.pack("<I", len(m)) + m for m in body)
 
@@ -46,18 +34,18 @@ def _image(pages_id: int, *entries: bytes) -> bytes:
 def test_parse_keeps_the_pages_the_image_holds() -> None:
     raw = _image(
         7,
-        _msg((1, 0x400000), (2, 3), (4, PE_PRESENT)),
-        _msg((1, 0x500000), (2, 2), (4, PE_PARENT)),  # in a parent image
-        _msg((1, 0x600000), (2, 1), (4, PE_LAZY)),  # lazy, not here
-        _msg((1, 0x700000), (2, 1)),  # old images: no flags, not in_parent
-        _msg((1, 0x800000), (2, 1), (3, 1)),  # old images: in_parent
-        _msg((1, 0x900000), (2, 0), (4, PE_PRESENT), (5, 4)),  # CRIU >= 3.17: nr_pages = 5
+        pb_msg((1, 0x400000), (2, 3), (4, PE_PRESENT)),
+        pb_msg((1, 0x500000), (2, 2), (4, PE_PARENT)),  # in a parent image
+        pb_msg((1, 0x600000), (2, 1), (4, PE_LAZY)),  # lazy, not here
+        pb_msg((1, 0x700000), (2, 1)),  # old images: no flags, not in_parent
+        pb_msg((1, 0x800000), (2, 1), (3, 1)),  # old images: in_parent
+        pb_msg((1, 0x900000), (2, 0), (4, PE_PRESENT), (5, 4)),  # CRIU >= 3.17: nr_pages = 5
     )
     assert parse_pagemap(raw) == (7, [(0x400000, 3 * P), (0x700000, P), (0x900000, 4 * P)])
 
 
 @pytest.mark.parametrize("raw", [b"", b"\x00" * 8, _image(1)[:-1],
-                                 _image(1, _msg((1, 0x1000)))])
+                                 _image(1, pb_msg((1, 0x1000)))])
 def test_unreadable_images_are_refused(raw: bytes) -> None:
     with pytest.raises(PagemapError):
         parse_pagemap(raw)
@@ -86,9 +74,9 @@ def test_no_chunk_grows_past_the_chunk_size() -> None:
 
 def test_image_layout_reads_the_dump_and_skips_what_does_not_add_up(tmp_path: Path) -> None:
     (tmp_path / "pagemap-1.img").write_bytes(
-        _image(1, _msg((1, MIB4 - P), (2, 2 + 1024), (4, PE_PRESENT))))
+        _image(1, pb_msg((1, MIB4 - P), (2, 2 + 1024), (4, PE_PRESENT))))
     (tmp_path / "pages-1.img").write_bytes(b"\0" * (P * (2 + 1024)))
-    (tmp_path / "pagemap-2.img").write_bytes(_image(2, _msg((1, 0), (2, 2), (4, PE_PRESENT))))
+    (tmp_path / "pagemap-2.img").write_bytes(_image(2, pb_msg((1, 0), (2, 2), (4, PE_PRESENT))))
     (tmp_path / "pages-2.img").write_bytes(b"\0" * P)  # shorter than its pagemap says
     (tmp_path / "pagemap-3.img").write_bytes(b"junk")
     assert image_layout(tmp_path, MIB4) == {"pages-1.img": (P, MIB4, P)}

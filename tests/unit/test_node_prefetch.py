@@ -13,7 +13,7 @@ from hermit_node import agent as agent_module
 from hermit_node import planner
 from hermit_node.agent import NodeAgent
 from hermit_node.restore import RestoreResult
-from tests.unit.test_node_planner import (
+from tests.support.node_agent import (
     DIGEST,
     NOW,
     FakeEngine,

@@ -17,18 +17,18 @@ from hermit_common.settings import StoreSettings
 from hermit_node import planner, storage
 from hermit_node.kube import KubeForbidden, KubeTransient
 from hermit_node.storage import Credentials, Location, StorageError, Stores
-from tests.unit.test_crds import schema_errors
-from tests.unit.test_node_planner import (
+from tests.support.crds import schema_errors
+from tests.support.node_agent import (
     DIGEST,
     NOW,
     FakeEngine,
     FakeKube,
     FakeStores,
-    _with_status,
     as_operator_wrote,
     ckpt,
     make_agent,
     pod,
+    with_status,
 )
 
 DEFAULTS = StoreSettings(bucket="shared", prefix="hermit", endpoint_url="http://minio:9000",
@@ -123,7 +123,7 @@ def test_the_location_round_trips_through_the_checkpoint_status() -> None:
     aws = Location(bucket="team-a", prefix="p", region="eu-west-1")
     assert "endpoint" not in aws.to_status()
     assert storage.recorded_location(ckpt("c1", status={"storage": aws.to_status()})) == aws
-    assert schema_errors(_with_status(status)) == []
+    assert schema_errors(with_status(status)) == []
 
 
 def test_a_checkpoint_without_a_recorded_location_is_in_the_default_store() -> None:
@@ -500,7 +500,7 @@ def test_a_garbled_recorded_location_is_refused_for_good(tmp_path: Path) -> None
 
 def test_a_restarted_agent_looks_for_the_manifest_where_it_was_being_written(
         tmp_path: Path) -> None:
-    from tests.unit.test_node_planner import FakeManifests, FakeTrees
+    from tests.support.node_agent import FakeManifests, FakeTrees
 
     where = Location(bucket="team-a", prefix="hermit", region="us-east-1").to_status()
     uploading = ckpt("box-1-preempt", reason="Preemption",
@@ -508,7 +508,7 @@ def test_a_restarted_agent_looks_for_the_manifest_where_it_was_being_written(
     kube = SandboxKube([pod("box-1")], [uploading], {"box": team_sandbox()})
     fake = FakeStores(FakeManifests({"box-1-preempt"}))
     from hermit_node.agent import NodeAgent
-    from tests.unit.test_node_planner import fake_proc
+    from tests.support.node_agent import fake_proc
 
     agent = NodeAgent("node-a", kube, FakeEngine(), FakeEngine(), view=kube,  # type: ignore[arg-type]
                       stores=fake, trees=FakeTrees(), proc_root=fake_proc(tmp_path),

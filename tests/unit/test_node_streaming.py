@@ -11,7 +11,7 @@ from pathlib import Path
 from hermit_node.pagemap import PAGE_SIZE, PAGEMAP_MAGIC, PE_PRESENT
 from hermit_node.protowire import IMG_COMMON_MAGIC
 from hermit_node.streaming import ImageStreamer, final_chunks
-from tests.unit.test_node_pagemap import _msg
+from tests.support.pagemap import pb_msg
 
 P = PAGE_SIZE
 CHUNK = 4 * P
@@ -51,9 +51,9 @@ def test_the_streamer_stages_final_chunks_as_the_dump_writes_them(tmp_path: Path
     with ImageStreamer(recorder, tmp_path, CHUNK, workers=2, poll_seconds=0.001) as streamer:
         pagemap.write_bytes(struct.pack("<II", IMG_COMMON_MAGIC, PAGEMAP_MAGIC))
         with pagemap.open("ab") as pm, pages.open("ab") as pg:
-            pm.write(_record(_msg((1, 3))))
+            pm.write(_record(pb_msg((1, 3))))
             for i in range(6):  # six entries of 4 pages at 2 pages past each 16 KiB
-                record = _record(_msg((1, 2 * P + i * CHUNK), (2, 0), (4, PE_PRESENT), (5, 4)))
+                record = _record(pb_msg((1, 2 * P + i * CHUNK), (2, 0), (4, PE_PRESENT), (5, 4)))
                 pm.write(record[:3])
                 pm.flush()
                 pm.write(record[3:])

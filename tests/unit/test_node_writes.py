@@ -18,7 +18,7 @@ import pytest
 
 from hermit_common import protocol
 from hermit_node import planner, requests
-from tests.unit.test_node_planner import (
+from tests.support.node_agent import (
     DIGEST,
     NODE,
     NOW,

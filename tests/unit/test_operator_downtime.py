@@ -13,10 +13,10 @@ from hermit_common import metrics, protocol
 from hermit_operator import checkpoints as ck
 from hermit_operator import driver
 from hermit_operator.reconcile import Event, Plan, plan
-from tests.unit.test_operator_checkpoints import NOW, RUNNING, SETTINGS, after, ckpt, pod
-from tests.unit.test_operator_checkpoints import sandbox as make_sandbox
-from tests.unit.test_operator_driver import FakeKube, run
-from tests.unit.test_operator_driver import sandbox as sandbox  # the fixture, re-exported
+from tests.support.operator_driver import FakeKube, run
+from tests.support.operator_driver import sandbox as sandbox  # the fixture, re-exported
+from tests.support.operator_objects import NOW, RUNNING, SETTINGS, after, ckpt, pod
+from tests.support.operator_objects import sandbox as make_sandbox
 
 
 def stopping(name: str = "minimal-1-preempt", reason: str = "Preemption",

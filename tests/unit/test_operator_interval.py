@@ -11,23 +11,17 @@ import pytest
 from hermit_common import protocol
 from hermit_operator import checkpoints as ck
 from hermit_operator.reconcile import plan
-from tests.unit.test_operator_checkpoints import NOW, RUNNING, SETTINGS, UID, ckpt, pod
-from tests.unit.test_operator_checkpoints import sandbox as make_sandbox
-
-READY_SINCE = "2026-01-01T10:31:00Z"
-
-
-def ready_pod(since: str = READY_SINCE, **kwargs: Any) -> dict[str, Any]:
-    p = pod(**kwargs)
-    p["status"]["conditions"] = [{"type": "Ready", "status": "True",
-                                  "lastTransitionTime": since}]
-    return p
-
-
-def interval_sandbox(seconds: int = 300, status: dict[str, Any] | None = None,
-                     **spec: Any) -> dict[str, Any]:
-    return make_sandbox(dict(status if status is not None else RUNNING),
-                        checkpoint={"intervalSeconds": seconds}, **spec)
+from tests.support.operator_objects import (
+    NOW,
+    RUNNING,
+    SETTINGS,
+    UID,
+    ckpt,
+    interval_sandbox,
+    pod,
+    ready_pod,
+)
+from tests.support.operator_objects import sandbox as make_sandbox
 
 
 def requested(objs: list[dict[str, Any]], *, sb: dict[str, Any] | None = None,

@@ -16,8 +16,16 @@ import pytest
 from hermit_common import api, protocol
 from hermit_operator import checkpoints as ck
 from hermit_operator.reconcile import plan
-from tests.unit.test_operator_checkpoints import NOW, RUNNING, SETTINGS, ckpt, pod, sandbox
-from tests.unit.test_operator_interval import interval_sandbox, ready_pod
+from tests.support.operator_objects import (
+    NOW,
+    RUNNING,
+    SETTINGS,
+    ckpt,
+    interval_sandbox,
+    pod,
+    ready_pod,
+    sandbox,
+)
 
 HERE = "spot-1"  # where the sandbox's pod runs (the fixtures' default)
 THERE = "spot-9"  # a compromised node

@@ -14,7 +14,9 @@ from hermit_common.settings import OperatorSettings
 from hermit_operator import overlap, podspec
 from hermit_operator.checkpoints import STOPPING_WAIT
 from hermit_operator.reconcile import Plan, plan
-from tests.unit.test_operator_checkpoints import (
+from tests.support.operator_driver import FakeKube, run
+from tests.support.operator_driver import sandbox as sandbox  # the fixture, re-exported
+from tests.support.operator_objects import (
     NOW,
     RUNNING,
     SETTINGS,
@@ -23,9 +25,7 @@ from tests.unit.test_operator_checkpoints import (
     cond,
     pod,
 )
-from tests.unit.test_operator_checkpoints import sandbox as make_sandbox
-from tests.unit.test_operator_driver import FakeKube, run
-from tests.unit.test_operator_driver import sandbox as sandbox  # the fixture, re-exported
+from tests.support.operator_objects import sandbox as make_sandbox
 
 OFF = OperatorSettings(overlap_moves=False)
 PREEMPT = "minimal-1-preempt"

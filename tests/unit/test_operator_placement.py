@@ -20,8 +20,8 @@ from hermit_common import api, protocol
 from hermit_operator import placement
 from hermit_operator import situations as sit
 from hermit_operator.reconcile import Plan, plan
-from tests.unit.test_operator_checkpoints import NOW, SETTINGS, after, ckpt, cond
-from tests.unit.test_operator_checkpoints import sandbox as make_sandbox
+from tests.support.operator_objects import NOW, SETTINGS, after, ckpt, cond
+from tests.support.operator_objects import sandbox as make_sandbox
 
 Obj = dict[str, Any]
 
@@ -298,7 +298,7 @@ def test_ready_verdicts_for_a_pod_no_node_takes() -> None:
 
 
 def test_the_status_fits_the_crd_schema() -> None:
-    from tests.unit.test_crds import schema_errors
+    from tests.support.crds import schema_errors
 
     sb, move, ckpts = preempted()
     due = plan(sb, unschedulable(move.create_pod, at(70)), at(200), settings=SETTINGS,

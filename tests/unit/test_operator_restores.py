@@ -17,8 +17,8 @@ from hermit_common import api, protocol
 from hermit_operator import checkpoints as ck
 from hermit_operator.conditions import is_true
 from hermit_operator.reconcile import Plan, plan
-from tests.unit.test_operator_checkpoints import NOW, RUNNING, SETTINGS, after, ckpt, cond, pod
-from tests.unit.test_operator_checkpoints import sandbox as make_sandbox
+from tests.support.operator_objects import NOW, RUNNING, SETTINGS, after, ckpt, cond, pod
+from tests.support.operator_objects import sandbox as make_sandbox
 
 C1_RECORD = {"name": "c1", "reason": "Interval", "checkpointTime": "2026-01-01T11:00:00Z",
              "staleSeconds": 0, "fallback": False}
@@ -259,7 +259,7 @@ def test_no_restore_failure_fails_the_sandbox() -> None:
 
 
 def test_the_new_status_fields_fit_the_crd_schema() -> None:
-    from tests.unit.test_crds import schema_errors
+    from tests.support.crds import schema_errors
 
     sb = restoring()
     sb.update(apiVersion=api.API_VERSION, kind=api.SANDBOX_KIND)

@@ -17,9 +17,16 @@ from hermit_operator import checkpoints as ck
 from hermit_operator import driver, resync
 from hermit_operator.reconcile import FORK_RECHECK_SECONDS, plan
 from hermit_operator.wakeups import Schedule, Wakeups
-from tests.unit.test_operator_checkpoints import NOW, RUNNING, SETTINGS, ckpt, pod
-from tests.unit.test_operator_checkpoints import sandbox as make_sandbox
-from tests.unit.test_operator_interval import interval_sandbox, ready_pod
+from tests.support.operator_objects import (
+    NOW,
+    RUNNING,
+    SETTINGS,
+    ckpt,
+    interval_sandbox,
+    pod,
+    ready_pod,
+)
+from tests.support.operator_objects import sandbox as make_sandbox
 
 
 def with_rv(obj: dict[str, Any], rv: str) -> dict[str, Any]:
@@ -172,7 +179,7 @@ def test_wakeups_reconcile_each_sandbox_when_due() -> None:
 
 
 def test_a_reconcile_records_what_it_read(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tests.unit.test_operator_driver import FakeKube
+    from tests.support.operator_driver import FakeKube
 
     sb = make_sandbox(dict(RUNNING))
     kube = FakeKube(sb)

@@ -17,7 +17,7 @@ from hermit_operator import situations as sit
 from hermit_operator.conditions import get_condition
 from hermit_operator.podspec import InvalidSpec
 from hermit_operator.reconcile import Event
-from tests.unit.test_operator_driver import SAMPLE, FakeKube
+from tests.support.operator_driver import SAMPLE, FakeKube
 
 OPERATOR = Path(__file__).resolve().parents[2] / "operator" / "hermit_operator"
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)

@@ -17,7 +17,7 @@ from hermit_common.kubeapi import KubeApiError
 from hermit_common.settings import TURN_AUDIENCE, NodeSettings
 from hermit_common.turnlimits import ConnectionSlots, Deadlines, RateLimiter, ReviewCache
 from hermit_node import turns
-from tests.unit.test_turns import FakeKube, post, service, snap
+from tests.support.turns import FakeKube, post, service, snap
 
 
 class Clock:

@@ -3,7 +3,6 @@ turn service against a fake API (docs/turns.md)."""
 
 from __future__ import annotations
 
-import json
 import threading
 from dataclasses import replace
 from typing import Any
@@ -14,24 +13,9 @@ from hermit_common import protocol
 from hermit_node import inspector, snapshot, turns
 from hermit_node.inspector import FileSig, Proc, Snapshot
 from hermit_node.planner import SandboxPod
-from tests.unit.test_crds import schema_errors
-from tests.unit.test_node_planner import NODE, ckpt, pod
-
-SIG = FileSig(0o100644, 10, 1, 1, 100, 0, 0)
-INIT = Proc(1, 50, "/usr/local/bin/hermit-init", ("hermit-init", "--"), (800, 4, 0, 0, 0, 4, 0),
-            (0, 0, 1, 10), exempt=True)
-AGENT = Proc(7, 60, "/bin/sleep", ("sleep", "1000"), (2000, 500, 100, 400, 0, 300, 0),
-             (3, 1, 1, 2))
-
-
-def snap(files: dict[str, dict[str, FileSig]] | None = None,
-         procs: tuple[Proc, ...] = (INIT, AGENT),
-         sockets: frozenset[str] = frozenset({"tcp 00000000:1B58"}),
-         unreadable: tuple[str, ...] = ()) -> Snapshot:
-    return Snapshot(files={"rootfs": {"etc/x": SIG}, "workspace": {"a.txt": SIG}}
-                    if files is None else files,
-                    processes={p.pid: p for p in procs}, sockets=sockets, unreadable=unreadable)
-
+from tests.support.crds import schema_errors
+from tests.support.node_agent import NODE, ckpt
+from tests.support.turns import AGENT, INIT, PATH, SIG, THAWED, FakeKube, post, service, snap
 
 # -- the decision ------------------------------------------------------------------------------
 
@@ -169,77 +153,6 @@ def test_turn_status_fits_the_crd() -> None:
 
 
 # -- the service against a fake API -----------------------------------------------------------
-
-class FakeKube:
-    def __init__(self) -> None:
-        self.authenticated, self.allowed = True, True
-        self.sandbox: dict[str, Any] | None = {
-            "metadata": {"name": "box", "namespace": "agents"},
-            "spec": {"checkpoint": {"onTurn": True}}, "status": {"nodeName": NODE}}
-        self.pods = [pod()]
-        self.checkpoints: dict[str, dict[str, Any]] = {}
-        self.reviews: list[dict[str, Any]] = []
-        self.audiences: list[list[str]] = []
-        self.served_to = protocol.UPLOADING
-        self.audience_aware = True
-
-    def review_token(self, token: str, audiences: list[str]) -> dict[str, Any]:
-        self.audiences.append(audiences)
-        return {"authenticated": self.authenticated and token == "good",
-                "audiences": list(audiences) if self.audience_aware else [],
-                "user": {"username": "system:serviceaccount:agents:harness", "uid": "u1"}}
-
-    def review_access(self, user: dict[str, Any], attributes: dict[str, Any]) -> dict[str, Any]:
-        self.reviews.append(attributes)
-        return {"allowed": self.allowed}
-
-    def get_sandbox(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return self.sandbox if name == "box" else None
-
-    def list_node_pods(self) -> list[dict[str, Any]]:
-        return self.pods
-
-    def get_checkpoint(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return self.checkpoints.get(name)
-
-    def create_checkpoint(self, manifest: dict[str, Any],
-                          namespace: str | None = None) -> dict[str, Any]:
-        # Served at once up to Uploading (the tree thawed): the settle step reads it then.
-        manifest = {**manifest, "status": {"phase": self.served_to}}
-        return self.checkpoints.setdefault(manifest["metadata"]["name"], manifest)
-
-    def patch_checkpoint_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        current = self.checkpoints[name].setdefault("status", {})
-        for key, value in status.items():
-            if isinstance(value, dict):
-                current.setdefault(key, {}).update(value)
-            else:
-                current[key] = value
-
-    def complete(self, name: str) -> None:
-        self.checkpoints[name].setdefault("status", {})["phase"] = protocol.COMPLETED
-
-
-PATH = "/v1/namespaces/agents/agentsandboxes/box/turns"
-
-
-THAWED = snap(procs=(replace(INIT, activity=(0, 0, 1, 12)), replace(AGENT, activity=(3, 1, 1, 9))))
-
-
-def service(kube: FakeKube, states: list[Snapshot], thawed: Snapshot | None = THAWED,
-            **kw: Any) -> turns.TurnService:
-    """``states``: the turns' end states in order; ``thawed``: what is read after each
-    checkpoint's thaw (the dump moved the agent's context switches)."""
-    def take(sp: SandboxPod) -> Snapshot:
-        return states.pop(0)
-
-    kw.setdefault("spawn", lambda fn: fn())
-    return turns.TurnService(NODE, kube, take, lambda sp: thawed, sleep=lambda s: None, **kw)
-
-
-def post(svc: turns.TurnService, turn: int, token: str = "good", path: str = PATH,
-         **extra: Any) -> turns.Reply:
-    return svc.handle(path, f"Bearer {token}", json.dumps({"turn": turn, **extra}).encode())
 
 
 def test_turns_checkpoint_only_what_changed() -> None:
