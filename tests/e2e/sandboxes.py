@@ -488,11 +488,13 @@ def operator_metrics(kube: Kube, release_ns: str) -> dict[str, str]:
         for p in pods.items if p.status.phase == "Running"}
 
 
-def metric_sum(texts: dict[str, str], sample: str) -> float:
-    """The sum of ``sample`` (e.g. ``..._count``) over every label set and every text."""
+def metric_sum(texts: dict[str, str], sample: str, **labels: str) -> float:
+    """The sum of ``sample`` (e.g. ``..._count``) over every label set that has
+    ``labels`` and every text."""
     return sum(s.value for text in texts.values()
                for family in text_string_to_metric_families(text)
-               for s in family.samples if s.name == sample)
+               for s in family.samples if s.name == sample
+               and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def kubectl_table(kubectl: str, kubeconfig: str, *args: str) -> list[dict[str, str]]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from hermit_common import metrics
+from hermit_common import api, metrics, protocol
 from tests.e2e import sandboxes as sb
 from tests.e2e.conftest import (
     RELEASE_NS,
@@ -132,6 +132,10 @@ def _assert_moves_are_observable(kube: Kube, cfg: E2EConfig, ns: str, name: str,
                                      for line in text.splitlines()
                                      if line.startswith("hermit_operator_")], sep="\n  ")
         print("sandbox status:", sb.status(ns, name))
+    # Sandboxes by phase, as the leader reconciled them: this one is Running; and the
+    # operator says its version.
+    assert sb.metric_sum(seen, metrics.OPERATOR_SANDBOXES, phase=api.PHASE_RUNNING) >= 1
+    assert sb.metric_sum(seen, f"{metrics.OPERATOR_BUILD}_info") >= 1
     status = sb.status(ns, name)
     assert DURATION.match(status.get("lastDowntime", "")), status
     assert SIZE.match((status.get("lastCheckpoint") or {}).get("size", "")), status
@@ -171,8 +175,25 @@ def test_node_lost_without_notice_restores_the_interval_checkpoint(
     seen = sb.assert_continues(kube, namespace, after.pod, last_before, exact=False)
     restored = sb.status(namespace, name).get("restoredFrom") or {}
     assert restored.get("name"), f"status.restoredFrom missing: {sb.status(namespace, name)}"
+    # The newest checkpoint the lost node completed is the one restored, nothing older.
+    completed = sorted((c for c in sb.checkpoints(namespace)
+                        if c["spec"]["sandboxRef"]["name"] == name
+                        and protocol.node_of(c) == where.node
+                        and (c.get("status") or {}).get("phase") == "Completed"),
+                       key=lambda c: str(c["status"].get("completedAt")))
+    assert completed and restored["name"] == completed[-1]["metadata"]["name"], (
+        restored, [(c["metadata"]["name"], c["status"].get("completedAt")) for c in completed])
     stale = int(restored.get("staleSeconds", -1))
-    assert stale >= 0
+    assert stale > 0, restored  # ten ticks at least ran after it: that work is lost
+    lost_seconds: dict[str, str] = {}
+
+    def work_lost_counted() -> float | None:
+        lost_seconds.update(sb.operator_metrics(kube, RELEASE_NS))
+        return sb.metric_sum(lost_seconds, f"{metrics.OPERATOR_WORK_LOST}_sum") or None
+
+    total_lost = wait_until("the loss in hermit_operator_work_lost_seconds", 30,
+                            work_lost_counted)
+    assert total_lost >= stale, (total_lost, stale)
     lost_ticks = last_before - seen[0] + 1
     warnings = [e for e in sb.events(kube, namespace, name) if e["type"] == "Warning"
                 and str(restored.get("name")) in str(e["message"])]
