@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 import yaml
 
+from hermit_operator import podpolicy
 from tests.support.chart import (
     CHART,
     ROOT,
@@ -476,3 +477,37 @@ def test_with_the_key_service_only_the_operator_mounts_the_sealing_secret() -> N
     assert "sealing-keys" not in off["op_volumes"]
     assert not any("tokenreviews" in r["resources"] for r in off["op_rules"])
     assert not [d for d in off["docs"] if d["metadata"]["name"].startswith("hermit-keys")]
+
+
+def _operator(*sets: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    docs = _render(*sets)
+    [dep] = [d for d in docs if d["kind"] == "Deployment"
+             and d["metadata"]["name"].endswith("operator")]
+    pdbs = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    return dep["spec"]["template"]["spec"], pdbs
+
+
+def test_the_operator_stays_off_spot_nodes_and_spreads_when_it_has_standbys() -> None:
+    spec, pdbs = _operator()
+    [term] = spec["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    excluded = {(e["key"], tuple(e["values"])) for e in term["matchExpressions"]
+                if e["operator"] == "NotIn"}
+    # Every spot label the sandboxes' placement knows (the operator's own list).
+    assert {(k, (v,)) for k, v in podpolicy.SPOT_NODE_LABELS} == excluded
+    assert "topologySpreadConstraints" not in spec and pdbs == []  # one replica: no PDB
+    key = "operator.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution." \
+        "nodeSelectorTerms[0].matchExpressions[0]"
+    spec, _ = _operator(f"{key}.key=pool", f"{key}.operator=In", f"{key}.values={{ops}}")
+    [term] = spec["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term == {"matchExpressions": [{"key": "pool", "operator": "In",
+                                          "values": ["ops"]}]}  # the user's, as given
+    spec, _ = _operator("operator.avoidSpot=false")
+    assert "affinity" not in spec
+    spec, pdbs = _operator("operator.replicas=2")
+    assert {c["topologyKey"] for c in spec["topologySpreadConstraints"]} == {
+        "kubernetes.io/hostname", "topology.kubernetes.io/zone"}
+    [pdb] = pdbs
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"

@@ -130,3 +130,13 @@ asks for it, and both components are installed. */}}
 {{- define "hermit.keyService.name" -}}
 {{- printf "%s-keys" (include "hermit.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
+
+{{/* hermit.notSpot: matchExpressions that exclude every provider's spot nodes (the labels
+     hermit_operator.podspec knows: Karpenter, EKS, GKE spot and provisioning, AKS). */}}
+{{- define "hermit.notSpot" -}}
+- {key: karpenter.sh/capacity-type, operator: NotIn, values: [spot]}
+- {key: eks.amazonaws.com/capacityType, operator: NotIn, values: [SPOT]}
+- {key: cloud.google.com/gke-spot, operator: NotIn, values: ["true"]}
+- {key: cloud.google.com/gke-provisioning, operator: NotIn, values: [spot]}
+- {key: kubernetes.azure.com/scalesetpriority, operator: NotIn, values: [spot]}
+{{- end }}
