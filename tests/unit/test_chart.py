@@ -511,3 +511,25 @@ def test_the_operator_stays_off_spot_nodes_and_spreads_when_it_has_standbys() ->
     [pdb] = pdbs
     assert pdb["spec"]["maxUnavailable"] == 1
     assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
+
+
+def test_the_node_agent_runs_on_linux_nodes_of_the_built_architectures_only() -> None:
+    def terms(*sets: str) -> list[dict[str, Any]]:
+        [ds] = [d for d in _render(*sets) if d["kind"] == "DaemonSet"]
+        affinity = ds["spec"]["template"]["spec"].get("affinity") or {}
+        return list((affinity.get("nodeAffinity") or {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms")
+            or [])
+
+    [term] = terms()
+    required = {e["key"]: (e["operator"], e["values"]) for e in term["matchExpressions"]}
+    assert required["kubernetes.io/os"] == ("In", ["linux"])
+    assert required["kubernetes.io/arch"] == ("In", ["amd64"])
+    assert required["eks.amazonaws.com/compute-type"] == ("NotIn", ["fargate"])
+    [term] = terms("nodeAgent.architectures={amd64,arm64}")
+    assert {"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64", "arm64"]} \
+        in term["matchExpressions"]
+    key = "nodeAgent.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution." \
+        "nodeSelectorTerms[0].matchExpressions[0]"
+    [term] = terms(f"{key}.key=pool", f"{key}.operator=Exists")
+    assert term == {"matchExpressions": [{"key": "pool", "operator": "Exists"}]}
