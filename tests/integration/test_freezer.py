@@ -106,15 +106,15 @@ def test_a_tree_an_earlier_run_left_frozen_is_settled(cgroup: Path, tmp_path: Pa
          f"echo $$ > {cgroup}/cgroup.procs; "
          f"sh -c 'while :; do echo tick >> {ticks}; sleep 0.01; done' & wait"])
     try:
-        wait_until("the child to tick", lambda: _size(ticks) >= 5, 10)
+        wait_until("the child to tick", 10, lambda: _size(ticks) >= 5, 0.01)
         init = min(int(p) for p in (cgroup / "cgroup.procs").read_text().split())
         assert freezer.settle(init, kill=True, cgroup_root=root) is False
         assert not freezer.is_frozen(cgroup)
         freezer.freeze(cgroup)
         frozen_size = _size(ticks)
         assert freezer.settle(init, kill=True, cgroup_root=root) is True
-        wait_until("the tree to end",
-                   lambda: not (cgroup / "cgroup.procs").read_text().split(), 10)
+        wait_until("the tree to end", 10,
+                   lambda: not (cgroup / "cgroup.procs").read_text().split(), 0.01)
         assert _size(ticks) == frozen_size, "a process of the settled tree ran again"
     finally:
         proc.kill()
