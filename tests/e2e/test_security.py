@@ -309,8 +309,10 @@ def test_another_node_pre_creating_a_sandboxs_checkpoints_blocks_nothing(
 
     messages = wait_until("the squatted Checkpoints failed by the operator", 60, untrusted)
     assert all(f"labelled for node {there}" in m for m in messages), messages
-    assert any(e["reason"] == api.REASON_CHECKPOINT_UNTRUSTED
-               for e in sb.events(kube, namespace, name)), "no CheckpointUntrusted Event"
+    # The operator posts its Events through kopf's queue: one may land just after the
+    # status that the wait above saw.
+    wait_until("a CheckpointUntrusted Event", 30, lambda: any(
+        e["reason"] == api.REASON_CHECKPOINT_UNTRUSTED for e in sb.events(kube, namespace, name)))
 
     def interval_done() -> Obj | None:
         return next((c for c in sb.checkpoints(namespace)
@@ -397,8 +399,8 @@ def test_a_pod_faked_with_the_sandbox_label_and_a_restore_from_is_not_restored(
     assert "only the operator's pods are restored" in message, message
     assert sb.pod_annotation(kube, namespace, "fake-restore",
                              protocol.ANNOTATION_RESTORE_RETRYABLE) == "false"
-    assert any(e["reason"] == "RestoreRefused" for e in sb.events(kube, namespace,
-                                                                  "fake-restore"))
+    wait_until("a RestoreRefused Event", 30, lambda: any(
+        e["reason"] == "RestoreRefused" for e in sb.events(kube, namespace, "fake-restore")))
     pod = kube.pod(namespace, "fake-restore") or {}
     assert pod.get("status", {}).get("phase") == "Running", "its own process runs on"
     assert sb.status(namespace, name)["podName"] == where.pod, "the sandbox is untouched"
