@@ -32,6 +32,7 @@ from hermit_node.credcheck import (
     ImageCreds,
     ThreadCreds,
 )
+from tests.support.pagemap import varint
 
 # The default runc/containerd capability set (14 capabilities).
 DEFAULT_CAPS = 0x00000000A80425FB
@@ -420,14 +421,6 @@ def test_a_checkpoint_without_a_process_tree_is_refused(tmp_path: Path) -> None:
 
 
 def _pagemap(*entries: tuple[int, int, int]) -> bytes:
-    def varint(n: int) -> bytes:
-        out = bytearray()
-        while True:
-            byte, n = n & 0x7F, n >> 7
-            out.append(byte | (0x80 if n else 0))
-            if not n:
-                return bytes(out)
-
     def msg(*fs: tuple[int, int]) -> bytes:
         body = b"".join(varint(num << 3) + varint(v) for num, v in fs)
         return struct.pack("<I", len(body)) + body

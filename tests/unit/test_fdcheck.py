@@ -10,6 +10,7 @@ import pytest
 from hermit_common.errors import CheckpointRefused
 from hermit_node import credcheck, fdcheck, protowire
 from hermit_node.credcheck import Granted
+from tests.support.pagemap import varint
 
 DEFAULT_CAPS = 0x00000000A80425FB  # includes CAP_NET_RAW
 NO_RAW = DEFAULT_CAPS & ~(1 << 13)
@@ -21,21 +22,12 @@ def pod(caps: int = NO_RAW) -> Granted:
                    seccomp_mode=2, seccomp_filters=1)
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 def _varint_field(number: int, value: int) -> bytes:
-    return _varint(number << 3) + _varint(value)
+    return varint(number << 3) + varint(value)
 
 
 def _bytes_field(number: int, value: bytes) -> bytes:
-    return _varint(number << 3 | 2) + _varint(len(value)) + value
+    return varint(number << 3 | 2) + varint(len(value)) + value
 
 
 def entry(kind: int, ident: int, inner: bytes = b"", inner_field: int = 3) -> bytes:
@@ -52,7 +44,7 @@ def files_img(*entries: bytes) -> bytes:
 def inet(sock_type: int) -> bytes:
     """An inet_sk_entry: id, ino, family, type, then a fixed64 field the walker skips."""
     return (_varint_field(1, 14) + _varint_field(2, 99) + _varint_field(3, 2)
-            + _varint_field(4, sock_type) + _varint(20 << 3 | 1) + bytes(8))
+            + _varint_field(4, sock_type) + varint(20 << 3 | 1) + bytes(8))
 
 
 def test_ordinary_files_carry_nothing() -> None:

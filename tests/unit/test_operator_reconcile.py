@@ -12,12 +12,12 @@ from hermit_common.settings import OperatorSettings
 from hermit_operator.conditions import get_condition
 from hermit_operator.reconcile import (
     FORK_RECHECK_SECONDS,
-    Plan,
     container_message,
     plan,
     pod_is_lost,
     pod_is_ready,
 )
+from tests.support.operator_objects import after, cond
 
 SAMPLES = Path(__file__).resolve().parents[2] / "crds" / "samples"
 SETTINGS = OperatorSettings()
@@ -55,18 +55,6 @@ def restore_pod(name: str, incarnation: int, source: str, outcome: str | None,
                          labels={protocol.LABEL_SANDBOX: "minimal",
                                  protocol.LABEL_INCARNATION: str(incarnation)})
     return p
-
-
-def cond(p: Plan, type_: str) -> dict[str, Any]:
-    c = get_condition(p.status_patch["conditions"], type_)
-    assert c is not None, type_
-    return c
-
-
-def after(p: Plan, sb: dict[str, Any]) -> dict[str, Any]:
-    """The sandbox as it looks once the plan's status patch is applied (a merge patch)."""
-    status = {**(sb.get("status") or {}), **p.status_patch}
-    return {**sb, "status": {k: v for k, v in status.items() if v is not None}}
 
 
 def test_no_pod_creates_the_first_incarnation() -> None:
