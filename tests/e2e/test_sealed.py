@@ -285,9 +285,13 @@ def test_tampered_foreign_and_swapped_checkpoints_are_refused_and_setuid_strippe
         first = sb.checkpoint_now(namespace, forks[1], f"{forks[1]}-f1")
         uids = [sb.sandbox(namespace, n)["metadata"]["uid"] for n in (name, forks[1])]
         assert first["status"]["lineage"] == uids, first["status"]
-        # Without the inherited key it would send about what the source's first did.
+        # Without the inherited key it would send about what the source's first did (every
+        # chunk name differs). With it, only the chunks the fork changed go: a few dirty
+        # pages make a whole 4 MiB chunk new, so that is one to three chunks of the ~30 MB
+        # depending on how long the fork ran (6.4 MB and 8.5 MB seen): half separates the
+        # two cases without depending on that timing.
         sent, full = first["status"]["uploadedBytes"], flipped["status"]["uploadedBytes"]
-        assert sent < full // 4, f"the fork's first checkpoint sent {sent} bytes of {full}"
+        assert sent < full // 2, f"the fork's first checkpoint sent {sent} bytes of {full}"
         print(f"  {forks[1]}: first checkpoint sent {sent} bytes (the source's first: "
               f"{full}); lineage {first['status']['lineage']}")
 
