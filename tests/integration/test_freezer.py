@@ -10,6 +10,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -67,16 +68,27 @@ def _size(path: Path) -> int:
     return path.stat().st_size if path.exists() else 0
 
 
-def test_a_frozen_tree_is_ended_without_running_again(cgroup: Path, tmp_path: Path) -> None:
-    """A pid namespace whose init waits for a child that writes a line every 10 ms, as a
-    sandbox's workload ticks. Frozen past the child's next tick, then ended: the file
-    does not grow by a byte (with SIGKILL to the init alone, the child ran first)."""
-    ticks = tmp_path / "ticks"
+@contextmanager
+def _ticking_tree(cgroup: Path, ticks: Path) -> Iterator[None]:
+    """A pid namespace in ``cgroup`` whose init waits for a child that appends a line to
+    ``ticks`` every 10 ms, as a sandbox's workload ticks; killed on the way out."""
     proc = subprocess.Popen(
         ["unshare", "--pid", "--fork", "--kill-child", "sh", "-c",
          f"echo $$ > {cgroup}/cgroup.procs; "
          f"sh -c 'while :; do echo tick >> {ticks}; sleep 0.01; done' & wait"])
     try:
+        yield
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_a_frozen_tree_is_ended_without_running_again(cgroup: Path, tmp_path: Path) -> None:
+    """A pid namespace whose init waits for a child that writes a line every 10 ms, as a
+    sandbox's workload ticks. Frozen past the child's next tick, then ended: the file
+    does not grow by a byte (with SIGKILL to the init alone, the child ran first)."""
+    ticks = tmp_path / "ticks"
+    with _ticking_tree(cgroup, ticks):
         wait_until("the child to tick", 10, lambda: _size(ticks) >= 20, 0.01)
         procs = [int(p) for p in (cgroup / "cgroup.procs").read_text().split()]
         assert len(procs) >= 2, f"init and child in the cgroup: {procs}"
@@ -90,9 +102,6 @@ def test_a_frozen_tree_is_ended_without_running_again(cgroup: Path, tmp_path: Pa
         wait_until("the tree to end", 10,
                    lambda: not (cgroup / "cgroup.procs").read_text().split(), 0.01)
         assert _size(ticks) == frozen_size, "a process of the ended tree ran after the freeze"
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 def test_a_tree_an_earlier_run_left_frozen_is_settled(cgroup: Path, tmp_path: Path) -> None:
@@ -101,11 +110,7 @@ def test_a_tree_an_earlier_run_left_frozen_is_settled(cgroup: Path, tmp_path: Pa
     the tree it finds frozen; one that is not frozen is left alone."""
     root = Path("/sys/fs/cgroup") if cgroup.parent == V1_FREEZER else cgroup.parent
     ticks = tmp_path / "ticks"
-    proc = subprocess.Popen(
-        ["unshare", "--pid", "--fork", "--kill-child", "sh", "-c",
-         f"echo $$ > {cgroup}/cgroup.procs; "
-         f"sh -c 'while :; do echo tick >> {ticks}; sleep 0.01; done' & wait"])
-    try:
+    with _ticking_tree(cgroup, ticks):
         wait_until("the child to tick", 10, lambda: _size(ticks) >= 5, 0.01)
         init = min(int(p) for p in (cgroup / "cgroup.procs").read_text().split())
         assert freezer.settle(init, kill=True, cgroup_root=root) is False
@@ -116,6 +121,3 @@ def test_a_tree_an_earlier_run_left_frozen_is_settled(cgroup: Path, tmp_path: Pa
         wait_until("the tree to end", 10,
                    lambda: not (cgroup / "cgroup.procs").read_text().split(), 0.01)
         assert _size(ticks) == frozen_size, "a process of the settled tree ran again"
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
