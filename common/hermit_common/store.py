@@ -170,7 +170,8 @@ def check_name(value: str, what: str) -> str:
     """``value`` when it is one path segment of letters, digits, ``.``, ``_`` and ``-``
     (no ``/``, no wildcard, not ``.`` or ``..``); CheckpointFailed otherwise. Every key
     and every scoped-credential policy (storecreds.py) is built from checked names."""
-    if not isinstance(value, str) or not _NAME_RE.match(value):
+    # fullmatch: "$" alone would let a trailing newline through.
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
         raise CheckpointFailed(f"{what} name {value!r:.80} is not a valid object name")
     return value
 
