@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 
 import zstandard
+from botocore.exceptions import ClientError
 
 from hermit_common import bounded, gc
 from hermit_common.chunkcache import CacheTally, ChunkCache, entry_name
@@ -61,6 +62,7 @@ from hermit_common.manifest import (
 from hermit_common.s3errors import (
     CheckpointNotFound,
     ObjectExists,
+    error_code,
     is_not_found,
     is_precondition_failed,
     is_transient,
@@ -409,6 +411,11 @@ def _read_exact(path: str, offset: int, length: int) -> bytes:
 
 # Zero chunks (untouched pages CRIU dumps, sparse files) skip hashing and compression:
 # their digest and compressed form depend on their length only (a few lengths a run).
+def _not_found(key: str) -> ClientError:
+    return ClientError({"Error": {"Code": "NoSuchKey", "Message": f"{key}: no such key"}},
+                       "GetObject")
+
+
 def _is_zero(data: bytes) -> bool:
     """All zero bytes: the ends first (most chunks fail there), then one memcmp."""
     return data[:1] == b"\0" and data[-1:] == b"\0" and data == _zeros(len(data))
@@ -574,6 +581,8 @@ class CheckpointStore:
         except Exception as exc:
             if is_not_found(exc):
                 raise
+            if self._scoped is not None and self._absent(key, exc):
+                raise _not_found(key) from None
             raise self._error(exc, key, action) from None
         body = response["Body"]
         try:
@@ -596,6 +605,20 @@ class CheckpointStore:
         return data
 
     # -- compression ----------------------------------------------------------
+
+    def _absent(self, key: str, exc: BaseException) -> bool:
+        """Whether a refused GET was of a missing object. AWS S3 answers 403, not 404, for
+        a missing key unless ListBucket is allowed without a condition, and scoped
+        credentials allow it only under the sandbox's prefix (storecreds.py); so a
+        refusal is checked with a listing of exactly that key, which they may make."""
+        if not isinstance(exc, ClientError) or error_code(exc) not in ("AccessDenied", "403"):
+            return False
+        try:
+            page = self._s3(key).list_objects_v2(Bucket=self.settings.bucket, Prefix=key,
+                                                 MaxKeys=1)
+        except Exception:
+            return False
+        return not any(o.get("Key") == key for o in page.get("Contents", []))
 
     def _compressor(self) -> zstandard.ZstdCompressor:
         comp = getattr(self._local, "compressor", None)

@@ -27,6 +27,8 @@ from tests.support.chart import (
     merged,
 )
 
+# AWS S3 needs the role the operator assumes for scoped store credentials.
+AWS_ROLE = "s3.scopedCredentials.roleArn=arn:aws:iam::123456789012:role/hermit-store"
 SETTINGS_PY = ROOT / "common" / "hermit_common" / "settings.py"
 
 
@@ -160,7 +162,7 @@ def test_helm_template_renders() -> None:
     out = subprocess.run(
         [helm, "template", "hermit", str(CHART), "--namespace", "hermit-system",
          "--set", "s3.bucket=checkpoints", "--set",
-         "s3.scopedCredentials.roleArn=arn:aws:iam::123456789012:role/hermit-store", "--set", "metrics.serviceMonitor.enabled=true"],
+         AWS_ROLE, "--set", "metrics.serviceMonitor.enabled=true"],
         check=True, capture_output=True, text=True, timeout=60,
     ).stdout
     kinds = sorted(d["kind"] for d in yaml.safe_load_all(out) if d)
@@ -184,7 +186,7 @@ def _render(*sets: str) -> list[dict[str, Any]]:
     if helm is None:
         pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
     args = [a for s in ("s3.bucket=checkpoints",
-                                 "s3.scopedCredentials.roleArn=arn:aws:iam::123456789012:role/hermit-store", *sets) for a in ("--set", s)]
+                                 AWS_ROLE, *sets) for a in ("--set", s)]
     out = subprocess.run([helm, "template", "hermit", str(CHART), *args], check=True,
                          capture_output=True, text=True, timeout=60).stdout
     return [d for d in yaml.safe_load_all(out) if d]
@@ -231,7 +233,7 @@ def test_per_sandbox_storage_needs_its_namespaces() -> None:
         pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
     proc = subprocess.run([helm, "template", "hermit", str(CHART), "--set",
                            "s3.bucket=checkpoints", "--set", "nodeAgent.perSandboxStorage=true",
-                           "--set", "s3.scopedCredentials.roleArn=arn:aws:iam::123456789012:role/hermit-store"],
+                           "--set", AWS_ROLE],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "nodeAgent.perSandboxStorage=true needs nodeAgent.perSandboxStorageNamespaces" \
@@ -292,7 +294,7 @@ def test_the_turn_port_is_on_the_node_and_the_client_role_is_narrow() -> None:
         pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
     out = subprocess.run([helm, "template", "hermit", str(CHART), "--set",
                           "s3.bucket=checkpoints", "--set",
-                          "s3.scopedCredentials.roleArn=arn:aws:iam::123456789012:role/hermit-store"], check=True, capture_output=True, text=True,
+                          AWS_ROLE], check=True, capture_output=True, text=True,
                          timeout=60).stdout
     docs = [d for d in yaml.safe_load_all(out) if d]
     [ds] = [d for d in docs if d["kind"] == "DaemonSet"]

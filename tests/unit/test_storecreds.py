@@ -355,3 +355,43 @@ def test_settings(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="holds no bucket-wide credential"):
         NodeSettings.from_env({**ks, "HERMIT_S3_ACCESS_KEY_ID": "a",
                                "HERMIT_S3_SECRET_ACCESS_KEY": "b"})
+
+
+class Denying(Recorder):
+    """AWS S3's answer to a GET of a missing key without an unconditional ListBucket:
+    403, not 404."""
+
+    def __init__(self, scope: tuple[str, str, tuple[str, ...]], log: list[Any],
+                 listed: list[str]) -> None:
+        super().__init__(scope, log)
+        self.listed = listed
+
+    def get_object(self, **kw: Any) -> Any:
+        from botocore.exceptions import ClientError
+
+        raise ClientError({"Error": {"Code": "AccessDenied", "Message": "denied"}},
+                          "GetObject")
+
+    def list_objects_v2(self, **kw: Any) -> Any:
+        self.log.append(("list", kw["Prefix"], kw.get("MaxKeys")))
+        return {"Contents": [{"Key": k} for k in self.listed if k.startswith(kw["Prefix"])]}
+
+
+def test_a_refused_get_of_a_missing_key_is_not_found_when_a_listing_says_so() -> None:
+    from hermit_common.errors import HermitError
+    from hermit_common.s3errors import CheckpointNotFound
+
+    log: list[Any] = []
+    listed: list[str] = []
+    store = CheckpointStore(StoreSettings(bucket="b", prefix="hermit"),
+                            scoped=lambda ns, sb, reads: Denying((ns, sb, reads), log, listed))
+    key = "hermit/team-a/box/checkpoints/c1/manifest.json"
+    with pytest.raises(CheckpointNotFound):
+        store.read_manifest("team-a", "box", "c1")
+    assert log == [("list", key, 1)]
+    # The object is there: the refusal is a refusal, not a missing object.
+    listed.append(key)
+    with pytest.raises(HermitError) as refused:
+        store.read_manifest("team-a", "box", "c1")
+    assert not isinstance(refused.value, CheckpointNotFound)
+    assert "AccessDenied" in str(refused.value)
