@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from hermit_common.errors import HermitError
+from hermit_common.errors import StoreUnavailable
 from hermit_common.store import check_name
 
 # What a node-agent does in a sandbox's prefix: upload (list, put, copy), restore and
@@ -41,8 +41,9 @@ MAX_CLIENTS: Final = 256
 FAILURE_TTL_SECONDS: Final = 10.0
 
 
-class StoreCredentialsUnavailable(HermitError):
-    """No credentials for a sandbox's prefix: the key service refused or did not answer."""
+class StoreCredentialsUnavailable(StoreUnavailable):
+    """No credentials for a sandbox's prefix: the key service refused or did not answer
+    (counted as the store's failure: a checkpoint fails, a restore is retried)."""
 
 
 def sandbox_prefix(prefix: str, namespace: str, sandbox: str) -> str:
