@@ -409,13 +409,14 @@ def _read_exact(path: str, offset: int, length: int) -> bytes:
         os.close(fd)
 
 
-# Zero chunks (untouched pages CRIU dumps, sparse files) skip hashing and compression:
-# their digest and compressed form depend on their length only (a few lengths a run).
 def _not_found(key: str) -> ClientError:
+    """What a GET of a missing object raises (is_not_found), for a refusal found to be one."""
     return ClientError({"Error": {"Code": "NoSuchKey", "Message": f"{key}: no such key"}},
                        "GetObject")
 
 
+# Zero chunks (untouched pages CRIU dumps, sparse files) skip hashing and compression:
+# their digest and compressed form depend on their length only (a few lengths a run).
 def _is_zero(data: bytes) -> bool:
     """All zero bytes: the ends first (most chunks fail there), then one memcmp."""
     return data[:1] == b"\0" and data[-1:] == b"\0" and data == _zeros(len(data))
@@ -551,7 +552,7 @@ class CheckpointStore:
                                        "while it waited for the node's upload bandwidth")
             try:
                 self._s3(key).put_object(Bucket=self.settings.bucket, Key=key, Body=body,
-                                        ContentType=content_type, **extra)
+                                         ContentType=content_type, **extra)
                 return
             except Exception as exc:
                 if exclusive and is_precondition_failed(exc):
