@@ -40,6 +40,7 @@ import requests
 from hermit_common.errors import CheckpointRefused, HermitError
 from hermit_common.seal import KEY_BYTES, Wrapped, b64, unb64
 from hermit_common.settings import KEY_SERVICE_AUDIENCE
+from hermit_common.storecreds import Credentials, StoreCredentialsUnavailable
 from hermit_common.turns import NamedHost
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,11 @@ PATH_WRAP: Final = "/v1/keys/wrap"  # {"context", "dek"} -> {"keyId", "blob"}
 PATH_UNWRAP: Final = "/v1/keys/unwrap"  # {"context", "keyId", "blob"} -> {"dek"}
 PATH_SIGN: Final = "/v1/keys/sign"  # {"keyId", "data"} -> {"signature"}
 PATH_VERIFY: Final = "/v1/keys/verify"  # {"keyId", "data", "signature"} -> {"valid"}
-PATHS: Final = (PATH_CURRENT, PATH_WRAP, PATH_UNWRAP, PATH_SIGN, PATH_VERIFY)
+# {"namespace", "sandbox", "reads": [sandbox, ...]} -> {"accessKeyId", "secretAccessKey",
+# "sessionToken", "durationSeconds", "expiration"} (docs/storage.md#scoped-store-credentials)
+PATH_STORE_CREDENTIALS: Final = "/v1/store/credentials"
+PATHS: Final = (PATH_CURRENT, PATH_WRAP, PATH_UNWRAP, PATH_SIGN, PATH_VERIFY,
+                PATH_STORE_CREDENTIALS)
 
 # A node that ran a sandbox has seen its memory; keeping its key for a day exposes nothing
 # more, and keeps checkpoints independent of the key service's availability.
@@ -145,6 +150,25 @@ class RemoteKeyWrapper:
         out = self._post(PATH_VERIFY, {"keyId": key_id, "data": b64(data),
                                        "signature": b64(signature)})
         return out.get("valid") is True
+
+    # -- scoped store credentials (storecreds.CredentialCache's fetch) -------------------
+
+    def store_credentials(self, namespace: str, sandbox: str,
+                          reads: tuple[str, ...] = ()) -> Credentials:
+        """Temporary S3 credentials for ``sandbox``'s prefix (and read-only for ``reads``);
+        StoreCredentialsUnavailable when the service refuses or does not answer."""
+        try:
+            out = self._post(PATH_STORE_CREDENTIALS, {"namespace": namespace,
+                                                      "sandbox": sandbox, "reads": list(reads)})
+            duration = out.get("durationSeconds")
+            if not isinstance(duration, int | float) or duration <= 0:
+                raise KeyServiceUnavailable(f"the key service at {self._url} answered no "
+                                            "durationSeconds")
+            return Credentials(self._str(out, "accessKeyId"), self._str(out, "secretAccessKey"),
+                               self._str(out, "sessionToken"), float(duration))
+        except (KeyAccessDenied, KeyServiceUnavailable, CheckpointRefused) as exc:
+            raise StoreCredentialsUnavailable(
+                f"no store credentials for {namespace}/{sandbox}: {exc}") from None
 
     # -- the rest -----------------------------------------------------------------------
 

@@ -85,7 +85,7 @@ OPERATOR_SANDBOXES: Final = "hermit_operator_sandboxes"  # labels: phase (api.SA
 OPERATOR_BUILD: Final = "hermit_operator_build"
 NODE_BUILD: Final = "hermit_node_build"
 # Key service requests (hermit_operator.keyservice): labels op (current, wrap, unwrap,
-# sign, verify, "" for an unknown path) and result (keyservice.RESULTS).
+# sign, verify, credentials, "" for an unknown path) and result (keyservice.RESULTS).
 OPERATOR_KEY_REQUESTS: Final = "hermit_operator_key_requests_total"
 
 # hermit_operator_sandbox_downtime_seconds{reason}: why the sandbox moved, from the

@@ -211,6 +211,13 @@ class KeyServiceSettings:
     tls_key_file: str | None = None
     callers: tuple[str, ...] = ()  # service-account usernames allowed (the node-agent's)
     audience: str = KEY_SERVICE_AUDIENCE
+    # Scoped store credentials (docs/storage.md#scoped-store-credentials): STS AssumeRole
+    # with a session policy for one sandbox's prefix, with the operator's own store
+    # credentials (HERMIT_S3_*); the role to assume (AWS needs one; MinIO ignores it),
+    # and how long the credentials last.
+    store_credentials: bool = False
+    store_role_arn: str | None = None
+    store_credentials_seconds: int = 3600
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> KeyServiceSettings:
@@ -230,7 +237,24 @@ class KeyServiceSettings:
                    tls_cert_file=env.text("HERMIT_KEY_SERVICE_TLS_CERT_FILE"),
                    tls_key_file=env.text("HERMIT_KEY_SERVICE_TLS_KEY_FILE"),
                    callers=callers,
-                   audience=env.text("HERMIT_KEY_SERVICE_AUDIENCE", KEY_SERVICE_AUDIENCE))
+                   audience=env.text("HERMIT_KEY_SERVICE_AUDIENCE", KEY_SERVICE_AUDIENCE),
+                   **_store_credential_settings(env))
+
+
+def _store_credential_settings(env: Env) -> dict[str, Any]:
+    enabled = env.flag("HERMIT_KEY_SERVICE_STORE_CREDENTIALS", False)
+    role = env.optional_str("HERMIT_KEY_SERVICE_STORE_ROLE_ARN")
+    if enabled and env.optional_str("HERMIT_S3_BUCKET") is None:
+        raise SettingsError("HERMIT_KEY_SERVICE_STORE_CREDENTIALS=true needs the store "
+                            "(HERMIT_S3_BUCKET and the operator's credentials for it)")
+    if enabled and role is None and env.optional_str("HERMIT_S3_ENDPOINT") is None:
+        raise SettingsError("HERMIT_KEY_SERVICE_STORE_ROLE_ARN must name the IAM role to "
+                            "assume for scoped store credentials on AWS S3 "
+                            "(docs/storage.md#scoped-store-credentials)")
+    return {"store_credentials": enabled, "store_role_arn": role,
+            "store_credentials_seconds": env.integer(
+                "HERMIT_KEY_SERVICE_STORE_CREDENTIALS_SECONDS", 3600, minimum=900,
+                maximum=3600)}
 
 
 @dataclass(frozen=True)
@@ -288,6 +312,9 @@ class NodeSettings:
     # Honour spec.checkpoint.storage (a sandbox's own bucket and Secret); off: only the
     # default store above is used and no Secret is ever read.
     per_sandbox_storage: bool = False
+    # Reach the default store only with credentials the key service vends per sandbox
+    # prefix (docs/storage.md#scoped-store-credentials): no bucket-wide credential.
+    scoped_store_credentials: bool = False
     seal: SealSettings = SealSettings()
     # S3 garbage collection after each routine checkpoint (docs/storage.md): nothing
     # younger than the minimum age is deleted (longer than any upload takes).
@@ -334,6 +361,7 @@ class NodeSettings:
             max_frozen_seconds=env.number(
                 "HERMIT_MAX_FROZEN_SECONDS", 60.0, minimum=1.0, maximum=3600.0),
             per_sandbox_storage=env.flag("HERMIT_PER_SANDBOX_STORAGE", False),
+            scoped_store_credentials=_scoped_store_credentials(env, environ),
             seal=SealSettings.from_env(environ),
             gc_enabled=env.flag("HERMIT_GC_ENABLED", True),
             gc_min_age_seconds=env.number(
@@ -360,6 +388,18 @@ def _turn_audience(env: Env) -> str:
         raise SettingsError(f"HERMIT_TURN_AUDIENCE={value!r} is not an audience (or "
                             f"{TURN_AUDIENCE_API_SERVER} for the API server's own)")
     return value
+
+
+def _scoped_store_credentials(env: Env, environ: Mapping[str, str]) -> bool:
+    scoped = env.flag("HERMIT_S3_SCOPED_CREDENTIALS", False)
+    if scoped and SealSettings.from_env(environ).key_service_url is None:
+        raise SettingsError("HERMIT_S3_SCOPED_CREDENTIALS=true needs the key service "
+                            "(HERMIT_SEAL_KEY_SERVICE_URL): it vends them")
+    if scoped and env.optional_str("HERMIT_S3_ACCESS_KEY_ID") is not None:
+        raise SettingsError("HERMIT_S3_SCOPED_CREDENTIALS=true and HERMIT_S3_ACCESS_KEY_ID "
+                            "are both set: with scoped credentials a node-agent holds no "
+                            "bucket-wide credential")
+    return scoped
 
 
 def _turn_tls(env: Env) -> tuple[str | None, str | None]:

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 
 import zstandard
+from botocore.exceptions import ClientError
 
 from hermit_common import bounded, gc
 from hermit_common.chunkcache import CacheTally, ChunkCache, entry_name
@@ -61,6 +62,7 @@ from hermit_common.manifest import (
 from hermit_common.s3errors import (
     CheckpointNotFound,
     ObjectExists,
+    error_code,
     is_not_found,
     is_precondition_failed,
     is_transient,
@@ -90,7 +92,7 @@ from hermit_common.tree import (
 )
 
 __all__ = ["CheckpointNotFound", "CheckpointStore", "CollectResult", "ObjectExists", "Pace",
-           "UploadProgress", "UploadResult", "UploadSession", "make_s3_client"]
+           "UploadProgress", "UploadResult", "UploadSession", "check_name", "make_s3_client"]
 
 log = logging.getLogger(__name__)
 
@@ -166,10 +168,21 @@ def make_s3_client(settings: StoreSettings) -> Any:
     )
 
 
-def _check_name(value: str, what: str) -> str:
-    if not isinstance(value, str) or not _NAME_RE.match(value):
+def check_name(value: str, what: str) -> str:
+    """``value`` when it is one path segment of letters, digits, ``.``, ``_`` and ``-``
+    (no ``/``, no wildcard, not ``.`` or ``..``); CheckpointFailed otherwise. Every key
+    and every scoped-credential policy (storecreds.py) is built from checked names."""
+    # fullmatch: "$" alone would let a trailing newline through.
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
         raise CheckpointFailed(f"{what} name {value!r:.80} is not a valid object name")
     return value
+
+
+_check_name = check_name
+
+# Scoped credentials (storecreds.CredentialCache.client): (namespace, sandbox, read-only
+# sandboxes of the namespace) -> an S3 client whose credentials reach that prefix only.
+ScopedClients = Callable[[str, str, tuple[str, ...]], Any]
 
 
 @dataclass(frozen=True)
@@ -396,6 +409,12 @@ def _read_exact(path: str, offset: int, length: int) -> bytes:
         os.close(fd)
 
 
+def _not_found(key: str) -> ClientError:
+    """What a GET of a missing object raises (is_not_found), for a refusal found to be one."""
+    return ClientError({"Error": {"Code": "NoSuchKey", "Message": f"{key}: no such key"}},
+                       "GetObject")
+
+
 # Zero chunks (untouched pages CRIU dumps, sparse files) skip hashing and compression:
 # their digest and compressed form depend on their length only (a few lengths a run).
 def _is_zero(data: bytes) -> bool:
@@ -433,18 +452,43 @@ class CheckpointStore:
     """Checkpoints of sandboxes as manifests plus shared, content-addressed chunks."""
 
     def __init__(self, settings: StoreSettings, client: Any | None = None, *,
-                 sealing: Sealing | None = None, cache: ChunkCache | None = None) -> None:
+                 sealing: Sealing | None = None, cache: ChunkCache | None = None,
+                 scoped: ScopedClients | None = None) -> None:
         self.settings = settings
         self._sealing = sealing
         self.cache = cache  # downloads read chunk objects from it first (chunkcache.py)
-        self._client = client if client is not None else make_s3_client(settings)
+        # With ``scoped``, every request uses the client of the sandbox its key is under,
+        # and there is no bucket-wide client at all.
+        self._scoped = scoped
+        self._client = client if client is not None or scoped is not None \
+            else make_s3_client(settings)
         self._endpoint = settings.endpoint_url or "AWS S3"
         self._local = threading.local()
 
     @property
     def client(self) -> Any:
-        """The S3 client (thread-safe; stores of other buckets may share it)."""
+        """The S3 client (thread-safe; stores of other buckets may share it); None with
+        scoped credentials."""
         return self._client
+
+    @property
+    def scoped(self) -> bool:
+        return self._scoped is not None
+
+    def _s3(self, key: str, reads: tuple[str, ...] = ()) -> Any:
+        """The client for a request on ``key`` (an object key or a listing prefix under
+        a sandbox's prefix); with scoped credentials, that sandbox's (and ``reads``')."""
+        if self._scoped is None:
+            return self._client
+        prefix = self.settings.prefix.strip("/")
+        rest = key[len(prefix) + 1:] if prefix and key.startswith(prefix + "/") else \
+            (key if not prefix else "")
+        parts = rest.split("/", 2)
+        if len(parts) < 3:
+            raise CheckpointFailed(f"{key!r:.200} is under no sandbox's prefix: scoped "
+                                   "store credentials reach only sandbox prefixes")
+        return self._scoped(check_name(parts[0], "namespace"), check_name(parts[1], "sandbox"),
+                            reads)
 
     # -- keys ---------------------------------------------------------------
 
@@ -480,7 +524,7 @@ class CheckpointStore:
             if token:
                 kwargs["ContinuationToken"] = token
             try:
-                page = self._client.list_objects_v2(**kwargs)
+                page = self._s3(prefix).list_objects_v2(**kwargs)
             except Exception as exc:
                 raise self._error(exc, prefix, action) from None
             yield from page.get("Contents", [])
@@ -507,8 +551,8 @@ class CheckpointStore:
                                        else f"cannot {action}: the upload deadline passed "
                                        "while it waited for the node's upload bandwidth")
             try:
-                self._client.put_object(Bucket=self.settings.bucket, Key=key, Body=body,
-                                        ContentType=content_type, **extra)
+                self._s3(key).put_object(Bucket=self.settings.bucket, Key=key, Body=body,
+                                         ContentType=content_type, **extra)
                 return
             except Exception as exc:
                 if exclusive and is_precondition_failed(exc):
@@ -534,10 +578,12 @@ class CheckpointStore:
         race), and no more than ``max_bytes`` + 1 bytes are ever read, whatever the
         header said. bounded.TooLarge when it is larger."""
         try:
-            response = self._client.get_object(Bucket=self.settings.bucket, Key=key)
+            response = self._s3(key).get_object(Bucket=self.settings.bucket, Key=key)
         except Exception as exc:
             if is_not_found(exc):
                 raise
+            if self._scoped is not None and self._absent(key, exc):
+                raise _not_found(key) from None
             raise self._error(exc, key, action) from None
         body = response["Body"]
         try:
@@ -560,6 +606,20 @@ class CheckpointStore:
         return data
 
     # -- compression ----------------------------------------------------------
+
+    def _absent(self, key: str, exc: BaseException) -> bool:
+        """Whether a refused GET was of a missing object. AWS S3 answers 403, not 404, for
+        a missing key unless ListBucket is allowed without a condition, and scoped
+        credentials allow it only under the sandbox's prefix (storecreds.py); so a
+        refusal is checked with a listing of exactly that key, which they may make."""
+        if not isinstance(exc, ClientError) or error_code(exc) not in ("AccessDenied", "403"):
+            return False
+        try:
+            page = self._s3(key).list_objects_v2(Bucket=self.settings.bucket, Prefix=key,
+                                                 MaxKeys=1)
+        except Exception:
+            return False
+        return not any(o.get("Key") == key for o in page.get("Contents", []))
 
     def _compressor(self) -> zstandard.ZstdCompressor:
         comp = getattr(self._local, "compressor", None)
@@ -685,6 +745,9 @@ class CheckpointStore:
     def ensure_bucket(self) -> None:
         """Creates the bucket if it does not exist (for tests and demos)."""
         bucket = self.settings.bucket
+        if self._client is None:
+            raise HermitError(f"cannot check or create bucket {bucket} with scoped store "
+                              "credentials: they reach sandbox prefixes only")
         try:
             self._client.head_bucket(Bucket=bucket)
             return
@@ -726,7 +789,7 @@ class CheckpointStore:
         """Deletes a checkpoint's manifest; its chunks go with ``collect_garbage``."""
         key = self.manifest_key(namespace, sandbox, checkpoint)
         try:
-            self._client.delete_object(Bucket=self.settings.bucket, Key=key)
+            self._s3(key).delete_object(Bucket=self.settings.bucket, Key=key)
         except Exception as exc:
             raise self._error(exc, key, "delete checkpoint") from None
 
@@ -836,7 +899,7 @@ class CheckpointStore:
                 return False
             batch = keys[start:start + _DELETE_BATCH]
             try:
-                response = self._client.delete_objects(
+                response = self._s3(batch[0]).delete_objects(
                     Bucket=self.settings.bucket,
                     Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
             except Exception as exc:
@@ -1012,9 +1075,10 @@ class CheckpointStore:
         """Copies chunk ``name`` from the fork's source inside the store; False when that
         fails (gone meanwhile, or refused): the caller uploads it instead."""
         source_key = self.chunk_key(ns, state.source, name)
+        dest_key = self.chunk_key(ns, sandbox, name)
         try:
-            self._client.copy_object(
-                Bucket=self.settings.bucket, Key=self.chunk_key(ns, sandbox, name),
+            self._s3(dest_key, (state.source,)).copy_object(
+                Bucket=self.settings.bucket, Key=dest_key,
                 CopySource={"Bucket": self.settings.bucket, "Key": source_key})
         except Exception as exc:
             log.debug("cannot copy %s, uploading it: %s", source_key, type(exc).__name__)

@@ -13,6 +13,7 @@ taint, no checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import signal
@@ -22,14 +23,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from hermit_common import health as http_health
 from hermit_common import metrics as hermit_metrics
 from hermit_common import protocol
 from hermit_common.bandwidth import UploadLimiter
 from hermit_common.chunkcache import CacheTally, ChunkCache
-from hermit_common.errors import CheckpointFailed, CheckpointRefused, HermitError, RestoreFailed
+from hermit_common.errors import (
+    CheckpointFailed,
+    CheckpointRefused,
+    HermitError,
+    RestoreFailed,
+    SettingsError,
+)
 from hermit_common.protocol import KubeObject
 from hermit_common.s3errors import CheckpointNotFound
 from hermit_common.seal import Expected
@@ -58,7 +65,9 @@ from hermit_node.watchers import Notice
 from hermit_node.watchers.base import NullWatcher
 
 if TYPE_CHECKING:
-    from hermit_common.store import CheckpointStore
+    from hermit_common.seal import Sealing
+    from hermit_common.store import CheckpointStore, ScopedClients
+    from hermit_common.storecreds import Credentials
 
 log = logging.getLogger("hermit_node")
 
@@ -1022,9 +1031,11 @@ def build_agent(settings: NodeSettings, stop: threading.Event,
     work_dir = Path(settings.work_dir)
     cache = ChunkCache(work_dir / CHUNK_CACHE_DIR, settings.chunk_cache_bytes) \
         if settings.chunk_cache_bytes > 0 else None
-    store = CheckpointStore(settings.store, sealing=sealing, cache=cache)
+    store = CheckpointStore(settings.store, sealing=sealing, cache=cache,
+                            scoped=scoped_clients(settings, sealing))
     stores = Stores(settings.store, kube, allowed=settings.per_sandbox_storage,
-                    default_store=store, sealing=sealing, cache=cache)
+                    default_store=store, sealing=sealing, cache=cache,
+                    scoped=settings.scoped_store_credentials)
     collector = Collector(kube, min_age_seconds=settings.gc_min_age_seconds,
                           stopping=stop) if settings.gc_enabled else None
     view = WatchedNode(kube, stop)
@@ -1047,6 +1058,28 @@ def build_agent(settings: NodeSettings, stop: threading.Event,
                      collector=collector, fence=Fence(kube),
                      routine_upload_seconds=settings.routine_upload_seconds,
                      limiter=limiter, prefetch=cache is not None), view
+
+
+def scoped_clients(settings: NodeSettings, sealing: Sealing | None) -> ScopedClients | None:
+    """With HERMIT_S3_SCOPED_CREDENTIALS, the S3 clients of sandbox prefixes, from
+    credentials the key service vends (docs/storage.md#scoped-store-credentials)."""
+    if not settings.scoped_store_credentials:
+        return None
+    from hermit_common.keyclient import RemoteKeyWrapper
+    from hermit_common.store import make_s3_client
+    from hermit_common.storecreds import CredentialCache
+
+    wrapper = sealing.wrapper if sealing is not None else None
+    if not isinstance(wrapper, RemoteKeyWrapper):  # NodeSettings.from_env checks it
+        raise SettingsError("HERMIT_S3_SCOPED_CREDENTIALS=true needs the key service "
+                            "(HERMIT_SEAL_KEY_SERVICE_URL)")
+
+    def make(creds: Credentials) -> Any:
+        return make_s3_client(dataclasses.replace(
+            settings.store, access_key_id=creds.access_key_id,
+            secret_access_key=creds.secret_access_key, session_token=creds.session_token))
+
+    return CredentialCache(wrapper.store_credentials, make).client
 
 
 # Libraries whose DEBUG log is about their own machinery: botocore writes some 60 lines

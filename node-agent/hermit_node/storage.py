@@ -267,8 +267,12 @@ class Stores:
     def __init__(self, defaults: StoreSettings, secrets: SecretReader, *, allowed: bool,
                  default_store: CheckpointStore | None = None, sealing: Sealing | None = None,
                  make_client: Callable[[StoreSettings], Any] = make_s3_client,
-                 max_clients: int = MAX_CLIENTS, cache: ChunkCache | None = None) -> None:
+                 max_clients: int = MAX_CLIENTS, cache: ChunkCache | None = None,
+                 scoped: bool = False) -> None:
         self._defaults = defaults
+        # Scoped store credentials (docs/storage.md#scoped-store-credentials): the node-agent
+        # has no credentials of its own, only per-sandbox ones for the default store.
+        self._scoped = scoped
         self._cache = cache  # the node's chunk cache, shared by every store it makes
         self._default_location = Location.of(defaults)
         self._secrets = secrets
@@ -280,7 +284,8 @@ class Stores:
         self._max_clients = max_clients
         # The default store's client serves its other buckets too (own credentials).
         self._clients: OrderedDict[ClientKey, Any] = OrderedDict(
-            [(client_key(self._default_location, None), self._default.client)])
+            [(client_key(self._default_location, None), self._default.client)]
+            if self._default.client is not None else [])
         self._lock = threading.Lock()
 
     @property
@@ -302,6 +307,11 @@ class Stores:
     def _store(self, wanted: SandboxStorage, namespace: str) -> CheckpointStore:
         if wanted.secret is None and wanted.location == self._default_location:
             return self._default
+        if wanted.secret is None and self._scoped:
+            raise StorageError(
+                f"{wanted.location.describe()} is not the default store, and this node-agent "
+                "has no credentials of its own (scoped store credentials, chart value "
+                "s3.scopedCredentials): name a secretRef in spec.checkpoint.storage")
         credentials = (self._credentials(namespace, wanted.secret)
                        if wanted.secret is not None else None)
         settings = store_settings(self._defaults, wanted.location, credentials)

@@ -18,7 +18,10 @@ A node serves a sandbox (namespace, name, uid) when either
   of that sandbox: a fork or copy reads, and inherits, its source's data key.
 
 Everything else is refused (``Denied``): a compromised node gets no key of a sandbox it
-neither runs nor restores (docs/security.md#the-key-service).
+neither runs nor restores (docs/security.md#the-key-service). ``decide`` says which of
+the two it is (``RUNS`` or ``RESTORES``): data keys are given for both; scoped store
+credentials (docs/storage.md#scoped-store-credentials) reach the prefix of a sandbox the
+node runs read-write, of one it only restores from read-only.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ NOT_A_NODE_AGENT: Final = "not_node_agent"
 NO_NODE: Final = "no_node_binding"
 NOT_SERVED: Final = "not_served"
 DENIALS: Final = (UNAUTHENTICATED, NOT_A_NODE_AGENT, NO_NODE, NOT_SERVED)
+
+# What ``decide`` allows.
+RUNS: Final = "runs"  # an operator-made pod of the sandbox is on the node
+RESTORES: Final = "restores"  # such a pod of another sandbox restores from its checkpoint
 
 
 class Denied(Exception):
@@ -130,8 +137,9 @@ Read = Callable[[str, str], Mapping[str, Any] | None]
 
 
 def decide(node: str, want: Bound, pods: Iterable[Mapping[str, Any]], *,
-           sandbox_of: Read, checkpoint_of: Read) -> None:
-    """Whether ``node`` serves ``want`` (see the module); Denied(403) when it does not.
+           sandbox_of: Read, checkpoint_of: Read) -> str:
+    """How ``node`` serves ``want`` (see the module): RUNS or RESTORES; Denied(403) when
+    it does not.
     Only the node's pods in the wanted sandbox's namespace are looked at, and only the
     objects they name are read."""
     mine = [p for p in map(node_pod, pods)
@@ -145,14 +153,14 @@ def decide(node: str, want: Bound, pods: Iterable[Mapping[str, Any]], *,
         return operators_pod(pod, sandboxes[pod.sandbox.sandbox])
 
     if any(p.sandbox == want and operated(p) for p in mine):
-        return
+        return RUNS
     for pod in mine:
         if pod.restore_from and pod.sandbox != want and operated(pod):
             ckpt = checkpoint_of(want.namespace, pod.restore_from)
             source = protocol.sandbox_of(ckpt) if ckpt is not None else None
             if source == want.sandbox and source_bound(
                     ckpt, sandbox_of(want.namespace, source)) == want:
-                return
+                return RESTORES
     raise Denied(403, NOT_SERVED, f"node {node} neither runs nor restores {want.describe()}: "
                                   "its keys are not given to this node")
 

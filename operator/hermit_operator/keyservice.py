@@ -19,6 +19,13 @@ per request, bounded heads and bodies):
    and counted in ``hermit_operator_key_requests_total{op,result="denied"}``;
 3. the keyring answers; what it refuses (an unknown key id, a data key that does not
    open for this context) is 422, which the client raises as ``CheckpointRefused``.
+
+``POST /v1/store/credentials`` (``{"namespace", "sandbox", "reads": [...]}``) answers,
+under the same rule, temporary S3 credentials for that sandbox's prefix only
+(storevend.py; docs/storage.md#scoped-store-credentials): read-write when the node runs
+the sandbox, read-only when it only restores from it; each of ``reads`` (a fork's source,
+whose chunks its first checkpoint copies) must be served too and is read-only. 404 when
+the operator vends none (HERMIT_KEY_SERVICE_STORE_CREDENTIALS), 503 when STS fails.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from hermit_common.hardhttp import HardenedHTTPServer, Reply, TlsFiles
 from hermit_common.keyclient import (
     PATH_CURRENT,
     PATH_SIGN,
+    PATH_STORE_CREDENTIALS,
     PATH_UNWRAP,
     PATH_VERIFY,
     PATH_WRAP,
@@ -55,8 +63,11 @@ from hermit_common.seal import (
     bound_of_signed,
     unb64,
 )
-from hermit_common.settings import KeyServiceSettings
+from hermit_common.settings import KeyServiceSettings, StoreSettings
+from hermit_common.store import check_name
+from hermit_common.storecreds import MAX_READS
 from hermit_operator import keyaccess, metrics
+from hermit_operator.storevend import StoreVendor, VendFailed
 
 log = logging.getLogger("hermit.operator.keys")
 
@@ -70,7 +81,8 @@ SOURCE_RATE: Final = 100.0
 SOURCE_BURST: Final = 400
 NODE_RATE: Final = 50.0
 NODE_BURST: Final = 200
-USAGE: Final = "POST /v1/keys/{current,wrap,unwrap,sign,verify} (docs/security.md)"
+USAGE: Final = ("POST /v1/keys/{current,wrap,unwrap,sign,verify} or /v1/store/credentials "
+                "(docs/security.md)")
 
 # The metric's op and result label values (small, fixed sets).
 OPS: Final = {p: p.rsplit("/", 1)[1] for p in PATHS}
@@ -106,16 +118,24 @@ def _bearer(header: str | None) -> str:
     return token.strip()
 
 
+class Vendor(Protocol):
+    """storevend.StoreVendor: temporary credentials for one sandbox's prefix."""
+
+    def credentials(self, node: str, namespace: str, sandbox: str, *, write: bool,
+                    reads: tuple[str, ...]) -> dict[str, Any]: ...
+
+
 class KeyService:
     def __init__(self, wrapper: KeyWrapper, kube: KeyKube, *, callers: Iterable[str],
-                 audience: str, clock: turnlimits.Clock = time.monotonic) -> None:
-        self._wrapper, self._kube = wrapper, kube
+                 audience: str, clock: turnlimits.Clock = time.monotonic,
+                 vendor: Vendor | None = None) -> None:
+        self._wrapper, self._kube, self._vendor = wrapper, kube, vendor
         self._callers, self._audience, self._clock = frozenset(callers), audience, clock
         self.sources = turnlimits.RateLimiter(SOURCE_RATE, SOURCE_BURST, clock=clock)
         self.nodes = turnlimits.RateLimiter(NODE_RATE, NODE_BURST, clock=clock)
         self.reviews: turnlimits.ReviewCache[KubeObject] = turnlimits.ReviewCache(
             lambda r: bool(r.get("authenticated")), clock=clock)
-        self._allowed: dict[tuple[str, Bound], float] = {}
+        self._allowed: dict[tuple[str, Bound], tuple[float, str]] = {}
         self._lock = threading.Lock()
 
     # -- the two steps hardhttp calls ---------------------------------------------------
@@ -145,6 +165,10 @@ class KeyService:
             log.warning("key service: %s", exc)
             metrics.record_key_request(op, ERROR)
             return Reply(503, {"error": f"the Kubernetes API did not answer: {exc}"})
+        except VendFailed as exc:
+            log.warning("key service: %s", exc)
+            metrics.record_key_request(op, ERROR)
+            return Reply(503, {"error": one_line(str(exc))})
         except HermitError as exc:  # the keyring cannot be read (a Secret being rotated)
             log.warning("key service: %s", exc)
             metrics.record_key_request(op, ERROR)
@@ -190,6 +214,8 @@ class KeyService:
 
     def _serve(self, path: str, caller: keyaccess.Caller, body: bytes) -> dict[str, Any]:
         request = _parse(body)
+        if path == PATH_STORE_CREDENTIALS:
+            return self._store_credentials(caller, request)
         if path == PATH_CURRENT:
             return {"keyId": self._wrapper.current_key_id()}
         if path in (PATH_WRAP, PATH_UNWRAP):
@@ -212,27 +238,61 @@ class KeyService:
         return {"valid": self._wrapper.verify(_key_id(request), data,
                                               _field(request, "signature"))}
 
-    def _authorize(self, caller: keyaccess.Caller, want: Bound, path: str) -> None:
+    def _store_credentials(self, caller: keyaccess.Caller,
+                           request: dict[str, Any]) -> dict[str, Any]:
+        """Credentials for one sandbox's prefix: the same rule as its data key (read-only
+        when the node only restores from it), and each of ``reads`` served too."""
+        if self._vendor is None:
+            raise _Refused(404, INVALID, "this key service vends no store credentials "
+                                         "(HERMIT_KEY_SERVICE_STORE_CREDENTIALS)")
+        namespace = _name(request.get("namespace"), "namespace")
+        sandbox = _name(request.get("sandbox"), "sandbox")
+        raw = request.get("reads") or []
+        if not isinstance(raw, list) or len(raw) > MAX_READS:
+            raise _Refused(400, INVALID, f'"reads" must list at most {MAX_READS} sandboxes')
+        reads = tuple(sorted({_name(r, "sandbox") for r in raw} - {sandbox}))
+        path = PATH_STORE_CREDENTIALS
+        access = self._authorize(caller, self._bound_now(caller, namespace, sandbox), path)
+        for name in reads:
+            self._authorize(caller, self._bound_now(caller, namespace, name), path)
+        return self._vendor.credentials(caller.node, namespace, sandbox,
+                                        write=access == keyaccess.RUNS, reads=reads)
+
+    def _bound_now(self, caller: keyaccess.Caller, namespace: str, name: str) -> Bound:
+        """The sandbox named so as it exists now (its prefix is named by its name; the
+        rule binds its uid)."""
+        sandbox = self._kube.get_sandbox(namespace, name)
+        uid = str(((sandbox or {}).get("metadata") or {}).get("uid") or "")
+        if not uid:
+            log.warning("key service: store credentials refused for node %s: no sandbox "
+                        "%s/%s", caller.node, namespace, name)
+            raise _Refused(403, DENIED, f"node {caller.node} neither runs nor restores "
+                                        f"sandbox {namespace}/{name}: there is none")
+        return Bound(namespace, name, uid)
+
+    def _authorize(self, caller: keyaccess.Caller, want: Bound, path: str) -> str:
         key = (caller.node, want)
         now = self._clock()
         with self._lock:
-            if self._allowed.get(key, 0.0) > now:
-                return
+            allowed = self._allowed.get(key)
+            if allowed is not None and allowed[0] > now:
+                return allowed[1]
         try:
-            keyaccess.decide(caller.node, want,
-                             self._kube.list_node_sandbox_pods(caller.node),
-                             sandbox_of=self._kube.get_sandbox,
-                             checkpoint_of=self._kube.get_checkpoint)
+            access = keyaccess.decide(caller.node, want,
+                                      self._kube.list_node_sandbox_pods(caller.node),
+                                      sandbox_of=self._kube.get_sandbox,
+                                      checkpoint_of=self._kube.get_checkpoint)
         except keyaccess.Denied as exc:
             log.warning("key service: %s refused for node %s: %s", OPS[path], caller.node,
                         exc)
             raise _Refused(exc.status, DENIED, str(exc)) from None
         with self._lock:
             if len(self._allowed) >= MAX_ALLOWANCES:
-                self._allowed = {k: t for k, t in self._allowed.items() if t > now}
+                self._allowed = {k: t for k, t in self._allowed.items() if t[0] > now}
                 if len(self._allowed) >= MAX_ALLOWANCES:
                     self._allowed.clear()
-            self._allowed[key] = now + ALLOW_TTL_SECONDS
+            self._allowed[key] = (now + ALLOW_TTL_SECONDS, access)
+        return access
 
 
 def _parse(body: bytes) -> dict[str, Any]:
@@ -253,6 +313,13 @@ def _field(request: dict[str, Any], name: str) -> bytes:
         raise _Refused(400, INVALID, str(exc)) from None
 
 
+def _name(value: object, what: str) -> str:
+    try:
+        return check_name(value, what)  # type: ignore[arg-type]
+    except HermitError as exc:
+        raise _Refused(400, INVALID, str(exc)) from None
+
+
 def _key_id(request: dict[str, Any]) -> str:
     key_id = request.get("keyId")
     if not isinstance(key_id, str) or not key_id or len(key_id) > 63:
@@ -270,7 +337,8 @@ def _bound(parse: Any, data: bytes) -> Bound:
 
 
 def serve(settings: KeyServiceSettings, kube: KeyKube, *, host: str = "0.0.0.0",
-          clock: turnlimits.Clock = time.monotonic) -> HardenedHTTPServer:
+          clock: turnlimits.Clock = time.monotonic,
+          store: StoreSettings | None = None) -> HardenedHTTPServer:
     """Starts the key service of ``settings`` (port > 0) in daemon threads. SettingsError
     naming the setting when the keys or the TLS files cannot be used; OSError when the
     port cannot be bound."""
@@ -288,8 +356,14 @@ def serve(settings: KeyServiceSettings, kube: KeyKube, *, host: str = "0.0.0.0",
             f"HERMIT_KEY_SERVICE_TLS_CERT_FILE={settings.tls_cert_file} and "
             f"HERMIT_KEY_SERVICE_TLS_KEY_FILE={settings.tls_key_file}: not a usable "
             f"certificate and key: {exc}") from None
+    vendor = None
+    if settings.store_credentials:
+        if store is None:
+            raise SettingsError("HERMIT_KEY_SERVICE_STORE_CREDENTIALS=true needs the store "
+                                "(HERMIT_S3_BUCKET)")
+        vendor = StoreVendor(store, settings)
     service = KeyService(wrapper, kube, callers=settings.callers, audience=settings.audience,
-                         clock=clock)
+                         clock=clock, vendor=vendor)
     return hardhttp.serve(settings.port, service.handle, admit=service.admit,
                           max_body=MAX_BODY, usage=USAGE, name="keys", host=host, tls=tls)
 

@@ -89,14 +89,15 @@ def _serve_keys(settings: OperatorSettings, kube: Kube) -> None:
     from hermit_operator import keyservice
 
     try:
-        keyservice.serve(settings.key_service, kube)
+        keyservice.serve(settings.key_service, kube, store=settings.store)
     except SettingsError as exc:
         _fail(str(exc), 2)
     except OSError as exc:
         _fail(f"cannot serve the key service on port {settings.key_service.port}: "
               f"{exc.strerror}", 1)
-    log.info("key service on port %d (callers: %s)", settings.key_service.port,
-             ", ".join(settings.key_service.callers))
+    log.info("key service on port %d (callers: %s; scoped store credentials: %s)",
+             settings.key_service.port, ", ".join(settings.key_service.callers),
+             "on" if settings.key_service.store_credentials else "off")
 
 
 def _lead(settings: OperatorSettings, health: OperatorHealth) -> LeaseElector:

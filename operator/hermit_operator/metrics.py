@@ -44,9 +44,9 @@ DOWNTIME: Final = Histogram(
 
 KEY_REQUESTS: Final = Counter(
     metrics.OPERATOR_KEY_REQUESTS,
-    "Key service requests, by op (current, wrap, unwrap, sign, verify) and result (ok, "
-    "refused, denied, invalid, limited, error). denied: a caller that is not a node-agent, "
-    "or a node asking for a sandbox it neither runs nor restores.",
+    "Key service requests, by op (current, wrap, unwrap, sign, verify, credentials) and "
+    "result (ok, refused, denied, invalid, limited, error). denied: a caller that is not "
+    "a node-agent, or a node asking for a sandbox it neither runs nor restores.",
     ["op", "result"],
 )
 

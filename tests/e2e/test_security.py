@@ -504,3 +504,119 @@ def test_a_node_agent_gets_no_key_of_a_sandbox_on_another_node_and_mounts_no_kek
         evidence=f"{theirs[:160]}; the node-agent of {where.node} unwraps it; no node-agent "
                  f"pod ({len(agents)}) mounts the sealing Secret or has a KEK under /etc, "
                  "/var/run/secrets")
+
+
+# -- issue 17.3: a node reaches only the bucket prefixes it serves (scoped credentials) ----
+
+# Run inside a node-agent pod with whatever it holds: its environment (no bucket
+# credential), the SDK's default chain, and what the key service vends to its own token.
+_STORE_PROBE = r'''
+import dataclasses, json, os
+from botocore.exceptions import ClientError, NoCredentialsError
+from hermit_common.keyclient import RemoteKeyWrapper
+from hermit_common.seal import sealing_from
+from hermit_common.settings import SealSettings, StoreSettings
+from hermit_common.store import make_s3_client
+from hermit_common.storecreds import StoreCredentialsUnavailable
+
+store = StoreSettings.from_env(os.environ)
+ns, own, victim, uid = "{ns}", "{own}", "{victim}", "{uid}"
+base = f"{{store.prefix}}/{{ns}}"
+victim_key = f"{{base}}/{{victim}}/keys/{{uid}}"
+own_key = f"{{base}}/{{own}}/chunks/" + "e2e" * 20 + "abcd"
+out = {{"env": sorted(k for k in os.environ if k.startswith(("HERMIT_S3_ACCESS",
+                                                            "HERMIT_S3_SECRET", "AWS_")))}}
+
+def code(call):
+    try:
+        call()
+        return "allowed"
+    except ClientError as exc:
+        return exc.response.get("Error", {{}}).get("Code", "?")
+    except NoCredentialsError:
+        return "NoCredentials"
+
+def attempts(s3):
+    b = store.bucket
+    return {{"read": code(lambda: s3.get_object(Bucket=b, Key=victim_key)),
+             "list": code(lambda: s3.list_objects_v2(Bucket=b, Prefix=f"{{base}}/{{victim}}/")),
+             "list the bucket": code(lambda: s3.list_objects_v2(Bucket=b)),
+             "overwrite": code(lambda: s3.put_object(Bucket=b, Key=victim_key, Body=b"forged")),
+             "delete": code(lambda: s3.delete_object(Bucket=b, Key=victim_key))}}
+
+out["default chain"] = attempts(make_s3_client(store))
+wrapper = sealing_from(SealSettings.from_env(os.environ)).wrapper
+assert isinstance(wrapper, RemoteKeyWrapper)
+try:
+    wrapper.store_credentials(ns, victim)
+    out["victim credentials"] = "GIVEN"
+except StoreCredentialsUnavailable as exc:
+    out["victim credentials"] = "DENIED " + str(exc)
+creds = wrapper.store_credentials(ns, own)
+mine = make_s3_client(dataclasses.replace(
+    store, access_key_id=creds.access_key_id, secret_access_key=creds.secret_access_key,
+    session_token=creds.session_token))
+out["own credentials"] = attempts(mine)
+b = store.bucket
+out["own prefix"] = {{
+    "write": code(lambda: mine.put_object(Bucket=b, Key=own_key, Body=b"mine")),
+    "read": code(lambda: mine.get_object(Bucket=b, Key=own_key)),
+    "list": code(lambda: mine.list_objects_v2(Bucket=b, Prefix=f"{{base}}/{{own}}/")),
+    "delete": code(lambda: mine.delete_object(Bucket=b, Key=own_key))}}
+print("RESULT " + json.dumps(out))
+'''
+
+
+@pytest.mark.attack
+def test_a_node_agents_store_credentials_reach_only_its_own_sandboxs_objects(
+        kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
+        s3_for_pods: S3, attack: Attack) -> None:
+    """With scoped store credentials (the chart's default with the key service), a
+    node-agent holds no bucket credential; from inside its pod, with what it holds and
+    what the key service vends it for the sandbox its node runs, another node's sandbox's
+    objects are refused (read, list, overwrite, delete), and its own are not."""
+    import json
+
+    victim, where = sb.start_on_spot(kube, e2e_config, hermit_release, namespace)
+    # Its checkpoint is written by the node-agent of its node with scoped credentials.
+    sb.checkpoint_now(namespace, victim, f"{victim}-scoped")
+    uid = str(sb.sandbox(namespace, victim)["metadata"]["uid"])
+    before = _key_record(s3_for_pods, namespace, victim, uid)
+    # A second sandbox, kept off the victim's node: its node-agent is the attacker.
+    own = f"agent-{uuid.uuid4().hex[:6]}"
+    spec = sb.stateful_spec(e2e_config.sandbox_image)
+    spec["podTemplate"]["spec"]["affinity"] = {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn",
+                                   "values": [where.node]}]}]}}}
+    sb.create_sandbox(namespace, own, spec)
+    there = sb.wait_running(kube, namespace, own, min_ticks=2)
+    assert there.node != where.node
+    sb.wait_agent_ready(kube, hermit_release, there.node)
+    agent = sb.node_agent_pod(kube, RELEASE_NS, there.node)
+    env = {e.name for c in agent.spec.containers for e in c.env or []}
+    assert "HERMIT_S3_SCOPED_CREDENTIALS" in env and "HERMIT_S3_ACCESS_KEY_ID" not in env
+    script = _STORE_PROBE.format(ns=namespace, own=own, victim=victim, uid=uid)
+    printed = sb.exec_sh(RELEASE_NS, agent.metadata.name, f"python3 - <<'EOF'\n{script}\nEOF")
+    [line] = [x for x in printed.splitlines() if x.startswith("RESULT ")]
+    out = json.loads(line[len("RESULT "):])
+    print(f"\nnode-agent of {there.node} against {victim} (on {where.node}): {out}")
+    assert out["env"] == [], out["env"]
+    assert "allowed" not in out["default chain"].values(), out["default chain"]
+    assert out["victim credentials"].startswith("DENIED") and \
+        f"neither runs nor restores sandbox {namespace}/{victim}" in out["victim credentials"]
+    assert out["own credentials"] == dict.fromkeys(out["own credentials"], "AccessDenied")
+    assert out["own prefix"] == dict.fromkeys(("write", "read", "list", "delete"), "allowed")
+    assert _key_record(s3_for_pods, namespace, victim, uid) == before, "untouched"
+    attack.record(
+        "scoped store credentials: a node reads, lists, overwrites another node's sandbox",
+        tried=f"exec in the node-agent pod of {there.node}: its environment, the SDK's "
+              f"default chain, and the STS credentials the key service vends its own token "
+              f"for {own} (on {there.node}) against the key record of {namespace}/{victim} "
+              f"(on {where.node}): read, list, list the bucket, overwrite, delete; and "
+              f"asks the key service for {victim}'s credentials",
+        outcome=REFUSED,
+        evidence=f"no bucket credential in its env; default chain: "
+                 f"{sorted(set(out['default chain'].values()))}; {victim}'s credentials: "
+                 f"{out['victim credentials'][:90]}; with {own}'s: AccessDenied x5; own "
+                 "prefix write/read/list/delete allowed; the key record unchanged")

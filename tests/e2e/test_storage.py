@@ -69,10 +69,15 @@ def _sandboxes_in(keys: list[str]) -> set[str]:
 
 def _per_sandbox_storage(cfg: E2EConfig, namespaces: list[str]) -> None:
     """Turn the chart's nodeAgent.perSandboxStorage on for ``namespaces``, or off (none);
-    the node-agents roll."""
+    the node-agents roll. team-a's storage (another bucket, no secretRef) uses the
+    node-agent's own credentials, which only the shared fallback gives it (with scoped
+    store credentials it has none: docs/storage.md#scoped-store-credentials); so that
+    is on with it, and off again after."""
+    on = str(bool(namespaces)).lower()
     proc = subprocess.run(
         [helm_binary(), "upgrade", RELEASE, str(REPO / "charts/hermit"), "-n", RELEASE_NS,
-         "--reuse-values", "--set", f"nodeAgent.perSandboxStorage={str(bool(namespaces)).lower()}",
+         "--reuse-values", "--set", f"nodeAgent.perSandboxStorage={on}",
+         "--set", f"s3.sharedNodeCredentials={on}",
          "--set-json", f"nodeAgent.perSandboxStorageNamespaces={json.dumps(namespaces)}",
          "--wait", "--timeout", "180s"],
         env={**os.environ, "KUBECONFIG": cfg.kubeconfig}, capture_output=True, text=True,

@@ -52,7 +52,8 @@ def _helm() -> str:
 def _policies() -> list[Obj]:
     out = subprocess.run(
         [_helm(), "template", "hermit", str(ROOT / "charts/hermit"), "--namespace", RELEASE_NS,
-         "--set", "s3.bucket=checkpoints", "--show-only",
+         "--set", "s3.bucket=checkpoints", "--set",
+         "s3.scopedCredentials.roleArn=arn:aws:iam::123456789012:role/hermit-store", "--show-only",
          "templates/node-agent-policy.yaml"],
         check=True, capture_output=True, text=True, timeout=60).stdout
     return [d for d in yaml.safe_load_all(out) if d]

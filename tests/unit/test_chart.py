@@ -27,6 +27,8 @@ from tests.support.chart import (
     merged,
 )
 
+# AWS S3 needs the role the operator assumes for scoped store credentials.
+AWS_ROLE = "s3.scopedCredentials.roleArn=arn:aws:iam::123456789012:role/hermit-store"
 SETTINGS_PY = ROOT / "common" / "hermit_common" / "settings.py"
 
 
@@ -159,7 +161,8 @@ def test_helm_template_renders() -> None:
         pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
     out = subprocess.run(
         [helm, "template", "hermit", str(CHART), "--namespace", "hermit-system",
-         "--set", "s3.bucket=checkpoints", "--set", "metrics.serviceMonitor.enabled=true"],
+         "--set", "s3.bucket=checkpoints", "--set",
+         AWS_ROLE, "--set", "metrics.serviceMonitor.enabled=true"],
         check=True, capture_output=True, text=True, timeout=60,
     ).stdout
     kinds = sorted(d["kind"] for d in yaml.safe_load_all(out) if d)
@@ -182,7 +185,8 @@ def _render(*sets: str) -> list[dict[str, Any]]:
     helm = find_helm()
     if helm is None:
         pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
-    args = [a for s in ("s3.bucket=checkpoints", *sets) for a in ("--set", s)]
+    args = [a for s in ("s3.bucket=checkpoints",
+                                 AWS_ROLE, *sets) for a in ("--set", s)]
     out = subprocess.run([helm, "template", "hermit", str(CHART), *args], check=True,
                          capture_output=True, text=True, timeout=60).stdout
     return [d for d in yaml.safe_load_all(out) if d]
@@ -228,7 +232,8 @@ def test_per_sandbox_storage_needs_its_namespaces() -> None:
     if helm is None:
         pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
     proc = subprocess.run([helm, "template", "hermit", str(CHART), "--set",
-                           "s3.bucket=checkpoints", "--set", "nodeAgent.perSandboxStorage=true"],
+                           "s3.bucket=checkpoints", "--set", "nodeAgent.perSandboxStorage=true",
+                           "--set", AWS_ROLE],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "nodeAgent.perSandboxStorage=true needs nodeAgent.perSandboxStorageNamespaces" \
@@ -288,7 +293,8 @@ def test_the_turn_port_is_on_the_node_and_the_client_role_is_narrow() -> None:
     if helm is None:
         pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
     out = subprocess.run([helm, "template", "hermit", str(CHART), "--set",
-                          "s3.bucket=checkpoints"], check=True, capture_output=True, text=True,
+                          "s3.bucket=checkpoints", "--set",
+                          AWS_ROLE], check=True, capture_output=True, text=True,
                          timeout=60).stdout
     docs = [d for d in yaml.safe_load_all(out) if d]
     [ds] = [d for d in docs if d["kind"] == "DaemonSet"]
@@ -477,6 +483,37 @@ def test_with_the_key_service_only_the_operator_mounts_the_sealing_secret() -> N
     assert "sealing-keys" not in off["op_volumes"]
     assert not any("tokenreviews" in r["resources"] for r in off["op_rules"])
     assert not [d for d in off["docs"] if d["metadata"]["name"].startswith("hermit-keys")]
+
+
+def test_with_the_key_service_node_agents_get_no_bucket_credential() -> None:
+    """Scoped store credentials (docs/storage.md#scoped-store-credentials) by default:
+    only the operator gets s3.existingSecret; s3.sharedNodeCredentials falls back."""
+    secret_keys = {"HERMIT_S3_ACCESS_KEY_ID", "HERMIT_S3_SECRET_ACCESS_KEY"}
+    on = _key_service_parts("s3.existingSecret=bucket-creds")
+    assert not secret_keys & set(on["agent_env"])
+    assert on["agent_env"]["HERMIT_S3_SCOPED_CREDENTIALS"] == "true"
+    assert secret_keys <= set(on["op_env"])
+    assert on["op_env"]["HERMIT_KEY_SERVICE_STORE_CREDENTIALS"] == "true"
+    assert on["op_env"]["HERMIT_KEY_SERVICE_STORE_CREDENTIALS_SECONDS"] == "3600"
+    assert on["op_env"]["HERMIT_KEY_SERVICE_STORE_ROLE_ARN"] == \
+        "arn:aws:iam::123456789012:role/hermit-store"
+    for fallback in (("s3.sharedNodeCredentials=true",),
+                     ("nodeAgent.sealing.keyService.enabled=false",)):
+        shared = _key_service_parts("s3.existingSecret=bucket-creds", *fallback)
+        assert secret_keys <= set(shared["agent_env"]), fallback
+        assert "HERMIT_S3_SCOPED_CREDENTIALS" not in shared["agent_env"]
+        assert "HERMIT_KEY_SERVICE_STORE_CREDENTIALS" not in shared["op_env"]
+    # AWS S3 (no endpoint) needs the role to assume; MinIO does not.
+    helm = find_helm()
+    assert helm, "helm not found: run hack/install-helm"
+    aws = subprocess.run([helm, "template", "hermit", str(CHART), "--set",
+                          "s3.bucket=checkpoints"], capture_output=True, text=True)
+    assert aws.returncode != 0 and "s3.scopedCredentials.roleArn is required" in aws.stderr
+    minio = subprocess.run([helm, "template", "hermit", str(CHART), "--set",
+                            "s3.bucket=checkpoints", "--set", "s3.endpoint=http://minio:9000"],
+                           capture_output=True, text=True)
+    assert minio.returncode == 0, minio.stderr
+    assert "HERMIT_KEY_SERVICE_STORE_ROLE_ARN" not in minio.stdout
 
 
 def _operator(*sets: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -21,7 +21,8 @@ def render(*sets: str) -> list[Obj]:
     if helm is None:
         pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
     argv = [helm, "template", "hermit", str(CHART), "--namespace", "hermit-system",
-            "--set", "s3.bucket=checkpoints"]
+            "--set", "s3.bucket=checkpoints", "--set",
+         "s3.scopedCredentials.roleArn=arn:aws:iam::123456789012:role/hermit-store"]
     for item in sets:
         argv += ["--set", item]
     out = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=60).stdout
@@ -109,7 +110,10 @@ def test_network_policies_select_each_component_and_open_only_what_it_needs() ->
                             "app.kubernetes.io/component": "node-agent"}}}]}]
         assert spec["ingress"] == [{"ports": [{"port": "metrics", "protocol": "TCP"}]},
                                    *(turns if component == "node-agent" else keys)]
-    assert egress_ports(specs["operator"]) == [api, dns]
+    # The operator reaches S3's port for STS only to vend scoped store credentials
+    # (docs/storage.md#scoped-store-credentials); with the shared fallback it does not.
+    assert egress_ports(specs["operator"]) == [api, dns, {(443, "TCP")}]
+    assert egress_ports(policies("s3.sharedNodeCredentials=true")["operator"]) == [api, dns]
     assert egress_ports(specs["node-agent"]) == [api, dns, {(443, "TCP")}, {(80, "TCP")},
                                                  {(9443, "TCP")}]
     assert specs["node-agent"]["egress"][4]["to"][0]["podSelector"]["matchLabels"][

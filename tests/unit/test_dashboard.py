@@ -75,7 +75,8 @@ def _render(*sets: str) -> list[dict[str, Any]]:
     if helm is None:
         pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
     args = [helm, "template", "hermit", str(CHART), "--namespace", "hermit-system",
-            "--set", "s3.bucket=checkpoints"]
+            "--set", "s3.bucket=checkpoints", "--set",
+         "s3.scopedCredentials.roleArn=arn:aws:iam::123456789012:role/hermit-store"]
     for s in sets:
         args += ["--set", s]
     out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=60).stdout

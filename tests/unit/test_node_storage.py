@@ -519,3 +519,24 @@ def test_a_restarted_agent_looks_for_the_manifest_where_it_was_being_written(
     assert fake.asked[0] == ("box-1-preempt", kube.get_sandbox("agents", "box"))
     assert kube.checkpoints["box-1-preempt"]["status"]["phase"] == "Completed"
     assert kube.checkpoints["box-1-preempt"]["status"]["storage"] == where
+
+
+def test_with_scoped_credentials_only_the_default_store_is_reached_without_a_secret() -> None:
+    """Scoped store credentials (docs/storage.md#scoped-store-credentials): the node-agent
+    has no credentials of its own; a sandbox's Secret still works, another location of
+    the default endpoint without one does not."""
+    from hermit_common.store import CheckpointStore
+
+    secrets = Secrets(**{"team-a-s3": GOOD})
+    clients = Clients()
+    default = CheckpointStore(DEFAULTS, scoped=lambda ns, sb, reads: object())
+    s = Stores(DEFAULTS, secrets, allowed=True, make_client=clients, default_store=default,
+               scoped=True)
+    assert s.for_sandbox(sandbox())[0] is default and default.client is None
+    assert s.for_checkpoint(ckpt("c1", status={"storage": DEFAULT.to_status()}), sandbox()) \
+        is default
+    own, _ = s.for_sandbox(team_sandbox())
+    assert own.settings.access_key_id == ACCESS and not own.scoped
+    with pytest.raises(StorageError, match="has no credentials of its own"):
+        s.for_sandbox(team_sandbox(secret_name=None))
+    assert len(clients.made) == 1  # the Secret's; none of the node-agent's own

@@ -80,18 +80,6 @@ app.kubernetes.io/component: {{ .component }}
 - name: HERMIT_S3_ENDPOINT
   value: {{ . | quote }}
 {{- end }}
-{{- with .Values.s3.existingSecret }}
-- name: HERMIT_S3_ACCESS_KEY_ID
-  valueFrom:
-    secretKeyRef:
-      name: {{ . }}
-      key: {{ $.Values.s3.accessKeyIdKey }}
-- name: HERMIT_S3_SECRET_ACCESS_KEY
-  valueFrom:
-    secretKeyRef:
-      name: {{ . }}
-      key: {{ $.Values.s3.secretAccessKeyKey }}
-{{- end }}
 - name: HERMIT_CLOUD_PROVIDER
   value: {{ .Values.cloudProvider | quote }}
 - name: HERMIT_METRICS_PORT
@@ -104,6 +92,29 @@ app.kubernetes.io/component: {{ .component }}
   valueFrom:
     fieldRef:
       fieldPath: metadata.name
+{{- end -}}
+
+{{/* hermit.s3CredentialsEnv: the bucket-wide credential (s3.existingSecret): the
+     operator's always, the node-agents' only without scoped store credentials. */}}
+{{- define "hermit.s3CredentialsEnv" -}}
+{{- with .Values.s3.existingSecret }}
+- name: HERMIT_S3_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.s3.accessKeyIdKey }}
+- name: HERMIT_S3_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.s3.secretAccessKeyKey }}
+{{- end }}
+{{- end -}}
+
+{{/* Scoped store credentials (docs/storage.md#scoped-store-credentials): with the key
+service, unless s3.sharedNodeCredentials falls back to the shared credential. */}}
+{{- define "hermit.scopedStore.enabled" -}}
+{{- if and (include "hermit.keyService.enabled" .) (not .Values.s3.sharedNodeCredentials) -}}true{{- end -}}
 {{- end -}}
 
 {{/* hermit.s3Port: the TCP port of s3.endpoint (443 for https and for AWS S3 itself,

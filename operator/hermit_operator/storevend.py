@@ -1,0 +1,81 @@
+"""Scoped store credentials, vended by the key service (keyservice.py, ``POST
+/v1/store/credentials``; docs/storage.md#scoped-store-credentials).
+
+The operator alone holds credentials for the whole bucket (the chart's
+``s3.existingSecret``, or the SDK's chain). For a node-agent it calls STS ``AssumeRole``
+against the store's endpoint (AWS STS, or MinIO's, which serves it on the S3 port) with
+an inline session ``Policy`` from ``storecreds.session_policy``: the temporary
+credentials can do no more than both the caller's rights and that policy allow, so only
+that sandbox's prefix. Credentials are never logged.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any, Final
+
+from hermit_common import storecreds
+from hermit_common.errors import HermitError
+from hermit_common.settings import KeyServiceSettings, StoreSettings
+
+# MinIO ignores the role; AWS boto3 wants an ARN-shaped value either way.
+MINIO_ROLE_ARN: Final = "arn:aws:iam::000000000000:role/hermit-node-store"
+_SESSION_NAME_BAD: Final = re.compile(r"[^\w+=,.@-]")
+
+
+class VendFailed(HermitError):
+    """STS refused or did not answer."""
+
+
+def session_name(node: str) -> str:
+    """``hermit-<node>`` within STS's rules (2-64 of ``[\\w+=,.@-]``): CloudTrail and
+    MinIO's logs show which node used the credentials."""
+    return _SESSION_NAME_BAD.sub("-", f"hermit-{node}")[:64]
+
+
+def make_sts_client(store: StoreSettings) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    return boto3.session.Session().client(
+        "sts", endpoint_url=store.endpoint_url, region_name=store.region,
+        aws_access_key_id=store.access_key_id, aws_secret_access_key=store.secret_access_key,
+        aws_session_token=store.session_token,
+        config=Config(retries={"mode": "standard", "max_attempts": 3},
+                      connect_timeout=5, read_timeout=10))
+
+
+class StoreVendor:
+    """Temporary credentials for one sandbox's prefix of the default store."""
+
+    def __init__(self, store: StoreSettings, settings: KeyServiceSettings, *,
+                 make_sts: Callable[[StoreSettings], Any] = make_sts_client) -> None:
+        self._store = store
+        self._role = settings.store_role_arn or MINIO_ROLE_ARN
+        self._seconds = settings.store_credentials_seconds
+        self._sts = make_sts(store)
+
+    def credentials(self, node: str, namespace: str, sandbox: str, *, write: bool,
+                    reads: tuple[str, ...]) -> dict[str, Any]:
+        policy = storecreds.session_policy(self._store.bucket, self._store.prefix, namespace,
+                                           sandbox, write=write, reads=reads)
+        try:
+            out = self._sts.assume_role(
+                RoleArn=self._role, RoleSessionName=session_name(node),
+                Policy=json.dumps(policy, separators=(",", ":")),
+                DurationSeconds=self._seconds)
+        except Exception as exc:
+            code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
+            raise VendFailed(f"STS AssumeRole for {namespace}/{sandbox} failed: "
+                             f"{code or type(exc).__name__}") from None
+        creds = out.get("Credentials") or {}
+        expiration: Any = creds.get("Expiration")
+        return {"accessKeyId": creds.get("AccessKeyId"),
+                "secretAccessKey": creds.get("SecretAccessKey"),
+                "sessionToken": creds.get("SessionToken"),
+                "durationSeconds": self._seconds,
+                "expiration": str(getattr(expiration, "isoformat", lambda: expiration)()),
+                "bucket": self._store.bucket,
+                "access": "read-write" if write else "read-only"}
