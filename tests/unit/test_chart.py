@@ -563,3 +563,62 @@ def test_the_chart_renders_no_key_so_every_render_is_the_same() -> None:
     assert not any(a.startswith("--sealing") for a in
                    job["spec"]["template"]["spec"]["containers"][0]["args"])
     assert not [d for d in _render("secretsJob.enabled=false") if d["kind"] == "Job"]
+
+
+def test_values_platform_teams_expect() -> None:
+    """Registry mirror and digests, pod labels and security context, extra volumes (a
+    private CA for S3), ServiceMonitor relabelings (issue 21, point 6)."""
+    digest = "sha256:" + "a" * 64
+    docs = _render(
+        "global.imageRegistry=mirror.example.com:5000/hub",
+        f"operator.image.digest={digest}",
+        "operator.podLabels.team=platform", "nodeAgent.podLabels.team=platform",
+        "operator.podSecurityContext.runAsUser=1001",
+        "nodeAgent.podSecurityContext.supplementalGroups={5}",
+        "operator.extraVolumes[0].name=s3-ca",
+        "operator.extraVolumes[0].configMap.name=corp-ca",
+        "operator.extraVolumeMounts[0].name=s3-ca",
+        "operator.extraVolumeMounts[0].mountPath=/etc/corp-ca",
+        "nodeAgent.extraVolumes[0].name=s3-ca",
+        "nodeAgent.extraVolumes[0].configMap.name=corp-ca",
+        "nodeAgent.extraVolumeMounts[0].name=s3-ca",
+        "nodeAgent.extraVolumeMounts[0].mountPath=/etc/corp-ca",
+        "metrics.serviceMonitor.enabled=true",
+        "metrics.serviceMonitor.relabelings[0].targetLabel=cluster",
+        "metrics.serviceMonitor.relabelings[0].replacement=prod",
+        "metrics.serviceMonitor.metricRelabelings[0].action=drop",
+        "metrics.serviceMonitor.metricRelabelings[0].sourceLabels={__name__}",
+        "metrics.serviceMonitor.metricRelabelings[0].regex=go_.*")
+    [dep] = [d for d in docs if d["kind"] == "Deployment"]
+    [ds] = [d for d in docs if d["kind"] == "DaemonSet"]
+    op, agent = dep["spec"]["template"], ds["spec"]["template"]
+    op_c, agent_c = op["spec"]["containers"][0], agent["spec"]["containers"][0]
+    assert op_c["image"] == f"mirror.example.com:5000/hub/hermit/operator@{digest}"
+    assert agent_c["image"] == "mirror.example.com:5000/hub/hermit/node-agent:0.1.0"
+    # The image sandbox pods copy hermit-init from follows the same override.
+    env = {e["name"]: e.get("value") for e in op_c["env"]}
+    assert env["HERMIT_INIT_IMAGE"] == "mirror.example.com:5000/hub/hermit/node-agent:0.1.0"
+    for pod in (op, agent):
+        assert pod["metadata"]["labels"]["team"] == "platform"
+        # Extra labels never replace the selector's.
+        assert pod["metadata"]["labels"]["app.kubernetes.io/name"] == "hermit"
+    psc = op["spec"]["securityContext"]
+    assert psc["runAsUser"] == 1001 and psc["runAsNonRoot"] is True
+    assert psc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert agent["spec"]["securityContext"] == {"supplementalGroups": [5]}
+    for pod, c in ((op, op_c), (agent, agent_c)):
+        assert {"name": "s3-ca", "configMap": {"name": "corp-ca"}} in pod["spec"]["volumes"]
+        assert {"name": "s3-ca", "mountPath": "/etc/corp-ca"} in c["volumeMounts"]
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert len(monitors) == 2
+    for m in monitors:
+        [ep] = m["spec"]["endpoints"]
+        assert ep["relabelings"] == [{"targetLabel": "cluster", "replacement": "prod"}]
+        assert ep["metricRelabelings"] == [
+            {"action": "drop", "sourceLabels": ["__name__"], "regex": "go_.*"}]
+    # Defaults: no registry, tags, the chart's own pod security context.
+    [dep] = [d for d in _render() if d["kind"] == "Deployment"]
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "hermit/operator:0.1.0"
+    assert dep["spec"]["template"]["spec"]["securityContext"] == {
+        "runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532,
+        "seccompProfile": {"type": "RuntimeDefault"}}

@@ -63,8 +63,16 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{/* hermit.image: call with (dict "ctx" $ "image" .Values.operator.image). */}}
+{{/* An image reference: [global.imageRegistry/]repository, then @digest when set (the tag
+     is then ignored), else :tag (the chart's appVersion when empty). */}}
 {{- define "hermit.image" -}}
-{{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) -}}
+{{- $repo := .image.repository -}}
+{{- with .ctx.Values.global.imageRegistry }}{{ $repo = printf "%s/%s" (trimSuffix "/" .) $repo }}{{ end -}}
+{{- if .image.digest -}}
+{{- printf "%s@%s" $repo .image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $repo (default .ctx.Chart.AppVersion .image.tag) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Environment both components share: the checkpoint store (HERMIT_S3_*, see
