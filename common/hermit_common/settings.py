@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
+from hermit_common import logformat
 from hermit_common.errors import SettingsError
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -305,6 +306,7 @@ class NodeSettings:
     cgroup_root: str = "/sys/fs/cgroup"
     metrics_port: int = 9101
     log_level: str = "INFO"
+    log_format: str = "text"  # HERMIT_LOG_FORMAT: text or json (logformat.py)
     # How often, at the least, the watched copy of the node's pods and Checkpoints is
     # looked at (a change wakes the loop at once).
     reconcile_interval_seconds: float = 2.0
@@ -356,6 +358,7 @@ class NodeSettings:
             metrics_port=env.integer("HERMIT_METRICS_PORT", 9101, minimum=1, maximum=65535),
             log_level=env.choice(
                 "HERMIT_LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR")),
+            log_format=env.choice("HERMIT_LOG_FORMAT", logformat.TEXT, logformat.FORMATS),
             reconcile_interval_seconds=env.number(
                 "HERMIT_RECONCILE_INTERVAL_SECONDS", 2.0, minimum=0.1, maximum=300.0),
             max_frozen_seconds=env.number(
@@ -516,6 +519,7 @@ class OperatorSettings:
     peering_name: str | None = None  # None: standalone (no kopf peering)
     metrics_port: int = 9102
     log_level: str = "INFO"
+    log_format: str = "text"  # HERMIT_LOG_FORMAT: text or json (logformat.py)
     init_image: str = DEFAULT_HERMIT_IMAGE  # the image holding the static hermit-init
     init_path: str = "/usr/local/bin/hermit-init"  # hermit-init's path inside init_image
     store: StoreSettings | None = None  # None: no default checkpoint store configured
@@ -553,6 +557,7 @@ class OperatorSettings:
             metrics_port=env.integer("HERMIT_METRICS_PORT", 9102, minimum=1, maximum=65535),
             log_level=env.choice(
                 "HERMIT_LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR")),
+            log_format=env.choice("HERMIT_LOG_FORMAT", logformat.TEXT, logformat.FORMATS),
             init_image=env.text("HERMIT_INIT_IMAGE", DEFAULT_HERMIT_IMAGE),
             init_path=init_path,
             store=store,

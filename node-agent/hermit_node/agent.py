@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from hermit_common import health as http_health
+from hermit_common import logformat, protocol
 from hermit_common import metrics as hermit_metrics
-from hermit_common import protocol
 from hermit_common.bandwidth import UploadLimiter
 from hermit_common.chunkcache import CacheTally, ChunkCache
 from hermit_common.errors import (
@@ -1099,6 +1099,7 @@ def set_log_levels(level: str) -> None:
 def run_agent(environ: Mapping[str, str], *, stop: threading.Event | None = None,
               install_signals: bool = True) -> int:
     settings = NodeSettings.from_env(environ)
+    logformat.use_format(settings.log_format)
     set_log_levels(settings.log_level)
     log.info("starting with settings %s", redacted(settings))
     metrics.record_build(hermit_metrics.build_version())

@@ -18,6 +18,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from hermit_common import health as http_health
+from hermit_common import logformat
 from hermit_common.errors import HermitError, SettingsError
 from hermit_common.settings import OperatorSettings, redacted
 from hermit_operator.health import KOPF_LIVENESS_ENDPOINT, OperatorHealth
@@ -40,10 +41,7 @@ def main() -> None:
     except SettingsError as exc:
         _fail(str(exc), 2)
         return
-    logging.basicConfig(
-        level=settings.log_level,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
+    own_handler = logformat.configure(settings.log_level, settings.log_format)
     logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)  # retries: one line
     log.info("settings: %s", json.dumps(redacted(settings), default=str))
 
@@ -72,7 +70,12 @@ def main() -> None:
         _serve_keys(settings, kube)
     elector = _lead(settings, health) if settings.leader_election else None
     health.leading()
-    kopf.configure(verbose=settings.log_level == "DEBUG")
+    kopf.configure(verbose=settings.log_level == "DEBUG", log_format=(
+        kopf.LogFormat.JSON if settings.log_format == logformat.JSON else kopf.LogFormat.FULL))
+    # kopf's handler (which also names the object a handler's line is about) prints from
+    # here on; ours too would print every line twice.
+    if own_handler is not None:
+        logging.getLogger().removeHandler(own_handler)
     logging.getLogger().setLevel(settings.log_level)
     kopf.run(
         clusterwide=settings.clusterwide,

@@ -169,9 +169,11 @@ def test_helm_template_renders() -> None:
     assert kinds == sorted([
         # operator, node-agent, turn-client (bound to nothing: docs/turns.md)
         "ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding",
-        "DaemonSet", "Deployment", "Role", "RoleBinding", "Secret", "Service", "Service",
-        # the key service: its Service, serving certificate and CA (docs/security.md)
-        "Service", "Secret", "Secret",
+        "DaemonSet", "Deployment", "Role", "RoleBinding", "Service", "Service",
+        # the key service's Service (its Secrets are the hook Job's, docs/security.md)
+        "Service",
+        # the ensure-secrets hook: its Job, account and Role (no Secret is rendered)
+        "Job", "ServiceAccount", "Role", "RoleBinding",
         "ServiceAccount", "ServiceAccount", "ServiceMonitor", "ServiceMonitor",
         # the node-agent's node, pod and checkpoint scopes; the operator's verified mark
         *["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"] * 4,
@@ -442,7 +444,7 @@ def test_with_the_key_service_only_the_operator_mounts_the_sealing_secret() -> N
                             "networkPolicy.enabled=true")
     secrets = {v["secret"]["secretName"] for v in on["agent_volumes"].values()
                if "secret" in v}
-    assert secrets == {"hermit-keys-ca"}, "the node-agent mounts the CA, no key"
+    assert secrets == {"hermit-keys-trust"}, "the node-agent mounts the CA, no key"
     assert "HERMIT_SEAL_KEYS_DIR" not in on["agent_env"]
     assert on["agent_env"]["HERMIT_SEAL_KEY_SERVICE_URL"] == \
         "https://hermit-keys.default.svc:9443"
@@ -459,9 +461,11 @@ def test_with_the_key_service_only_the_operator_mounts_the_sealing_secret() -> N
     assert {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"],
             "verbs": ["create"]} in on["op_rules"]
     by_name = {(d["kind"], d["metadata"]["name"]): d for d in on["docs"]}
-    ca = by_name[("Secret", "hermit-keys-ca")]["data"]
-    tls = by_name[("Secret", "hermit-keys-tls")]["data"]
-    assert set(ca) == {"ca.crt"} and ca["ca.crt"] == tls["ca.crt"] and "tls.key" in tls
+    assert on["op_volumes"]["keys-tls"]["secret"]["secretName"] == "hermit-keys-serving"
+    [job] = [d for d in on["docs"] if d["kind"] == "Job"]
+    assert {"--serving=hermit-keys-serving", "--trust=hermit-keys-trust",
+            "--service=hermit-keys", "--sealing=hermit-sealing"} <= set(
+        job["spec"]["template"]["spec"]["containers"][0]["args"])
     assert by_name[("Service", "hermit-keys")]["spec"]["ports"][0]["targetPort"] == "keys"
     # The operator accepts the key port from node-agents only; node-agents reach it.
     op_np = by_name[("NetworkPolicy", "hermit-operator")]["spec"]
@@ -570,3 +574,88 @@ def test_the_node_agent_runs_on_linux_nodes_of_the_built_architectures_only() ->
         "nodeSelectorTerms[0].matchExpressions[0]"
     [term] = terms(f"{key}.key=pool", f"{key}.operator=Exists")
     assert term == {"matchExpressions": [{"key": "pool", "operator": "Exists"}]}
+
+
+def test_the_chart_renders_no_key_so_every_render_is_the_same() -> None:
+    """GitOps: `helm template` (Argo CD, Flux) must not make a new sealing key or CA on
+    each sync. The chart renders no Secret; the hook Job creates the missing ones."""
+    first = _render()
+    assert first == _render()
+    assert not [d for d in first if d["kind"] == "Secret"]
+    [job] = [d for d in first if d["kind"] == "Job"]
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
+    # Its account, Role and binding exist before it (hooks run before the release's objects).
+    weights = {d["kind"]: int(d["metadata"]["annotations"]["helm.sh/hook-weight"])
+               for d in first if "helm.sh/hook" in d["metadata"].get("annotations", {})}
+    assert weights == {"ServiceAccount": -10, "Role": -10, "RoleBinding": -10, "Job": 0}
+    [role] = [d for d in first if d["kind"] == "Role"
+              and d["metadata"]["name"] == "hermit-ensure-secrets"]
+    named = [r for r in role["rules"] if "resourceNames" in r]
+    assert named == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "patch"],
+                      "resourceNames": ["hermit-sealing", "hermit-keys-serving",
+                                        "hermit-keys-trust"]}]
+    # A Secret of the user's own: the Job does not manage it; the Job can be switched off.
+    own = _render("nodeAgent.sealing.existingSecret=mine")
+    [job] = [d for d in own if d["kind"] == "Job"]
+    assert not any(a.startswith("--sealing") for a in
+                   job["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert not [d for d in _render("secretsJob.enabled=false") if d["kind"] == "Job"]
+
+
+def test_values_platform_teams_expect() -> None:
+    """Registry mirror and digests, pod labels and security context, extra volumes (a
+    private CA for S3), ServiceMonitor relabelings (issue 21, point 6)."""
+    digest = "sha256:" + "a" * 64
+    docs = _render(
+        "global.imageRegistry=mirror.example.com:5000/hub",
+        f"operator.image.digest={digest}",
+        "operator.podLabels.team=platform", "nodeAgent.podLabels.team=platform",
+        "operator.podSecurityContext.runAsUser=1001",
+        "nodeAgent.podSecurityContext.supplementalGroups={5}",
+        "operator.extraVolumes[0].name=s3-ca",
+        "operator.extraVolumes[0].configMap.name=corp-ca",
+        "operator.extraVolumeMounts[0].name=s3-ca",
+        "operator.extraVolumeMounts[0].mountPath=/etc/corp-ca",
+        "nodeAgent.extraVolumes[0].name=s3-ca",
+        "nodeAgent.extraVolumes[0].configMap.name=corp-ca",
+        "nodeAgent.extraVolumeMounts[0].name=s3-ca",
+        "nodeAgent.extraVolumeMounts[0].mountPath=/etc/corp-ca",
+        "metrics.serviceMonitor.enabled=true",
+        "metrics.serviceMonitor.relabelings[0].targetLabel=cluster",
+        "metrics.serviceMonitor.relabelings[0].replacement=prod",
+        "metrics.serviceMonitor.metricRelabelings[0].action=drop",
+        "metrics.serviceMonitor.metricRelabelings[0].sourceLabels={__name__}",
+        "metrics.serviceMonitor.metricRelabelings[0].regex=go_.*")
+    [dep] = [d for d in docs if d["kind"] == "Deployment"]
+    [ds] = [d for d in docs if d["kind"] == "DaemonSet"]
+    op, agent = dep["spec"]["template"], ds["spec"]["template"]
+    op_c, agent_c = op["spec"]["containers"][0], agent["spec"]["containers"][0]
+    assert op_c["image"] == f"mirror.example.com:5000/hub/hermit/operator@{digest}"
+    assert agent_c["image"] == "mirror.example.com:5000/hub/hermit/node-agent:0.1.0"
+    # The image sandbox pods copy hermit-init from follows the same override.
+    env = {e["name"]: e.get("value") for e in op_c["env"]}
+    assert env["HERMIT_INIT_IMAGE"] == "mirror.example.com:5000/hub/hermit/node-agent:0.1.0"
+    for pod in (op, agent):
+        assert pod["metadata"]["labels"]["team"] == "platform"
+        # Extra labels never replace the selector's.
+        assert pod["metadata"]["labels"]["app.kubernetes.io/name"] == "hermit"
+    psc = op["spec"]["securityContext"]
+    assert psc["runAsUser"] == 1001 and psc["runAsNonRoot"] is True
+    assert psc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert agent["spec"]["securityContext"] == {"supplementalGroups": [5]}
+    for pod, c in ((op, op_c), (agent, agent_c)):
+        assert {"name": "s3-ca", "configMap": {"name": "corp-ca"}} in pod["spec"]["volumes"]
+        assert {"name": "s3-ca", "mountPath": "/etc/corp-ca"} in c["volumeMounts"]
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert len(monitors) == 2
+    for m in monitors:
+        [ep] = m["spec"]["endpoints"]
+        assert ep["relabelings"] == [{"targetLabel": "cluster", "replacement": "prod"}]
+        assert ep["metricRelabelings"] == [
+            {"action": "drop", "sourceLabels": ["__name__"], "regex": "go_.*"}]
+    # Defaults: no registry, tags, the chart's own pod security context.
+    [dep] = [d for d in _render() if d["kind"] == "Deployment"]
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "hermit/operator:0.1.0"
+    assert dep["spec"]["template"]["spec"]["securityContext"] == {
+        "runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532,
+        "seccompProfile": {"type": "RuntimeDefault"}}

@@ -96,9 +96,14 @@ def egress_ports(spec: Obj) -> list[set[tuple[int | str, str]]]:
 
 def test_network_policies_select_each_component_and_open_only_what_it_needs() -> None:
     specs = policies()
-    assert sorted(specs) == ["node-agent", "operator"]
+    assert sorted(specs) == ["ensure-secrets", "node-agent", "operator"]
     api = {(443, "TCP"), (6443, "TCP")}
     dns = {(53, "UDP"), (53, "TCP")}
+    # The hook Job that makes the missing Secrets: the API server and DNS, nothing in.
+    hook = specs.pop("ensure-secrets")
+    assert hook["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == \
+        "ensure-secrets"
+    assert hook["ingress"] == [] and egress_ports(hook) == [api, dns]
     for component, spec in specs.items():
         assert spec["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == component
         assert spec["policyTypes"] == ["Ingress", "Egress"]
@@ -147,7 +152,8 @@ def test_network_policy_values_narrow_the_peers() -> None:
     assert len(agent["egress"]) == 5
     for spec in specs.values():
         assert spec["egress"][-1] == {"ports": [{"port": 8125}]}
-        assert spec["ingress"][0]["from"] == [
+    for component in ("operator", "node-agent"):  # the hook Job accepts nothing
+        assert specs[component]["ingress"][0]["from"] == [
             {"namespaceSelector": {"matchLabels": {"team": "obs"}}}]
 
 

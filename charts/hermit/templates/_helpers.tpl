@@ -63,8 +63,16 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{/* hermit.image: call with (dict "ctx" $ "image" .Values.operator.image). */}}
+{{/* An image reference: [global.imageRegistry/]repository, then @digest when set (the tag
+     is then ignored), else :tag (the chart's appVersion when empty). */}}
 {{- define "hermit.image" -}}
-{{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) -}}
+{{- $repo := .image.repository -}}
+{{- with .ctx.Values.global.imageRegistry }}{{ $repo = printf "%s/%s" (trimSuffix "/" .) $repo }}{{ end -}}
+{{- if .image.digest -}}
+{{- printf "%s@%s" $repo .image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $repo (default .ctx.Chart.AppVersion .image.tag) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Environment both components share: the checkpoint store (HERMIT_S3_*, see
@@ -142,6 +150,23 @@ asks for it, and both components are installed. */}}
 {{- printf "%s-keys" (include "hermit.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* The key service's serving certificate (operator only) and its CA alone (node-agents):
+     made by the ensure-secrets hook Job, not rendered. Not the names the chart's earlier
+     `lookup` templates used: an upgrade deletes those, after the hook ran. */}}
+{{- define "hermit.keyService.servingSecret" -}}
+{{- printf "%s-keys-serving" (include "hermit.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "hermit.keyService.trustSecret" -}}
+{{- printf "%s-keys-trust" (include "hermit.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The sealing Secret is the chart's to create (by the hook Job) unless it is the user's. */}}
+{{- define "hermit.sealing.generated" -}}
+{{- $s := .Values.nodeAgent.sealing -}}
+{{- if and .Values.nodeAgent.enabled $s.enabled (not $s.existingSecret) -}}true{{- end -}}
+{{- end -}}
+
 {{/* hermit.notSpot: matchExpressions that exclude every provider's spot nodes (the labels
      hermit_operator.podspec knows: Karpenter, EKS, GKE spot and provisioning, AKS). */}}
 {{- define "hermit.notSpot" -}}
@@ -151,3 +176,29 @@ asks for it, and both components are installed. */}}
 - {key: cloud.google.com/gke-provisioning, operator: NotIn, values: [spot]}
 - {key: kubernetes.azure.com/scalesetpriority, operator: NotIn, values: [spot]}
 {{- end }}
+
+{{/* Where operator pods run (the Deployment and the ensure-secrets hook Job). */}}
+{{- define "hermit.operator.placement" -}}
+{{- with .Values.operator.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.operator.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- if .Values.operator.affinity }}
+affinity:
+  {{- toYaml .Values.operator.affinity | nindent 2 }}
+{{- else if .Values.operator.avoidSpot }}
+# Off spot nodes: the operator moves the sandboxes a spot reclaim hits, so it must
+# not be hit with them (every provider's spot label; NotIn also takes unlabelled
+# nodes). operator.affinity replaces this; operator.avoidSpot=false drops it.
+affinity:
+  nodeAffinity:
+    requiredDuringSchedulingIgnoredDuringExecution:
+      nodeSelectorTerms:
+        - matchExpressions:
+            {{- include "hermit.notSpot" . | nindent 12 }}
+{{- end }}
+{{- end -}}
