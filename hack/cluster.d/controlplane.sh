@@ -9,6 +9,11 @@ net_up() {
     ip link add "$BRIDGE" type bridge
     ip addr add "$BRIDGE_IP/24" dev "$BRIDGE"
   fi
+  # A fixed MAC: a bridge with a random one takes its lowest port's MAC and changes it
+  # whenever a node (veth) joins or leaves, leaving the nodes' ARP entries for the host
+  # side stale; packets to 10.213.0.1 (API server, MinIO, the tick ledger) were dropped.
+  [ "$(cat "/sys/class/net/$BRIDGE/addr_assign_type")" = 3 ] ||
+    ip link set "$BRIDGE" address "$BRIDGE_MAC"
   ip link set "$BRIDGE" up
   mkdir -p "$CLUSTER_DIR"
   # host-wide knobs we (ip_forward) or the kubelets (kernel tunables) change;

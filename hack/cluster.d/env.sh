@@ -7,6 +7,7 @@ KUBECONFIG_ADMIN="$CLUSTER_DIR/kubeconfig"
 
 BRIDGE=hermit-br0
 BRIDGE_IP=10.213.0.1                  # host side; kube-apiserver listens here
+BRIDGE_MAC=02:68:72:6d:00:01          # locally administered, fixed (controlplane.sh net_up)
 NODE_NET_PREFIX=10.213.0              # node i: 10.213.0.(10+i)
 POD_NET_PREFIX=10.214                 # node i: 10.214.i.0/24
 CLUSTER_CIDR=10.214.0.0/16
