@@ -146,7 +146,9 @@ def test_the_network_policies_are_valid_for_the_api_server(
          "--show-only", "templates/networkpolicy.yaml"],
         check=True, capture_output=True, text=True, timeout=60).stdout
     policies = [d for d in yaml.safe_load_all(out) if d]
-    assert len(policies) == 2
+    # The operator's, the node-agent's and the ensure-secrets hook Job's.
+    assert sorted(p["metadata"]["labels"]["app.kubernetes.io/component"]
+                  for p in policies) == ["ensure-secrets", "node-agent", "operator"]
     networking = client.NetworkingV1Api()
     for policy in policies:
         created = networking.create_namespaced_network_policy(
