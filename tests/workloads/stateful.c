@@ -745,6 +745,20 @@ int main(int argc, char **argv) {
 		if (now >= next) {
 			counter++;
 			next += tick_ms;
+			long long st = read_starttime();
+			if (st >= 0 && started_at >= 0 && st != started_at) {
+				gen++;
+				watch_restart(&thread_watch, now);
+				watch_restart(&seq_watch, now);
+				out(2, "hermit-stateful: restore detected (gen=%d) at counter %lld\n", gen,
+				    counter);
+			}
+			if (st >= 0)
+				started_at = st;
+			/* reported first (gen and start are this copy's): a tick cut by a freeze is in
+			 * the ledger before it is in any log, so no log shows a tick the ledger lacks */
+			if (*ledger)
+				ledger_report(counter, gen, st);
 			if (log_rd >= 0 && counter > 1)
 				check_tick_log(log_rd, log_path, counter - 1);
 			write_state("counter.txt", "%lld\n", counter);
@@ -761,19 +775,6 @@ int main(int argc, char **argv) {
 				}
 			}
 			check_created(counter);
-
-			long long st = read_starttime();
-			if (st >= 0 && started_at >= 0 && st != started_at) {
-				gen++;
-				watch_restart(&thread_watch, now);
-				watch_restart(&seq_watch, now);
-				out(2, "hermit-stateful: restore detected (gen=%d) at counter %lld\n", gen,
-				    counter);
-			}
-			if (st >= 0)
-				started_at = st;
-			if (*ledger) /* after the restore check: gen and start are this copy's */
-				ledger_report(counter, gen, st);
 
 			unsigned long long threads = __atomic_load_n(&worker_count, __ATOMIC_RELAXED);
 			long long stuck = watch_check(&thread_watch, threads, now, stall_ms);
