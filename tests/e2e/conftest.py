@@ -257,15 +257,17 @@ LEDGER_HOST = os.environ.get("HERMIT_E2E_LEDGER_HOST", LOCAL_CLUSTER_HOST)
 
 
 @pytest.fixture(scope="session", autouse=True)
-def tick_ledger() -> Iterator[tick_ledger_mod.Collector]:
+def tick_ledger() -> Iterator[tick_ledger_mod.Collector | None]:
     """The external tick ledger of the whole session: every sandbox the helpers create
     (tests/e2e/sandboxes.py stateful_spec) reports each tick to it."""
     try:
         collector = tick_ledger_mod.Collector(LEDGER_HOST).start()
     except OSError as exc:
-        pytest.fail(f"the tick ledger cannot listen on {LEDGER_HOST} ({exc}): run "
-                    "hack/cluster up, or set HERMIT_E2E_LEDGER_HOST to an address of this "
-                    "host the cluster's pods reach")
+        # Only the tests that judge ticks need it: they fail naming this (sb.assert_ledger).
+        print(f"the tick ledger cannot listen on {LEDGER_HOST} ({exc}): run hack/cluster "
+              "up, or set HERMIT_E2E_LEDGER_HOST to an address of this host the pods reach")
+        yield None
+        return
     tick_ledger_mod.use(collector)
     try:
         yield collector

@@ -187,7 +187,8 @@ def ledger_verdict(name: str, *, after: int = 0, timeout: float = 30) -> ledger.
     """The external ledger's verdict on sandbox ``name`` once it holds a report of a tick
     past ``after`` (what the pod log showed: the reports in flight have arrived)."""
     collector = ledger.current()
-    assert collector is not None, "no tick ledger: the tick_ledger fixture is not active"
+    assert collector is not None, (
+        "no tick ledger: the tick_ledger fixture could not listen (HERMIT_E2E_LEDGER_HOST)")
     wait_until(f"the tick ledger of {name} past tick {after}", timeout,
                lambda: collector.last_tick(name) > after, 0.2)
     return collector.verdict(name)
