@@ -106,7 +106,8 @@ def test_three_preemptions_in_a_row_then_suspend_resume_and_fork(
     # The fork reports under its own name (its pod's hostname) from the tick after the
     # Suspend checkpoint's; the original's record is untouched by it.
     forked_ledger = sb.assert_ledger(fork, after=fork_ticks[-1])
-    assert forked_ledger.first == seen[0], forked_ledger.summary()
+    # (one later when the checkpoint froze a tick between its report and its log line)
+    assert forked_ledger.first in (seen[0], seen[0] + 1), forked_ledger.summary()
     sb.assert_ledger(name, after=seen[-1])
     print(f"fork {fork} on {forked.node} started at tick {fork_ticks[0]}")
     kubectl = sb.kubectl_binary()
@@ -208,9 +209,11 @@ def test_node_lost_without_notice_restores_the_interval_checkpoint(
     # checkpoint, one copy after the other (a replay), nothing lost.
     v = sb.assert_ledger(name, after=seen[-1], allow_replay=True)
     old_last = max(c.last_tick for c in v.copies if c.gen == 0)
+    new_first = min(c.first_tick for c in v.copies if c.gen > 0)
     assert old_last >= last_before, v.summary()
-    assert v.replayed == tuple(range(seen[0], old_last + 1)), v.summary()
-    lost_ticks = old_last - seen[0] + 1
+    assert new_first in (seen[0], seen[0] + 1), v.summary()  # a tick cut by the checkpoint
+    assert v.replayed == tuple(range(new_first, old_last + 1)), v.summary()
+    lost_ticks = old_last - new_first + 1
     warnings = [e for e in sb.events(kube, namespace, name) if e["type"] == "Warning"
                 and str(restored.get("name")) in str(e["message"])]
     assert warnings, "no Warning event says which checkpoint was restored and how old it was"
