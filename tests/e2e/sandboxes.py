@@ -184,30 +184,33 @@ def assert_continues(kube: Kube, ns: str, pod: str, before: int, *,
 
 
 def ledger_verdict(name: str, *, after: int = 0, timeout: float = 30) -> ledger.Verdict:
-    """The external ledger's verdict on sandbox ``name`` once it holds a report of a tick
-    past ``after`` (what the pod log showed: the reports in flight have arrived)."""
+    """The external ledger's verdict on sandbox ``name`` once its newest copy reported a
+    tick past ``after`` (what the pod log showed: the reports in flight have arrived)."""
     collector = ledger.current()
     assert collector is not None, (
         "no tick ledger: the tick_ledger fixture could not listen (HERMIT_E2E_LEDGER_HOST)")
-    wait_until(f"the tick ledger of {name} past tick {after}", timeout,
-               lambda: collector.last_tick(name) > after, 0.2)
+    wait_until(f"the tick ledger of {name}'s newest copy past tick {after}", timeout,
+               lambda: collector.newest_tick(name) > after, 0.2)
     return collector.verdict(name)
 
 
-def assert_ledger(name: str, *, after: int = 0, allow_replay: bool = False
-                  ) -> ledger.Verdict:
+def assert_ledger(name: str, *, after: int = 0, allow_replay: bool = False,
+                  timeout: float = 30) -> ledger.Verdict:
     """The external ledger says: over the whole run of ``name``, no tick lost, none
     duplicated (``allow_replay``: ticks redone after a copy ended, the work a routine
-    checkpoint loses with its node, are no duplicate), no report dropped or refused."""
-    v = ledger_verdict(name, after=after)
+    checkpoint loses with its node, are no duplicate), no copy's last report dropped
+    (it could hide a duplicate) and nothing refused. Reports dropped inside a copy's
+    span are printed, harmless (tests/support/ledger.py)."""
+    v = ledger_verdict(name, after=after, timeout=timeout)
     print(f"tick ledger {name}: {v.summary()}")
     assert v.first == 1 or (bool(v.copies) and v.copies[0].gen > 0), (
         f"the ledger's first report of {name} is tick {v.first}: {v.summary()}")
     assert not v.lost, f"ticks lost: {v.summary()}"
     dup = v.concurrent if allow_replay else v.duplicated
     assert not dup, f"ticks duplicated: {v.summary()}"
-    assert not v.dropped and not v.refused, (
-        f"reports dropped or refused: the record cannot rule a duplicate out: {v.summary()}")
+    assert not v.edge_dropped and not v.refused, (
+        f"a copy's last report dropped, or reports refused: the record cannot rule a "
+        f"duplicate out: {v.summary()}")
     return v
 
 

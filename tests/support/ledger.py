@@ -18,13 +18,17 @@ changes with every restore (CRIU creates a new process), the source address is t
 IP, and ``host`` is the UTS name, which the operator sets to the sandbox's name (a fork
 has its own), so one collector serves many sandboxes.
 
-UDP may drop a datagram. A report carries ``prev``, the tick its process image reported
-before, which lives in the image's memory (a restored copy carries it). A tick number no
-report carries is a dropped report, not a lost tick, only when a later report says it was
-reported (``prev`` == that tick); otherwise it is lost. So a drop never hides a loss; it
-can hide a duplicate (the only report of a copy's extra tick dropped), so drops are
-counted (a report whose ``prev`` was never received) and a verdict with drops is not
-clean (``Verdict.clean``).
+UDP may drop a datagram (the local cluster dropped seven in a row once, mid-run). So a
+copy's reports are read as a span: one process image counts its ticks one by one, so it
+made every tick from its first report to its last, whether or not each report arrived.
+Lost and duplicated are judged on the spans: lost is a tick in no copy's span, duplicated
+a tick in two copies' spans (or reported twice by one). A report missing inside a span
+is counted (``dropped``) and harmless: it can neither hide a loss nor a duplicate. A
+report carries ``prev``, the tick its image reported before, kept in its memory (a
+restored copy carries it): a tick some ``prev`` claims but no span covers is a copy's
+last report lost in transit, just before a restore (``edge_dropped``). That is where an
+old copy's extra tick could hide, so a verdict with one is not clean (``Verdict.clean``):
+a drop never turns a loss into a pass, and never a possible duplicate into one either.
 """
 
 from __future__ import annotations
@@ -98,10 +102,12 @@ class Copy:
     reports: int
     first_seen: float
     last_seen: float
+    errs: int = 0  # sends the copy itself saw fail, as of its last report
 
     def __str__(self) -> str:
+        errs = f", {self.errs} send errors" if self.errs else ""
         return (f"{self.source} pid {self.pid} gen {self.gen}: ticks {self.first_tick}.."
-                f"{self.last_tick} ({self.reports} reports)")
+                f"{self.last_tick} ({self.reports} reports{errs})")
 
 
 @dataclass(frozen=True)
@@ -110,13 +116,14 @@ class Verdict:
 
     first: int  # 0: no report
     last: int
-    lost: tuple[int, ...]  # between first and last, no report and none claimed by a prev
-    duplicated: tuple[int, ...]  # reported more than once (by two copies, or one twice)
+    lost: tuple[int, ...]  # between first and last, in no copy's span, claimed by no prev
+    duplicated: tuple[int, ...]  # in two copies' spans, or reported twice by one copy
     replayed: tuple[int, ...]  # of the duplicated: redone by a copy that started after the
     #                            one before it had stopped (work lost to a routine checkpoint)
-    dropped: int  # reports lost in transit (a prev no report carries)
+    dropped: int  # reports lost in transit inside a copy's span (harmless)
     copies: tuple[Copy, ...]
     refused: int = 0  # datagrams the collector refused (malformed, oversized, over the cap)
+    edge_dropped: int = 0  # a copy's last reports lost before a restore (a prev no span covers)
 
     @property
     def concurrent(self) -> tuple[int, ...]:
@@ -125,10 +132,10 @@ class Verdict:
         return tuple(t for t in self.duplicated if t not in replayed)
 
     def clean(self, *, allow_replay: bool = False) -> bool:
-        """Nothing lost, nothing duplicated (a replay only if allowed), nothing dropped or
-        refused: a verdict with drops cannot rule a duplicate out."""
+        """Nothing lost, nothing duplicated (a replay only if allowed), no copy's last
+        report dropped and nothing refused (either could hide a duplicate)."""
         dup = self.concurrent if allow_replay else self.duplicated
-        return (self.first > 0 and not self.lost and not dup and not self.dropped
+        return (self.first > 0 and not self.lost and not dup and not self.edge_dropped
                 and not self.refused)
 
     def summary(self) -> str:
@@ -137,7 +144,8 @@ class Verdict:
 
         return (f"ticks {self.first}..{self.last}: lost {ranges(self.lost)}, duplicated "
                 f"{ranges(self.duplicated)} (replayed {ranges(self.replayed)}), "
-                f"{self.dropped} dropped, {self.refused} refused; copies: "
+                f"{self.dropped} dropped in spans, {self.edge_dropped} at a copy's end, "
+                f"{self.refused} refused; copies: "
                 + "; ".join(str(c) for c in self.copies))
 
 
@@ -156,51 +164,42 @@ def judge(reports: Iterable[Report], refused: int = 0) -> Verdict:
     rs = sorted(reports, key=lambda r: r.received)
     if not rs:
         return Verdict(0, 0, (), (), (), 0, (), refused)
-    counts = Counter(r.tick for r in rs)
-    first, last = min(counts), max(counts)
-    claimed = {r.prev for r in rs if r.prev}
-    lost = tuple(t for t in range(first, last + 1) if t not in counts and t not in claimed)
     copies = _copies(rs)
-    dropped = _dropped(rs, counts, first)
-    duplicated = tuple(sorted(t for t, n in counts.items() if n > 1))
-    replayed = tuple(t for t in duplicated if _is_replay(t, rs))
-    return Verdict(first, last, lost, duplicated, replayed, dropped, copies, refused)
+    made: Counter[int] = Counter()  # how many times each tick was made, by the spans
+    for c in copies:
+        made.update(range(c.first_tick, c.last_tick + 1))
+    per_copy = Counter((r.copy, r.tick) for r in rs)
+    made.update(tick for (_, tick), n in per_copy.items() for _ in range(n - 1))
+    first, last = min(made), max(made)
+    claimed = {r.prev for r in rs if r.prev}
+    lost = tuple(t for t in range(first, last + 1) if not made[t] and t not in claimed)
+    edge_dropped = sum(1 for t in claimed if first <= t and not made[t])
+    dropped = sum(c.last_tick - c.first_tick + 1 for c in copies) - len(
+        {(cp, t) for (cp, t) in per_copy})
+    duplicated = tuple(sorted(t for t, n in made.items() if n > 1))
+    replayed = tuple(t for t in duplicated if _is_replay(t, copies, per_copy))
+    return Verdict(first, last, lost, duplicated, replayed, max(0, dropped), copies, refused,
+                   edge_dropped)
 
 
 def _copies(rs: list[Report]) -> tuple[Copy, ...]:
     by: dict[tuple[str, int, int], list[Report]] = {}
     for r in rs:
         by.setdefault(r.copy, []).append(r)
-    return tuple(Copy(k[0], k[1], k[2], v[-1].gen, v[0].tick, v[-1].tick, len(v),
-                      v[0].received, v[-1].received) for k, v in by.items())
+    return tuple(Copy(k[0], k[1], k[2], v[-1].gen, min(r.tick for r in v),
+                      max(r.tick for r in v), len(v), v[0].received, v[-1].received,
+                      v[-1].errs) for k, v in by.items())
 
 
-def _dropped(rs: list[Report], counts: Counter[int], first: int) -> int:
-    """Reports lost in transit, at least: within a copy, a report whose prev is not the
-    copy's report before it; a copy's first report whose prev (in range) nobody sent."""
-    last_of: dict[tuple[str, int, int], int] = {}
-    dropped = 0
-    for r in rs:
-        before = last_of.get(r.copy)
-        if before is not None:
-            dropped += r.prev != before
-        elif r.prev >= first and r.prev not in counts:
-            dropped += 1
-        last_of[r.copy] = r.tick
-    return dropped
-
-
-def _is_replay(tick: int, rs: list[Report]) -> bool:
-    """Every report of ``tick`` comes from a different copy, each of which started (its
-    first report arrived) after every earlier one had sent its last report: the work was
-    redone after a copy ended, never by two at once."""
-    by_copy: dict[tuple[str, int, int], list[Report]] = {}
-    for r in rs:
-        by_copy.setdefault(r.copy, []).append(r)
-    holders = [k for k in by_copy if any(r.tick == tick for r in by_copy[k])]
-    if sum(1 for r in rs if r.tick == tick) != len(holders):
+def _is_replay(tick: int, copies: tuple[Copy, ...],
+               per_copy: Counter[tuple[tuple[str, int, int], int]]) -> bool:
+    """Every copy whose span holds ``tick`` made it once and started (its first report
+    arrived) after every earlier one had sent its last report: the work was redone after
+    a copy ended, never by two at once."""
+    holders = [c for c in copies if c.first_tick <= tick <= c.last_tick]
+    if any(per_copy[((c.source, c.start, c.pid), tick)] > 1 for c in holders):
         return False  # one copy reported it twice
-    spans = sorted((by_copy[k][0].received, by_copy[k][-1].received) for k in holders)
+    spans = sorted((c.first_seen, c.last_seen) for c in holders)
     return all(later[0] > earlier[1] for earlier, later in pairwise(spans))
 
 
@@ -274,6 +273,12 @@ class Collector:
     def last_tick(self, host: str) -> int:
         """The highest tick sandbox ``host`` reported so far (0: none)."""
         return max((r.tick for r in self.reports(host)), default=0)
+
+    def newest_tick(self, host: str) -> int:
+        """The last tick reported by sandbox ``host``'s newest copy (the one whose first
+        report arrived last; 0: none)."""
+        copies = _copies(sorted(self.reports(host), key=lambda r: r.received))
+        return copies[-1].last_tick if copies else 0
 
 
 @contextmanager
