@@ -4,7 +4,7 @@ a record kept outside the sandbox and outside every node.
 The workload (tests/workloads/stateful.c) with ``HERMIT_LEDGER=<ip>:<port>`` sends one
 UDP datagram per tick::
 
-    hermit-ledger v1 tick=<n> prev=<n> gen=<n> pid=<n> start=<n> host=<name> errs=<n>
+    hermit-ledger v1 tick=<n> prev=<n> first=<n> gen=<n> pid=<n> start=<n> host=<name> errs=<n>
 
 ``Collector`` is a small UDP server in the test process that records each one with its
 source address and receive time; ``judge`` (pure) decides from that record, over the
@@ -20,7 +20,8 @@ has its own), so one collector serves many sandboxes.
 
 UDP may drop a datagram (the local cluster dropped seven in a row once, mid-run). So a
 copy's reports are read as a span: one process image counts its ticks one by one, so it
-made every tick from its first report to its last, whether or not each report arrived.
+made every tick from its first (``first``, which each report repeats from the copy's
+memory) to its last report, whether or not each report arrived.
 Lost and duplicated are judged on the spans: lost is a tick in no copy's span, duplicated
 a tick in two copies' spans (or reported twice by one). A report missing inside a span
 is counted (``dropped``) and harmless: it can neither hide a loss nor a duplicate. A
@@ -49,7 +50,8 @@ MAX_RECORDS = 200_000  # about 11 hours of one sandbox at 5 ticks/s; then refuse
 RECV_BUFFER = 4 << 20  # the kernel's queue for bursts while the recorder thread waits
 
 REPORT = re.compile(
-    r"hermit-ledger v1 tick=(\d{1,15}) prev=(\d{1,15}) gen=(\d{1,9}) pid=(\d{1,9}) "
+    r"hermit-ledger v1 tick=(\d{1,15}) prev=(\d{1,15}) first=(\d{1,15}) gen=(\d{1,9}) "
+    r"pid=(\d{1,9}) "
     r"start=(-?\d{1,20}) host=([A-Za-z0-9.?-]{1,64}) errs=(\d{1,15})\n?")
 
 
@@ -59,6 +61,7 @@ class Report:
 
     tick: int
     prev: int
+    first: int  # the copy's first tick, from its memory (since its start or restore)
     gen: int
     pid: int
     start: int
@@ -84,9 +87,9 @@ def parse(data: bytes, source: str, received: float) -> Report | None:
     m = REPORT.fullmatch(text)
     if not m:
         return None
-    tick, prev, gen, pid, start, host, errs = m.groups()
-    return Report(int(tick), int(prev), int(gen), int(pid), int(start), host, int(errs),
-                  source, received)
+    tick, prev, first, gen, pid, start, host, errs = m.groups()
+    return Report(int(tick), int(prev), int(first), int(gen), int(pid), int(start), host,
+                  int(errs), source, received)
 
 
 @dataclass(frozen=True)
@@ -186,7 +189,10 @@ def _copies(rs: list[Report]) -> tuple[Copy, ...]:
     by: dict[tuple[str, int, int], list[Report]] = {}
     for r in rs:
         by.setdefault(r.copy, []).append(r)
-    return tuple(Copy(k[0], k[1], k[2], v[-1].gen, min(r.tick for r in v),
+    # a copy's span starts at the first tick it says it made (its first reports may have
+    # been dropped), never after its first report that arrived
+    return tuple(Copy(k[0], k[1], k[2], v[-1].gen,
+                      min(min(r.tick, r.first or r.tick) for r in v),
                       max(r.tick for r in v), len(v), v[0].received, v[-1].received,
                       v[-1].errs) for k, v in by.items())
 

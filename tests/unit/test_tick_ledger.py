@@ -17,7 +17,8 @@ def run(source: str, ticks: range, *, start: int, at: float, prev: int | None = 
     out = []
     before = ticks[0] - 1 if prev is None else prev
     for i, t in enumerate(ticks):
-        out.append(lg.Report(t, before, gen, pid, start, host, 0, source, at + 0.2 * i))
+        out.append(lg.Report(t, before, ticks[0], gen, pid, start, host, 0, source,
+                             at + 0.2 * i))
         before = t
     return out
 
@@ -54,7 +55,7 @@ def test_a_second_copy_running_alongside_is_duplicated_and_not_a_replay() -> Non
 
 def test_the_same_copy_reporting_a_tick_twice_is_duplicated() -> None:
     reports = run(OLD, range(1, 10), start=100, at=0)
-    reports.append(lg.Report(9, 9, 0, 7, 100, "agent-1", 0, OLD, 5.0))
+    reports.append(lg.Report(9, 9, 1, 0, 7, 100, "agent-1", 0, OLD, 5.0))
     v = lg.judge(reports)
     assert v.duplicated == (9,) and v.concurrent == (9,)
 
@@ -76,6 +77,14 @@ def test_reports_dropped_inside_a_copys_span_are_no_loss() -> None:
     v = lg.judge(reports)
     assert v.lost == () and v.duplicated == () and v.dropped == 7 and v.edge_dropped == 0
     assert v.clean()
+
+
+def test_a_restored_copys_first_reports_dropped_are_no_loss() -> None:
+    # the restored copy's reports of 51 and 52 never arrived; its later ones say it began
+    # at 51 (first=51, from its memory)
+    new = [r for r in run(NEW, range(51, 60), start=900, at=20, gen=1) if r.tick > 52]
+    v = lg.judge(run(OLD, range(1, 51), start=100, at=0) + new)
+    assert v.lost == () and v.duplicated == () and v.dropped == 2 and v.clean()
 
 
 def test_a_drop_inside_a_span_cannot_hide_a_second_copy() -> None:
@@ -123,9 +132,10 @@ def test_no_report_is_not_clean() -> None:
 
 
 def test_parse_accepts_the_workloads_line_and_refuses_the_rest() -> None:
-    line = b"hermit-ledger v1 tick=12 prev=11 gen=2 pid=9 start=2707716 host=agent-1 errs=0\n"
+    line = (b"hermit-ledger v1 tick=12 prev=11 first=10 gen=2 pid=9 start=2707716 "
+            b"host=agent-1 errs=0\n")
     r = lg.parse(line, OLD, 1.5)
-    assert r == lg.Report(12, 11, 2, 9, 2707716, "agent-1", 0, OLD, 1.5)
+    assert r == lg.Report(12, 11, 10, 2, 9, 2707716, "agent-1", 0, OLD, 1.5)
     assert lg.parse(line.replace(b"v1", b"v2"), OLD, 0) is None
     assert lg.parse(line.replace(b"agent-1", b"a gent"), OLD, 0) is None
     assert lg.parse(line + b"x" * lg.MAX_DATAGRAM, OLD, 0) is None
@@ -138,7 +148,7 @@ def test_the_collector_records_real_datagrams_and_is_bounded() -> None:
         ip, port = collector.address.split(":")
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             for t in (1, 2):
-                s.sendto(f"hermit-ledger v1 tick={t} prev={t - 1} gen=0 pid=3 start=1 "
+                s.sendto(f"hermit-ledger v1 tick={t} prev={t - 1} first=1 gen=0 pid=3 start=1 "
                          f"host=agent-x errs=0\n".encode(), (ip, int(port)))
             s.sendto(b"garbage", (ip, int(port)))
             s.sendto(b"y" * 4000, (ip, int(port)))
@@ -150,6 +160,7 @@ def test_the_collector_records_real_datagrams_and_is_bounded() -> None:
         v = collector.verdict("agent-x")
         assert v.refused == 2 and not v.clean()
     full = lg.Collector("127.0.0.1")
-    full.records.extend([lg.Report(1, 0, 0, 1, 1, "h", 0, OLD, 0)] * lg.MAX_RECORDS)
-    full.add(b"hermit-ledger v1 tick=2 prev=1 gen=0 pid=1 start=1 host=h errs=0\n", OLD, 1)
+    full.records.extend([lg.Report(1, 0, 1, 0, 1, 1, "h", 0, OLD, 0)] * lg.MAX_RECORDS)
+    full.add(b"hermit-ledger v1 tick=2 prev=1 first=1 gen=0 pid=1 start=1 host=h errs=0\n",
+             OLD, 1)
     assert full.refused == 1 and len(full.records) == lg.MAX_RECORDS

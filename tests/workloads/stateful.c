@@ -29,9 +29,11 @@
  *
  * With HERMIT_LEDGER=<IPv4>:<port> every tick is also reported, as it happens, in one UDP
  * datagram to that collector (the tests' external ledger, tests/support/ledger.py):
- *   "hermit-ledger v1 tick=<n> prev=<n> gen=<n> pid=<n> start=<n> host=<name> errs=<n>\n"
+ *   "hermit-ledger v1 tick=<n> prev=<n> first=<n> gen=<n> pid=<n> start=<n> host=<name>
+ *    errs=<n>\n"
  * prev is the tick this process image reported before (0 for none: it lives in memory, so
- * a restored copy carries it), start our start time (it changes with every restore, so it
+ * a restored copy carries it), first the first tick this copy made (since its start or
+ * its restore: so a copy's first reports lost in transit still count), start our start time (it changes with every restore, so it
  * tells copies apart with the sender's address), host the UTS name (the sandbox's), errs
  * how many earlier reports this image failed to send. A failed send is counted, never
  * fatal: the ledger judges, the workload only reports.
@@ -483,15 +485,15 @@ static void ledger_setup(const char *spec) {
 		die("ledger socket");
 }
 
-static void ledger_report(long long tick, int gen, long long start) {
+static void ledger_report(long long tick, long long first, int gen, long long start) {
 	struct utsname u;
 	if (uname(&u) < 0)
 		snprintf(u.nodename, sizeof(u.nodename), "?");
 	char buf[256];
 	int n = snprintf(buf, sizeof(buf),
-			 "hermit-ledger v1 tick=%lld prev=%lld gen=%d pid=%d start=%lld host=%.64s "
-			 "errs=%lld\n",
-			 tick, ledger_prev, gen, (int)getpid(), start, u.nodename, ledger_errs);
+			 "hermit-ledger v1 tick=%lld prev=%lld first=%lld gen=%d pid=%d start=%lld "
+			 "host=%.64s errs=%lld\n",
+			 tick, ledger_prev, first, gen, (int)getpid(), start, u.nodename, ledger_errs);
 	if (n > (int)sizeof(buf) - 1)
 		n = (int)sizeof(buf) - 1;
 	if (ledger_fd < 0)
@@ -584,8 +586,8 @@ static void usage(void) {
 	       "                              (and 3 ticks); restarts after a clock jump or restore\n"
 	       "  HERMIT_MAX_TICKS=0          exit 0 after this many ticks (0 = never)\n"
 	       "  HERMIT_LEDGER=<ip>:<port>   also report every tick in a UDP datagram there\n"
-	       "                              ('hermit-ledger v1 tick=.. prev=.. gen=.. pid=..\n"
-	       "                              start=.. host=.. errs=..'; unset = no reports)\n"
+	       "                              ('hermit-ledger v1 tick=.. prev=.. first=.. gen=..\n"
+	       "                              pid=.. start=.. host=.. errs=..'; unset = none)\n"
 	       "Checked every tick; a broken invariant prints one line on stderr and exits:\n"
 	       "  0 on SIGTERM/SIGINT or max ticks, 1 setup error, 2 usage error,\n"
 	       "  3 memory corrupted, 4 background child lost (pipe or socketpair closed),\n"
@@ -724,6 +726,7 @@ int main(int argc, char **argv) {
 	long long start = now_ms(), next = start + tick_ms;
 	struct watch thread_watch = {0, start, 0}, seq_watch = {0, start, 0};
 	long long started_at = read_starttime();
+	long long copy_first = 0; /* the first tick of this copy (since start or restore) */
 	int gen = 0;
 	char status[200];
 
@@ -748,6 +751,7 @@ int main(int argc, char **argv) {
 			long long st = read_starttime();
 			if (st >= 0 && started_at >= 0 && st != started_at) {
 				gen++;
+				copy_first = 0;
 				watch_restart(&thread_watch, now);
 				watch_restart(&seq_watch, now);
 				out(2, "hermit-stateful: restore detected (gen=%d) at counter %lld\n", gen,
@@ -757,8 +761,10 @@ int main(int argc, char **argv) {
 				started_at = st;
 			/* reported first (gen and start are this copy's): a tick cut by a freeze is in
 			 * the ledger before it is in any log, so no log shows a tick the ledger lacks */
+			if (!copy_first)
+				copy_first = counter;
 			if (*ledger)
-				ledger_report(counter, gen, st);
+				ledger_report(counter, copy_first, gen, st);
 			if (log_rd >= 0 && counter > 1)
 				check_tick_log(log_rd, log_path, counter - 1);
 			write_state("counter.txt", "%lld\n", counter);
