@@ -194,6 +194,18 @@ def ledger_verdict(name: str, *, after: int = 0, timeout: float = 30) -> ledger.
     return collector.verdict(name)
 
 
+def attribute_fork(kube: Kube, ns: str, fork: str, pod: str, *, original: str,
+                   since: float) -> None:
+    """The fork ``fork`` (its pod ``pod``, created from time.monotonic() ``since`` on)
+    restored ``original``'s image: its reports that still name ``original`` are the
+    fork's, told apart by the pod's IP."""
+    collector = ledger.current()
+    assert collector is not None, "no tick ledger"
+    ip = ((kube.pod(ns, pod) or {}).get("status") or {}).get("podIP")
+    assert ip, f"fork pod {pod} has no IP"
+    collector.attribute(fork, source=str(ip), since=since, reported_as=original)
+
+
 def assert_ledger(name: str, *, after: int = 0, allow_replay: bool = False,
                   timeout: float = 30) -> ledger.Verdict:
     """The external ledger says: over the whole run of ``name``, no tick lost, none

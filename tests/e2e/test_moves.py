@@ -98,13 +98,16 @@ def test_three_preemptions_in_a_row_then_suspend_resume_and_fork(
 
     # Fork the restored sandbox: a second sandbox from its Suspend checkpoint.
     fork = f"{name}-fork"
+    fork_created = time.monotonic()
     sb.create_sandbox(namespace, fork, sb.stateful_spec(
         e2e_config.sandbox_image, restoreFrom=suspend["metadata"]["name"]))
     forked = sb.wait_running(kube, namespace, fork, restores=1, min_ticks=1)
     fork_ticks = sb.assert_continues(kube, namespace, forked.pod, seen[0] - 1)
     assert sb.status(namespace, name)["phase"] == "Running", "the original keeps running"
-    # The fork reports under its own name (its pod's hostname) from the tick after the
-    # Suspend checkpoint's; the original's record is untouched by it.
+    # The fork reports from the tick after the Suspend checkpoint's, under its own name
+    # (its pod's hostname) or, when the restore kept the dumped hostname, the original's,
+    # from its own pod's IP; either way its record is its own, the original's untouched.
+    sb.attribute_fork(kube, namespace, fork, forked.pod, original=name, since=fork_created)
     forked_ledger = sb.assert_ledger(fork, after=fork_ticks[-1])
     # (one later when the checkpoint froze a tick between its report and its log line)
     assert forked_ledger.first in (seen[0], seen[0] + 1), forked_ledger.summary()

@@ -222,6 +222,7 @@ class Collector:
     _thread: threading.Thread | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
+    _attributed: list[tuple[str, float, str, str]] = field(default_factory=list)
 
     @property
     def address(self) -> str:
@@ -267,9 +268,23 @@ class Collector:
                 self.records.append(report)
 
     def reports(self, host: str) -> list[Report]:
-        """Every report of sandbox ``host`` (its UTS name) so far."""
+        """Every report of sandbox ``host`` (its UTS name, or as ``attribute`` says) so far."""
         with self._lock:
-            return [r for r in self.records if r.host == host]
+            return [r for r in self.records if self._host_of(r) == host]
+
+    def attribute(self, host: str, *, source: str, since: float, reported_as: str) -> None:
+        """Reports from ``source`` that arrived from ``since`` (time.monotonic()) on and
+        name ``reported_as`` are sandbox ``host``'s: a fork restored from another
+        sandbox's checkpoint may keep the hostname the image was dumped with (CRIU
+        restores a UTS namespace it dumped), so its pod's IP tells it apart."""
+        with self._lock:
+            self._attributed.append((source, since, reported_as, host))
+
+    def _host_of(self, r: Report) -> str:
+        for source, since, reported_as, host in self._attributed:
+            if r.source == source and r.received >= since and r.host == reported_as:
+                return host
+        return r.host
 
     def verdict(self, host: str) -> Verdict:
         with self._lock:

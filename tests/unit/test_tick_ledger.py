@@ -127,6 +127,17 @@ def test_sandboxes_are_told_apart_by_host_and_a_fork_starts_mid_range() -> None:
     assert collector.newest_tick("nobody") == 0
 
 
+def test_a_fork_reporting_under_the_originals_name_is_attributed_by_its_pod_ip() -> None:
+    collector = lg.Collector("127.0.0.1")
+    collector.records.extend(run(OLD, range(1, 30), start=100, at=0))
+    collector.records.extend(run(FORK, range(20, 40), start=5, at=9, gen=1))  # same host
+    assert not collector.verdict("agent-1").clean()
+    collector.attribute("agent-1-fork", source=FORK, since=8.5, reported_as="agent-1")
+    assert collector.verdict("agent-1").clean() and collector.last_tick("agent-1") == 29
+    fork = collector.verdict("agent-1-fork")
+    assert fork.clean() and (fork.first, fork.last) == (20, 39)
+
+
 def test_no_report_is_not_clean() -> None:
     assert not lg.judge([]).clean()
 
