@@ -7,6 +7,11 @@ workspace, a background child over a pipe and a socketpair, a worker thread, a l
 TCP socket, patterned memory and an open SQLite database in the workspace, a file in the
 writable layer. It verifies all of them every tick and exits non-zero, naming what
 broke, when one does: a sandbox that keeps running after a move kept them all.
+
+Every tick is also reported to the session's external tick ledger (tests/support/
+ledger.py, the ``tick_ledger`` fixture): ``assert_ledger`` judges lost and duplicated
+ticks from that record over the whole run; the pod log (``ticks``, ``LastTick``) is a
+cross-check.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from tests.e2e.conftest import (
     run_cluster_command,
     wait_until,
 )
+from tests.support import ledger
 
 Obj = dict[str, Any]
 
@@ -63,6 +69,9 @@ def stateful_spec(image: str, *, mem_mb: int = WORKLOAD_MEM_MB, **spec: Any) -> 
            "HERMIT_STATE_DIR": STATE_DIR, "HERMIT_TICK_LOG": "/workspace/ticks.log",
            "HERMIT_DB_PATH": "/workspace/agent.db", "HERMIT_DELETE_PATH": "",
            "HERMIT_WORKLOAD_MEM_MB": str(mem_mb)}
+    collector = ledger.current()
+    if collector is not None:  # the session's external tick ledger
+        env[ledger.ENV] = collector.address
     container = {"name": "agent", "image": image, "imagePullPolicy": "IfNotPresent",
                  "command": [WORKLOAD],
                  "env": [{"name": k, "value": v} for k, v in env.items()]}
@@ -172,6 +181,49 @@ def assert_continues(kube: Kube, ns: str, pod: str, before: int, *,
     if "db" in answer:
         assert int(answer["db"]) >= int(answer["counter"]) - 1, f"database behind: {answer}"
     return seen
+
+
+def ledger_verdict(name: str, *, after: int = 0, timeout: float = 30) -> ledger.Verdict:
+    """The external ledger's verdict on sandbox ``name`` once its newest copy reported a
+    tick past ``after`` (what the pod log showed: the reports in flight have arrived)."""
+    collector = ledger.current()
+    assert collector is not None, (
+        "no tick ledger: the tick_ledger fixture could not listen (HERMIT_E2E_LEDGER_HOST)")
+    wait_until(f"the tick ledger of {name}'s newest copy past tick {after}", timeout,
+               lambda: collector.newest_tick(name) > after, 0.2)
+    return collector.verdict(name)
+
+
+def attribute_fork(kube: Kube, ns: str, fork: str, pod: str, *, original: str,
+                   since: float) -> None:
+    """The fork ``fork`` (its pod ``pod``, created from time.monotonic() ``since`` on)
+    restored ``original``'s image: its reports that still name ``original`` are the
+    fork's, told apart by the pod's IP."""
+    collector = ledger.current()
+    assert collector is not None, "no tick ledger"
+    ip = ((kube.pod(ns, pod) or {}).get("status") or {}).get("podIP")
+    assert ip, f"fork pod {pod} has no IP"
+    collector.attribute(fork, source=str(ip), since=since, reported_as=original)
+
+
+def assert_ledger(name: str, *, after: int = 0, allow_replay: bool = False,
+                  timeout: float = 30) -> ledger.Verdict:
+    """The external ledger says: over the whole run of ``name``, no tick lost, none
+    duplicated (``allow_replay``: ticks redone after a copy ended, the work a routine
+    checkpoint loses with its node, are no duplicate), no copy's last report dropped
+    (it could hide a duplicate) and nothing refused. Reports dropped inside a copy's
+    span are printed, harmless (tests/support/ledger.py)."""
+    v = ledger_verdict(name, after=after, timeout=timeout)
+    print(f"tick ledger {name}: {v.summary()}")
+    assert v.first == 1 or (bool(v.copies) and v.copies[0].gen > 0), (
+        f"the ledger's first report of {name} is tick {v.first}: {v.summary()}")
+    assert not v.lost, f"ticks lost: {v.summary()}"
+    dup = v.concurrent if allow_replay else v.duplicated
+    assert not dup, f"ticks duplicated: {v.summary()}"
+    assert not v.edge_dropped and not v.refused, (
+        f"a copy's last report dropped, or reports refused: the record cannot rule a "
+        f"duplicate out: {v.summary()}")
+    return v
 
 
 class LastTick:

@@ -3,7 +3,9 @@
 Each scenario runs the self-checking workload (tests/e2e/sandboxes.py) and asserts that
 nothing was lost (the counter continues, the workload's own checks of its memory, child,
 pipes, socket, thread, database and files still hold) and nothing was duplicated (one
-pod, ticks without repeats). Generation 2 and 3 fail where generation 1 passes, so
+pod, ticks without repeats). The verdict on ticks is the external tick ledger's
+(``sb.assert_ledger``: every tick any copy made, reported as it happened); the pod logs
+read around each move are a cross-check. Generation 2 and 3 fail where generation 1 passes, so
 the first scenario moves the same sandbox three times and then suspends, resumes and
 forks it.
 """
@@ -48,6 +50,7 @@ def _preempt(kube: Kube, cfg: E2EConfig, ns: str, name: str, where: sb.Running,
                                 timeout=180, min_ticks=1)
         running = sb.since(started)
         seen = sb.assert_continues(kube, ns, after.pod, last, exact=True)
+        sb.assert_ledger(name, after=seen[-1])
     timing = {"generation": generation, "from": where.node, "to": after.node,
               "checkpoint": ckpt["metadata"]["name"], "notice_to_durable_s": durable,
               "notice_to_running_s": running, "frozen_ms": ckpt["status"].get("frozenMs"),
@@ -90,15 +93,25 @@ def test_three_preemptions_in_a_row_then_suspend_resume_and_fork(
     sb.patch_sandbox(namespace, name, {"suspend": False})
     resumed = sb.wait_running(kube, namespace, name, restores=4, min_ticks=1)
     seen = sb.assert_continues(kube, namespace, resumed.pod, last)
+    sb.assert_ledger(name, after=seen[-1])
     print(f"resumed on {resumed.node} at tick {seen[0]}")
 
     # Fork the restored sandbox: a second sandbox from its Suspend checkpoint.
     fork = f"{name}-fork"
+    fork_created = time.monotonic()
     sb.create_sandbox(namespace, fork, sb.stateful_spec(
         e2e_config.sandbox_image, restoreFrom=suspend["metadata"]["name"]))
     forked = sb.wait_running(kube, namespace, fork, restores=1, min_ticks=1)
     fork_ticks = sb.assert_continues(kube, namespace, forked.pod, seen[0] - 1)
     assert sb.status(namespace, name)["phase"] == "Running", "the original keeps running"
+    # The fork reports from the tick after the Suspend checkpoint's, under its own name
+    # (its pod's hostname) or, when the restore kept the dumped hostname, the original's,
+    # from its own pod's IP; either way its record is its own, the original's untouched.
+    sb.attribute_fork(kube, namespace, fork, forked.pod, original=name, since=fork_created)
+    forked_ledger = sb.assert_ledger(fork, after=fork_ticks[-1])
+    # (one later when the checkpoint froze a tick between its report and its log line)
+    assert forked_ledger.first in (seen[0], seen[0] + 1), forked_ledger.summary()
+    sb.assert_ledger(name, after=seen[-1])
     print(f"fork {fork} on {forked.node} started at tick {fork_ticks[0]}")
     kubectl = sb.kubectl_binary()
     print("after three moves, a suspend/resume and a fork:")
@@ -194,7 +207,19 @@ def test_node_lost_without_notice_restores_the_interval_checkpoint(
     total_lost = wait_until("the loss in hermit_operator_work_lost_seconds", 30,
                             work_lost_counted)
     assert total_lost >= stale, (total_lost, stale)
-    lost_ticks = last_before - seen[0] + 1
+    # The ledger's record of the old copy holds every tick it made before the node went,
+    # which the pod log may not: what the restored copy redid is exactly those after the
+    # checkpoint, one copy after the other (a replay), nothing lost.
+    old_last = max(c.last_tick for c in sb.ledger_verdict(name, after=seen[-1]).copies
+                   if c.gen == 0)
+    # the restored copy redoes up to the old copy's last tick and beyond (a tick each 0.2 s)
+    v = sb.assert_ledger(name, after=old_last, allow_replay=True,
+                         timeout=30 + (old_last - seen[-1]) * sb.TICK_MS / 1000)
+    new_first = min(c.first_tick for c in v.copies if c.gen > 0)
+    assert old_last >= last_before, v.summary()
+    assert new_first in (seen[0], seen[0] + 1), v.summary()  # a tick cut by the checkpoint
+    assert v.replayed == tuple(range(new_first, old_last + 1)), v.summary()
+    lost_ticks = old_last - new_first + 1
     warnings = [e for e in sb.events(kube, namespace, name) if e["type"] == "Warning"
                 and str(restored.get("name")) in str(e["message"])]
     assert warnings, "no Warning event says which checkpoint was restored and how old it was"
@@ -220,6 +245,7 @@ def test_kubectl_drain_checkpoints_and_moves_the_sandbox(
         drained = sb.since(started)
         after = sb.wait_running(kube, namespace, name, restores=1, avoid=where.node,
                                 min_ticks=1)
-        sb.assert_continues(kube, namespace, after.pod, last, exact=True)
+        seen = sb.assert_continues(kube, namespace, after.pod, last, exact=True)
+        sb.assert_ledger(name, after=seen[-1])
         print(f"drain of {where.node}: done in {drained} s; sandbox moved to "
               f"{after.node} from checkpoint {ckpt['metadata']['name']}")

@@ -14,6 +14,7 @@ from tests.e2e.conftest import (  # noqa: F401  (fixtures the scenarios use)
     kube,
     namespace,
     s3_for_pods,
+    tick_ledger,
 )
 from tests.faults.ledger import Ledger, Row
 

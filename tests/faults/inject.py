@@ -1,6 +1,8 @@
 """What the fault scenarios share: a seeded random source for the injection points, a
 watcher that samples the sandbox's live copies on the host while it recovers, and the
-probes of a migration's progress."""
+probes of a migration's progress. The verdict on ticks is the external tick ledger's
+(verdict.judge); the live copies sampled and the old pod's last tick read here are
+cross-checks."""
 
 from __future__ import annotations
 
@@ -138,13 +140,15 @@ def record(ledger: Ledger, scenario: str, faults: int, outcome: verdict.Outcome,
     row = Row(scenario, faults, 1, outcome.lost, dup,
               "; ".join(x for x in (note, outcome.detail,
                                     f"{watch.samples} samples, at most {watch.most} live")
-                        if x))
+                        if x), outcome.ledger_lost, outcome.ledger_duplicated)
     ledger.record(row)
     print(f"row: {row}")
     return row
 
 
 def assert_row(row: Row) -> None:
+    assert row.ledger_lost == 0, f"ticks lost (external ledger): {row.note}"
+    assert row.ledger_duplicated == 0, f"ticks duplicated (external ledger): {row.note}"
     assert row.lost == 0, f"sandbox lost: {row.note}"
     assert row.duplicated == 0, f"duplicated live copies: {row.note}"
 

@@ -46,7 +46,7 @@ def test_node_agent_killed_at_random_points_of_the_checkpoint_upload(
                              random, kills)
         ckpt, last = inject.durable_then_last_tick(namespace, name, watch, 120)
         outcome = verdict.judge(kube, namespace, name, last, restores=1,
-                                avoid=where.node, exact=bool(last), timeout=240)
+                                avoid=where.node, timeout=240)
     row = inject.record(ledger, "node-agent SIGKILL during dump/upload", len(kills),
                         outcome, watch, f"kills at {', '.join(kills)}; moved by "
                         f"{ckpt['metadata']['name']}")
@@ -93,7 +93,7 @@ def test_node_agent_killed_at_random_points_of_the_restore(
         _kill_during_restores(kube, namespace, name, hermit_release, where.pod,
                               random, kills)
         outcome = verdict.judge(kube, namespace, name, last, restores=1,
-                                avoid=where.node, exact=bool(last), timeout=300)
+                                avoid=where.node, timeout=300)
     attempts = sb.status(namespace, name).get("restoreAttempts", 0)
     row = inject.record(ledger, "node-agent SIGKILL during restore", len(kills), outcome,
                         watch, f"kills at {', '.join(kills)}; {ckpt['metadata']['name']}, "

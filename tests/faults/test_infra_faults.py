@@ -59,7 +59,7 @@ def test_operator_killed_during_a_migration_completes_it_once(
             _, last = inject.durable_then_last_tick(namespace, name, watch,
                                                     NOTICE_SECONDS)
             outcome = verdict.judge(kube, namespace, name, last, restores=1,
-                                    avoid=where.node, exact=bool(last), timeout=180)
+                                    avoid=where.node, timeout=180)
         new_leader = coordination.read_namespaced_lease(
             "hermit-operator", hermit_release).spec.holder_identity
         restores = int(sb.status(namespace, name).get("restores") or 0)
@@ -101,7 +101,7 @@ def test_s3_stopped_during_the_upload(
                 s3_for_pods.start()
         ckpt, last = inject.durable_then_last_tick(namespace, name, watch, 100)
         outcome = verdict.judge(kube, namespace, name, last, restores=1,
-                                avoid=where.node, exact=bool(last), timeout=240)
+                                avoid=where.node, timeout=240)
     row = inject.record(ledger, "S3 stopped during upload", 1, outcome, watch,
                         f"down {outage:.1f}s from {first['metadata']['name']} Uploading "
                         f"(then {at}); moved by {ckpt['metadata']['name']}")
@@ -132,7 +132,7 @@ def test_s3_stopped_during_the_restore(
             if stopped:
                 s3_for_pods.start()
         outcome = verdict.judge(kube, namespace, name, last, restores=1,
-                                avoid=where.node, exact=bool(last), timeout=420)
+                                avoid=where.node, timeout=420)
     row = inject.record(ledger, "S3 stopped during restore", 1, outcome, watch,
                         f"{attempts} failed restore attempt(s) while down (phase {phase})")
     inject.assert_row(row)
@@ -167,7 +167,7 @@ def test_api_server_restarted_during_a_migration(
         assert restart.returncode == 0, restart.stdout + restart.stderr
         ckpt, last = inject.durable_then_last_tick(namespace, name, watch, 60)
         outcome = verdict.judge(kube, namespace, name, last, restores=1,
-                                avoid=where.node, exact=bool(last), timeout=240)
+                                avoid=where.node, timeout=240)
     restores = int(sb.status(namespace, name).get("restores") or 0)
     row = inject.record(ledger, "API server restarted", 1, outcome, watch,
                         f"restarted +{delay:.2f}s into the checkpoint, ready again after "
@@ -196,7 +196,7 @@ def test_sandbox_pod_force_deleted_while_its_node_lives(
         deleted = time.monotonic()
         old_gone = wait_until("the old tree ended on the node", 120, lambda: (not (
             old & inject.tree_roots(name)) and sb.since(deleted)) or None, 0.1)
-        outcome = verdict.judge(kube, namespace, name, last, restores=1, exact=False,
+        outcome = verdict.judge(kube, namespace, name, last, restores=1, allow_replay=True,
                                 timeout=240)
     restored = sb.status(namespace, name).get("restoredFrom") or {}
     row = inject.record(ledger, "sandbox pod force-deleted", 1, outcome, watch,

@@ -162,6 +162,12 @@ def _moved(kube: Kube, ns: str, name: str, where: sb.Running,
     return outcome, ckpt
 
 
+def _assert_whole(outcome: verdict.Outcome) -> None:
+    """Nothing lost or duplicated: the external tick ledger's ticks, then the sandbox."""
+    assert outcome.ledger_lost == 0 and outcome.ledger_duplicated == 0, outcome.detail
+    assert outcome.lost == 0 and outcome.duplicated == 0, outcome.detail
+
+
 def _acted(ns: str, name: str) -> Obj:
     """The Preemption request the node-agent made for the sandbox (within ACT_WITHIN)."""
     found: list[Obj] = wait_until(
@@ -211,8 +217,9 @@ def _errors_then_notice(kube: Kube, cfg: E2EConfig, ns: str, ledger: Ledger, sce
         _terminate(where.node)
     note = "; ".join(x for x in (changed and f"during the faults: {changed}", once,
                                  f"notice acted on in {acted_s} s", outcome.detail) if x)
-    ledger.record(Row(scenario, faults, 1, outcome.lost, outcome.duplicated, note))
-    assert outcome.lost == 0 and outcome.duplicated == 0, outcome.detail
+    ledger.record(Row(scenario, faults, 1, outcome.lost, outcome.duplicated, note,
+                      outcome.ledger_lost, outcome.ledger_duplicated))
+    _assert_whole(outcome)
     assert not changed, f"the faults changed something: {changed}"
     assert not once, once
 
@@ -250,8 +257,9 @@ def test_a_withdrawn_notice_still_moves_the_sandbox_exactly_once(
         _terminate(where.node)
     ledger.record(Row("notice withdrawn (404 again)", 1, 1, outcome.lost, outcome.duplicated,
                       "; ".join(x for x in (once, f"{withdrawn} answers withdrawn",
-                                            outcome.detail) if x)))
-    assert outcome.lost == 0 and outcome.duplicated == 0, outcome.detail
+                                            outcome.detail) if x),
+                      outcome.ledger_lost, outcome.ledger_duplicated))
+    _assert_whole(outcome)
     assert not once, once
 
 
@@ -277,8 +285,9 @@ def test_two_notices_for_one_node_make_one_move(
     finally:
         _terminate(where.node)
     ledger.record(Row("notice seen twice, then another time", 2, 1, outcome.lost,
-                      outcome.duplicated, "; ".join(x for x in (once, outcome.detail) if x)))
-    assert outcome.lost == 0 and outcome.duplicated == 0, outcome.detail
+                      outcome.duplicated, "; ".join(x for x in (once, outcome.detail) if x),
+                      outcome.ledger_lost, outcome.ledger_duplicated))
+    _assert_whole(outcome)
     assert not once, once
 
 
@@ -317,7 +326,8 @@ def test_a_manual_checkpoint_racing_a_notice_ends_and_the_sandbox_moves_once(
     phase, message = ended.get("phase"), ended.get("message") or ""
     ledger.record(Row("manual checkpoint racing a notice", 1, 1, outcome.lost,
                       outcome.duplicated, "; ".join(x for x in (
-                          once, f"manual {phase} {message[:60]}".strip(), outcome.detail) if x)))
-    assert outcome.lost == 0 and outcome.duplicated == 0, outcome.detail
+                          once, f"manual {phase} {message[:60]}".strip(), outcome.detail) if x),
+                      outcome.ledger_lost, outcome.ledger_duplicated))
+    _assert_whole(outcome)
     assert not once, once
     assert phase == "Completed" or message, f"manual checkpoint {phase} without a reason"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import ledger
 from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -498,8 +499,15 @@ def run_criu(argv: Sequence[str | Path | int], log: Path) -> None:
         pytest.fail(f"{Path(str(argv[0])).name} {argv[1]} failed: {tail}")
 
 
+@pytest.fixture
+def tick_ledger() -> Iterator[ledger.Collector]:
+    with ledger.collecting("127.0.0.1") as collector:
+        yield collector
+
+
 def test_workload_migrates_with_criu_under_hermit_init(
-    init_bin: Path, stateful_bin: Path, tmp_path: Path, cleanup: Cleanup
+    init_bin: Path, stateful_bin: Path, tmp_path: Path, cleanup: Cleanup,
+    tick_ledger: ledger.Collector,
 ) -> None:
     """Dump hermit-init + workload (PID 1 of a pid namespace), restore the tree under a
     new `hermit-init --restore` in another pid namespace, as the node-agent does."""
@@ -508,7 +516,8 @@ def test_workload_migrates_with_criu_under_hermit_init(
     _require("nsenter")
     images = tmp_path / "images"
     images.mkdir()
-    env = workload_env(tmp_path, HERMIT_WORKLOAD_MEM_MB="16")
+    # Every tick also goes to an external tick ledger: CRIU must carry its UDP socket.
+    env = workload_env(tmp_path, HERMIT_WORKLOAD_MEM_MB="16", HERMIT_LEDGER=tick_ledger.address)
     port = int(env["PORT"])
     # The dumped tree writes to files (a pipe to pytest would not survive a restore).
     redirect = 'exec "$@" </dev/null >"$0/tree.out" 2>"$0/tree.err"'
@@ -556,3 +565,9 @@ def test_workload_migrates_with_criu_under_hermit_init(
     assert logged == list(range(1, len(logged) + 1)), "ticks were lost or repeated"
     assert ticks((tmp_path / "tree.out").read_text()) == logged
     assert "memory corrupted" not in (tmp_path / "tree.err").read_text()
+    v = tick_ledger.verdict(socket.gethostname())
+    assert v.clean() and v.first == 1 and v.last >= logged[-1], v.summary()
+    assert [c.gen for c in v.copies] == [0, 1], v.summary()
+    # the dump may catch a tick between its report and its log line: the old copy reported
+    # it, the restored one logs it and reports the next (each tick once: the verdict is clean)
+    assert v.copies[1].first_tick in (dumped + 1, dumped + 2), v.summary()

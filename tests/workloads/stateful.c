@@ -27,6 +27,17 @@
  * behind; gen counts restores, seen as a change of our start time in /proc/self/stat, and
  * is left out when /proc is not readable).
  *
+ * With HERMIT_LEDGER=<IPv4>:<port> every tick is also reported, as it happens, in one UDP
+ * datagram to that collector (the tests' external ledger, tests/support/ledger.py):
+ *   "hermit-ledger v1 tick=<n> prev=<n> first=<n> gen=<n> pid=<n> start=<n> host=<name>
+ *    errs=<n>\n"
+ * prev is the tick this process image reported before (0 for none: it lives in memory, so
+ * a restored copy carries it), first the first tick this copy made (since its start or
+ * its restore: so a copy's first reports lost in transit still count), start our start time (it changes with every restore, so it
+ * tells copies apart with the sender's address), host the UTS name (the sandbox's), errs
+ * how many earlier reports this image failed to send. A failed send is counted, never
+ * fatal: the ledger judges, the workload only reports.
+ *
  * Configuration is by environment only (see --help and README in node-agent/init).
  */
 #define _GNU_SOURCE
@@ -46,6 +57,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/utsname.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -442,6 +454,62 @@ static void check_tick_log(int rd, const char *path, long long prev) {
 		     path, (long long)st.st_size, (long long)tick_log_size, prev);
 }
 
+/* ---- the external ledger ---------------------------------------------------------------- */
+
+/* One unconnected UDP socket for the whole run: CRIU carries it over (an unconnected UDP
+ * socket needs no --tcp-established), and a send that fails makes us reopen it. */
+static int ledger_fd = -1;
+static struct sockaddr_in ledger_addr;
+static long long ledger_prev, ledger_errs;
+
+static void ledger_setup(const char *spec) {
+	char ip[64];
+	const char *colon = strrchr(spec, ':');
+	char *end;
+	long port = colon ? strtol(colon + 1, &end, 10) : -1;
+	if (!colon || (size_t)(colon - spec) >= sizeof(ip) || colon[1] == '\0' || *end ||
+	    port < 1 || port > 65535) {
+		out(2, "hermit-stateful: HERMIT_LEDGER must be <IPv4>:<port>, got '%s'\n", spec);
+		exit(EXIT_SETUP);
+	}
+	snprintf(ip, sizeof(ip), "%.*s", (int)(colon - spec), spec);
+	memset(&ledger_addr, 0, sizeof(ledger_addr));
+	ledger_addr.sin_family = AF_INET;
+	ledger_addr.sin_port = htons((uint16_t)port);
+	if (inet_pton(AF_INET, ip, &ledger_addr.sin_addr) != 1) {
+		out(2, "hermit-stateful: HERMIT_LEDGER '%s' is not an IPv4 address\n", spec);
+		exit(EXIT_SETUP);
+	}
+	ledger_fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+	if (ledger_fd < 0)
+		die("ledger socket");
+}
+
+static void ledger_report(long long tick, long long first, int gen, long long start) {
+	struct utsname u;
+	if (uname(&u) < 0)
+		snprintf(u.nodename, sizeof(u.nodename), "?");
+	char buf[256];
+	int n = snprintf(buf, sizeof(buf),
+			 "hermit-ledger v1 tick=%lld prev=%lld first=%lld gen=%d pid=%d start=%lld "
+			 "host=%.64s errs=%lld\n",
+			 tick, ledger_prev, first, gen, (int)getpid(), start, u.nodename, ledger_errs);
+	if (n > (int)sizeof(buf) - 1)
+		n = (int)sizeof(buf) - 1;
+	if (ledger_fd < 0)
+		ledger_fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+	ssize_t w = ledger_fd < 0 ? -1 : sendto(ledger_fd, buf, (size_t)n, MSG_DONTWAIT,
+						(struct sockaddr *)&ledger_addr, sizeof(ledger_addr));
+	if (w != n) {
+		ledger_errs++;
+		if (ledger_fd >= 0 && errno != EAGAIN && errno != EINTR) {
+			close(ledger_fd); /* e.g. a socket a restore could not carry: a fresh one */
+			ledger_fd = -1;
+		}
+	}
+	ledger_prev = tick;
+}
+
 /* ---- TCP ---------------------------------------------------------------------------------- */
 
 struct pending {
@@ -517,6 +585,9 @@ static void usage(void) {
 	       "  HERMIT_STALL_MS=5000        worker thread / child echo may stall this long\n"
 	       "                              (and 3 ticks); restarts after a clock jump or restore\n"
 	       "  HERMIT_MAX_TICKS=0          exit 0 after this many ticks (0 = never)\n"
+	       "  HERMIT_LEDGER=<ip>:<port>   also report every tick in a UDP datagram there\n"
+	       "                              ('hermit-ledger v1 tick=.. prev=.. first=.. gen=..\n"
+	       "                              pid=.. start=.. host=.. errs=..'; unset = none)\n"
 	       "Checked every tick; a broken invariant prints one line on stderr and exits:\n"
 	       "  0 on SIGTERM/SIGINT or max ticks, 1 setup error, 2 usage error,\n"
 	       "  3 memory corrupted, 4 background child lost (pipe or socketpair closed),\n"
@@ -546,6 +617,9 @@ int main(int argc, char **argv) {
 	long stall_ms = env_long("HERMIT_STALL_MS", 5000, 100, 86400000);
 	long max_ticks = env_long("HERMIT_MAX_TICKS", 0, 0, 1L << 40);
 	const char *log_path = env_str("HERMIT_TICK_LOG", "/workspace/ticks.log");
+	const char *ledger = env_str("HERMIT_LEDGER", "");
+	if (*ledger)
+		ledger_setup(ledger);
 	const char *delete_path = env_str("HERMIT_DELETE_PATH", "/etc/hermit-delete-me");
 	snprintf(state_dir, sizeof(state_dir), "%s", env_str("HERMIT_STATE_DIR", "/state"));
 	char db_path[1024];
@@ -652,6 +726,7 @@ int main(int argc, char **argv) {
 	long long start = now_ms(), next = start + tick_ms;
 	struct watch thread_watch = {0, start, 0}, seq_watch = {0, start, 0};
 	long long started_at = read_starttime();
+	long long copy_first = 0; /* the first tick of this copy (since start or restore) */
 	int gen = 0;
 	char status[200];
 
@@ -673,6 +748,23 @@ int main(int argc, char **argv) {
 		if (now >= next) {
 			counter++;
 			next += tick_ms;
+			long long st = read_starttime();
+			if (st >= 0 && started_at >= 0 && st != started_at) {
+				gen++;
+				copy_first = 0;
+				watch_restart(&thread_watch, now);
+				watch_restart(&seq_watch, now);
+				out(2, "hermit-stateful: restore detected (gen=%d) at counter %lld\n", gen,
+				    counter);
+			}
+			if (st >= 0)
+				started_at = st;
+			/* reported first (gen and start are this copy's): a tick cut by a freeze is in
+			 * the ledger before it is in any log, so no log shows a tick the ledger lacks */
+			if (!copy_first)
+				copy_first = counter;
+			if (*ledger)
+				ledger_report(counter, copy_first, gen, st);
 			if (log_rd >= 0 && counter > 1)
 				check_tick_log(log_rd, log_path, counter - 1);
 			write_state("counter.txt", "%lld\n", counter);
@@ -689,17 +781,6 @@ int main(int argc, char **argv) {
 				}
 			}
 			check_created(counter);
-
-			long long st = read_starttime();
-			if (st >= 0 && started_at >= 0 && st != started_at) {
-				gen++;
-				watch_restart(&thread_watch, now);
-				watch_restart(&seq_watch, now);
-				out(2, "hermit-stateful: restore detected (gen=%d) at counter %lld\n", gen,
-				    counter);
-			}
-			if (st >= 0)
-				started_at = st;
 
 			unsigned long long threads = __atomic_load_n(&worker_count, __ATOMIC_RELAXED);
 			long long stuck = watch_check(&thread_watch, threads, now, stall_ms);
