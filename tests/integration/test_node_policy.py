@@ -139,11 +139,28 @@ def _wait(what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
 
 @pytest.fixture(scope="module")
 def agent(plane: ControlPlane) -> Caller:
-    """The node-agent of node-a, once the policies are in force."""
+    """The node-agent of node-a, once the policies are in force: each one on its own, as
+    the API server loads each policy and binding in the background (under load, the
+    Checkpoint ones came into force after the Node one had)."""
     caller = Caller(plane, AGENT, "node-a")
-    _wait("the policies in force", lambda: caller.attempt(
-        caller.core.patch_node, "node-b", {"spec": {"unschedulable": True}},
-        _content_type=MERGE) is not None)
+    tenant = Caller(plane, "alice")
+    create = caller.custom.create_namespaced_custom_object
+    probes: dict[str, Callable[[], str | None]] = {
+        "Node": lambda: caller.attempt(
+            caller.core.patch_node, "node-b", {"spec": {"unschedulable": True}},
+            _content_type=MERGE),
+        "Pod": lambda: caller.attempt(
+            caller.core.patch_namespaced_pod, "there", NS,
+            {"metadata": {"labels": {"x": "y"}}}, _content_type=MERGE),
+        "Checkpoint": lambda: caller.attempt(
+            create, G, V, NS, P, _ckpt("box-1-preempt", "node-b")),
+        "Checkpoint trust": lambda: tenant.attempt(
+            tenant.custom.create_namespaced_custom_object, G, V, NS, P,
+            _ckpt("t-1", "node-a", protocol.MANUAL,
+                  **{protocol.ANNOTATION_NODE_VERIFIED: "true"})),
+    }
+    for what, refused in probes.items():  # dry runs: nothing is written
+        _wait(f"the {what} policy in force", lambda r=refused: r() is not None)
     return caller
 
 
