@@ -493,12 +493,16 @@ class NodeAgent:
 
     def _prefetch(self, pods: list[SandboxPod], known: list[KubeObject] | None) -> None:
         """A prefetch job (low priority) for each pod waiting for a checkpoint in flight,
-        once per pod; the prefetch of a pod that no longer waits (its restore starts, it is
-        gone) or of any pod once a notice came here is stopped."""
-        waiting = {sp.uid: sp for sp in planner.pods_to_prefetch(pods, known)} \
-            if self._prefetch_on and not self._halted() else {}
+        once per pod. A prefetch goes on while its pod still waits for its restore: the
+        restore starts only once the pod runs, seconds after the checkpoint is durable, and
+        a prefetch's first second can go to its credentials and manifest. It is stopped
+        when the restore starts, the pod is gone, or a notice came here."""
+        on = self._prefetch_on and not self._halted()
+        waiting = {sp.uid: sp for sp in planner.pods_to_prefetch(pods, known)} if on else {}
+        unrestored = {sp.uid for sp in pods if sp.restore_from and sp.restore_phase is None} \
+            if on else set()
         with self._lock:
-            for uid in [u for u in self._prefetches if u not in waiting]:
+            for uid in [u for u in self._prefetches if u not in waiting.keys() | unrestored]:
                 self._prefetches.pop(uid).set()
             new = [(sp, self._prefetches.setdefault(uid, threading.Event()))
                    for uid, sp in waiting.items() if uid not in self._prefetches]

@@ -223,3 +223,26 @@ def test_no_prefetch_when_off_and_a_gone_pod_stops_it(
     assert store.stopped.wait(5), "the prefetch of a pod that is gone was not stopped"
     agent.shutdown()
     assert engine.calls == []
+
+
+def test_a_prefetch_goes_on_until_the_restore_starts_not_until_the_checkpoint_is_durable(
+        tmp_path: Path) -> None:
+    """The restore waits for the pod to run, seconds after the checkpoint is durable: the
+    prefetch started meanwhile keeps filling the cache (in a rehearsal it was stopped at
+    the durable mark after 1.2 s spent on its credentials and manifest: 0 bytes)."""
+    stopping = _preempt("Uploading")
+    kube = RemoteKube([pod("box-2", annotations=WAITS, running=False, phase="Pending")],
+                      [stopping, _done("box-1-rebalance", "2026-01-02T03:05:00Z")])
+    engine, store = FakeEngine(), PrefetchStore()
+    agent = _agent(tmp_path, kube, engine, store)
+    agent.reconcile_once()
+    assert store.started.wait(5)
+    stopping["status"] = {"phase": "Completed", "manifestDigest": DIGEST}
+    agent.reconcile_once()  # durable, the pod not running yet: no restore, no stop
+    assert engine.calls == [] and not store.stopped.is_set()
+    kube.pods = [pod("box-2", annotations=WAITS)]
+    agent.reconcile_once()  # the pod runs: the restore starts and stops the prefetch
+    assert store.stopped.wait(5), "the prefetch was not stopped when the restore started"
+    agent.shutdown()
+    [(target, _)] = engine.calls
+    assert target.checkpoint == "box-1-preempt" and len(store.calls) == 1
