@@ -160,7 +160,7 @@ def agent(plane: ControlPlane) -> Caller:
                   **{protocol.ANNOTATION_NODE_VERIFIED: "true"})),
     }
     for what, refused in probes.items():  # dry runs: nothing is written
-        _wait(f"the {what} policy in force", lambda r=refused: r() is not None)
+        _wait(f"the {what} policy in force", lambda r=refused: r() is not None, 120.0)
     return caller
 
 
