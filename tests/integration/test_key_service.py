@@ -16,122 +16,42 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client
 
-from hermit_common import api, hardhttp, protocol
-from hermit_common.keyclient import KeyAccessDenied, RemoteKeyWrapper
+from hermit_common.keyclient import KeyAccessDenied
 from hermit_common.seal import Context, Keyring, KeyringWrapper, new_dek
 from hermit_operator import keyservice
 from hermit_operator.kube import Kube
 from tests.support.attacks import REFUSED, Attack
-from tests.support.controlplane import ControlPlane, control_plane, install_crds
-from tests.support.tls import self_signed
+from tests.support.controlplane import ControlPlane, control_plane
+from tests.support.keyworld import AGENT_SA, AUDIENCE, KeyWorld
 
 __all__ = ["control_plane"]
 
 pytestmark = pytest.mark.integration
 
 RELEASE_NS = "hermit-system"
-AGENT_SA = "hermit-node-agent"
 AGENT = f"system:serviceaccount:{RELEASE_NS}:{AGENT_SA}"
 TENANTS = "key-tenants"
 NODES = ("keys-node-a", "keys-node-b")
-AUDIENCE = "hermit.dev/keys"
 RING = {"current": "k1", "k1": base64.b64encode(hashlib.sha256(b"k1").digest()).decode()}
 Obj = dict[str, Any]
 
 
-def _admin(plane: ControlPlane) -> client.ApiClient:
-    from hermit_common.kubeclient import load_configuration
+class World(KeyWorld):
+    """box-a runs on node A, box-b on node B; fork (on node A) restores a checkpoint of
+    source, which runs nowhere now; and a lookalike of box-b's pod on node A."""
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KUBECONFIG", str(plane.kubeconfig))
-        return client.ApiClient(load_configuration())
-
-
-def _sandbox(custom: client.CustomObjectsApi, name: str) -> Obj:
-    obj = {"apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.SANDBOX_KIND,
-           "metadata": {"name": name},
-           "spec": {"podTemplate": {"spec": {"containers": [
-               {"name": "agent", "image": "busybox", "command": ["sleep", "1"]}]}}}}
-    out: Obj = custom.create_namespaced_custom_object(api.GROUP, api.VERSION, TENANTS,
-                                                      api.SANDBOX_PLURAL, obj)
-    return out
-
-
-def _sandbox_pod(core: client.CoreV1Api, sandbox: Obj, node: str,
-                 restore_from: str | None = None, pod: str | None = None) -> None:
-    name = sandbox["metadata"]["name"]
-    meta: Obj = {"name": pod or f"{name}-1", "labels": {protocol.LABEL_SANDBOX: name,
-                                                 protocol.LABEL_INCARNATION: "1"},
-                 "ownerReferences": [protocol.owner_reference(sandbox)]}
-    if restore_from:
-        meta["annotations"] = {protocol.ANNOTATION_RESTORE_FROM: restore_from}
-    core.create_namespaced_pod(TENANTS, {"metadata": meta, "spec": {
-        "nodeName": node, "containers": [{"name": "agent", "image": "busybox"}]}})
-
-
-class World:
     def __init__(self, plane: ControlPlane, tmp: Path) -> None:
-        self.admin = _admin(plane)
-        self.core = client.CoreV1Api(self.admin)
-        custom = client.CustomObjectsApi(self.admin)
-        install_crds(self.admin)
-        for ns in (RELEASE_NS, TENANTS):
-            self.core.create_namespace({"metadata": {"name": ns}})
-        self.core.create_namespaced_service_account(RELEASE_NS, {"metadata": {"name": AGENT_SA}})
-        self.core.create_namespaced_service_account(TENANTS, {"metadata": {"name": "default"}})
-        self.agents: dict[str, Obj] = {}
-        for node in NODES:
-            self.core.create_node({"metadata": {"name": node}})
-            pod = self.core.create_namespaced_pod(RELEASE_NS, {
-                "metadata": {"name": f"agent-{node}"},
-                "spec": {"nodeName": node, "serviceAccountName": AGENT_SA,
-                         "containers": [{"name": "agent", "image": "busybox"}]}})
-            self.agents[node] = self.admin.sanitize_for_serialization(pod)
-        # box-a runs on node A, box-b on node B; fork (on node A) restores a checkpoint
-        # of source, which runs nowhere now.
-        self.sandboxes = {n: _sandbox(custom, n) for n in ("box-a", "box-b", "source", "fork")}
-        _sandbox_pod(self.core, self.sandboxes["box-a"], NODES[0])
-        _sandbox_pod(self.core, self.sandboxes["box-b"], NODES[1])
-        custom.create_namespaced_custom_object(api.GROUP, api.VERSION, TENANTS,
-                                               api.CHECKPOINT_PLURAL, {
-            "apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": "Checkpoint",
-            "metadata": {"name": "source-1-manual"},
-            "spec": {"sandboxRef": {"name": "source"}, "reason": protocol.MANUAL}})
-        _sandbox_pod(self.core, self.sandboxes["fork"], NODES[0], "source-1-manual")
+        super().__init__(plane, tmp, release_ns=RELEASE_NS, tenants=TENANTS, nodes=NODES)
         # Someone who may create pods copies box-b's label and owner onto a pod on node A.
-        _sandbox_pod(self.core, self.sandboxes["box-b"], NODES[0], pod="box-b-lookalike")
-        self.tmp = tmp
+        self.sandbox_pod("box-b", NODES[0], pod="box-b-lookalike")
         self.ring = KeyringWrapper(lambda: Keyring.from_mapping(RING, "test keys"))
-        cert, key = self_signed(tmp, "keys.hermit.internal")
-        self.ca = str(cert)
-        svc = keyservice.KeyService(self.ring, Kube(self.admin), callers=[AGENT],
-                                    audience=AUDIENCE)
-        self.server = hardhttp.serve(0, svc.handle, admit=svc.admit,
-                                     max_body=keyservice.MAX_BODY, usage=keyservice.USAGE,
-                                     name="keys", host="127.0.0.1",
-                                     tls=hardhttp.TlsFiles(str(cert), str(key)))
-        self.url = f"https://127.0.0.1:{self.server.server_address[1]}"
+        self.start_service(keyservice.KeyService(self.ring, Kube(self.admin), callers=[AGENT],
+                                                 audience=AUDIENCE))
 
     def context(self, sandbox: str) -> Context:
         uid = self.sandboxes[sandbox]["metadata"]["uid"]
         return Context(TENANTS, sandbox, uid, lineage=(uid,))
-
-    def token(self, node: str, audience: str = AUDIENCE) -> str:
-        pod = self.agents[node]
-        out = self.core.create_namespaced_service_account_token(AGENT_SA, RELEASE_NS, {
-            "spec": {"audiences": [audience], "expirationSeconds": 600,
-                     "boundObjectRef": {"kind": "Pod", "apiVersion": "v1",
-                                        "name": pod["metadata"]["name"],
-                                        "uid": pod["metadata"]["uid"]}}})
-        return str(out.status.token)
-
-    def wrapper(self, node: str, audience: str = AUDIENCE) -> RemoteKeyWrapper:
-        path = self.tmp / f"token-{node}-{audience.replace('/', '_')}"
-        path.write_text(self.token(node, audience))
-        return RemoteKeyWrapper(self.url, ca_file=self.ca, token_file=str(path),
-                                backoff_seconds=0.01)
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +61,7 @@ def world(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
     try:
         yield w
     finally:
-        w.server.shutdown()
-        w.server.server_close()
+        w.stop_service()
 
 
 def _stored_key(world: World, sandbox: str) -> tuple[Context, Any, bytes]:

@@ -22,10 +22,7 @@ from typing import Any
 
 import pytest
 from botocore.exceptions import ClientError
-from kubernetes import client
 
-from hermit_common import api, hardhttp, protocol
-from hermit_common.keyclient import RemoteKeyWrapper
 from hermit_common.manifest import Binding
 from hermit_common.seal import Expected, Keyring, KeyringWrapper, Sealing
 from hermit_common.settings import KeyServiceSettings, StoreSettings
@@ -35,31 +32,21 @@ from hermit_operator import keyservice
 from hermit_operator.kube import Kube
 from hermit_operator.storevend import StoreVendor
 from tests.support.attacks import REFUSED, Attack
-from tests.support.controlplane import ControlPlane, control_plane, install_crds
+from tests.support.controlplane import ControlPlane, control_plane
+from tests.support.keyworld import AGENT_SA, AUDIENCE, KeyWorld
 from tests.support.minio import MinioServer
-from tests.support.tls import self_signed
 
 __all__ = ["control_plane"]
 
 pytestmark = pytest.mark.integration
 
 RELEASE_NS = "scoped-system"
-AGENT_SA = "hermit-node-agent"
 AGENT = f"system:serviceaccount:{RELEASE_NS}:{AGENT_SA}"
 NS = "scoped-tenants"
 NODES = ("scoped-node-a", "scoped-node-b")
-AUDIENCE = "hermit.dev/keys"
 RING = {"current": "k1", "k1": base64.b64encode(hashlib.sha256(b"scoped").digest()).decode()}
 CHUNK = 64 * 1024
 Obj = dict[str, Any]
-
-
-def _admin(plane: ControlPlane) -> client.ApiClient:
-    from hermit_common.kubeclient import load_configuration
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KUBECONFIG", str(plane.kubeconfig))
-        return client.ApiClient(load_configuration())
 
 
 class Clock:
@@ -70,42 +57,10 @@ class Clock:
         return self.now
 
 
-class World:
+class World(KeyWorld):
     def __init__(self, plane: ControlPlane, minio: MinioServer, tmp: Path) -> None:
-        self.admin = _admin(plane)
-        self.core = client.CoreV1Api(self.admin)
-        custom = client.CustomObjectsApi(self.admin)
-        install_crds(self.admin)
-        for ns in (RELEASE_NS, NS):
-            self.core.create_namespace({"metadata": {"name": ns}})
-        self.core.create_namespaced_service_account(RELEASE_NS, {"metadata": {"name": AGENT_SA}})
-        self.core.create_namespaced_service_account(NS, {"metadata": {"name": "default"}})
-        self.agents: dict[str, Obj] = {}
-        for node in NODES:
-            self.core.create_node({"metadata": {"name": node}})
-            pod = self.core.create_namespaced_pod(RELEASE_NS, {
-                "metadata": {"name": f"agent-{node}"},
-                "spec": {"nodeName": node, "serviceAccountName": AGENT_SA,
-                         "containers": [{"name": "agent", "image": "busybox"}]}})
-            self.agents[node] = self.admin.sanitize_for_serialization(pod)
-        self.sandboxes: dict[str, Obj] = {}
-        for name in ("box-a", "box-b", "source", "fork"):
-            self.sandboxes[name] = custom.create_namespaced_custom_object(
-                api.GROUP, api.VERSION, NS, api.SANDBOX_PLURAL, {
-                    "apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.SANDBOX_KIND,
-                    "metadata": {"name": name},
-                    "spec": {"podTemplate": {"spec": {"containers": [
-                        {"name": "agent", "image": "busybox"}]}}}})
-        custom.create_namespaced_custom_object(api.GROUP, api.VERSION, NS,
-                                               api.CHECKPOINT_PLURAL, {
-            "apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": "Checkpoint",
-            "metadata": {"name": "source-1-manual"},
-            "spec": {"sandboxRef": {"name": "source"}, "reason": protocol.MANUAL}})
-        self._pod("box-a", NODES[0])
-        self._pod("box-b", NODES[1])
-        self._pod("fork", NODES[0], restore_from="source-1-manual")
-
-        self.minio, self.tmp = minio, tmp
+        super().__init__(plane, tmp, release_ns=RELEASE_NS, tenants=NS, nodes=NODES)
+        self.minio = minio
         self.bucket = f"scoped-{os.getpid()}"
         self.settings = minio.settings(self.bucket, chunk_size_bytes=CHUNK)
         CheckpointStore(self.settings).ensure_bucket()
@@ -113,45 +68,16 @@ class World:
         # The operator: the key service with MinIO's root credentials and a vendor.
         vendor = StoreVendor(self.settings, KeyServiceSettings(
             store_credentials=True, store_credentials_seconds=900))
-        svc = keyservice.KeyService(self.ring, Kube(self.admin), callers=[AGENT],
-                                    audience=AUDIENCE, vendor=vendor)
-        cert, key = self_signed(tmp, "keys.hermit.internal")
-        self.ca = str(cert)
-        self.server = hardhttp.serve(0, svc.handle, admit=svc.admit,
-                                     max_body=keyservice.MAX_BODY, usage=keyservice.USAGE,
-                                     name="keys", host="127.0.0.1",
-                                     tls=hardhttp.TlsFiles(str(cert), str(key)))
-        self.url = f"https://127.0.0.1:{self.server.server_address[1]}"
+        self.start_service(keyservice.KeyService(self.ring, Kube(self.admin), callers=[AGENT],
+                                                 audience=AUDIENCE, vendor=vendor))
         # Everything the bucket-wide credential does in this test (setting up, checking).
         self.root = CheckpointStore(self.settings, sealing=Sealing(self.ring))
         # The node-agents' default store settings: no credentials of their own.
         self.bare = dataclasses.replace(self.settings, access_key_id=None,
                                         secret_access_key=None)
 
-    def _pod(self, sandbox: str, node: str, restore_from: str | None = None) -> None:
-        meta: Obj = {"name": f"{sandbox}-1",
-                     "labels": {protocol.LABEL_SANDBOX: sandbox,
-                                protocol.LABEL_INCARNATION: "1"},
-                     "ownerReferences": [protocol.owner_reference(self.sandboxes[sandbox])]}
-        if restore_from:
-            meta["annotations"] = {protocol.ANNOTATION_RESTORE_FROM: restore_from}
-        self.core.create_namespaced_pod(NS, {"metadata": meta, "spec": {
-            "nodeName": node, "containers": [{"name": "agent", "image": "busybox"}]}})
-
     def uid(self, sandbox: str) -> str:
         return str(self.sandboxes[sandbox]["metadata"]["uid"])
-
-    def wrapper(self, node: str) -> RemoteKeyWrapper:
-        pod = self.agents[node]
-        token = self.core.create_namespaced_service_account_token(AGENT_SA, RELEASE_NS, {
-            "spec": {"audiences": [AUDIENCE], "expirationSeconds": 3600,
-                     "boundObjectRef": {"kind": "Pod", "apiVersion": "v1",
-                                        "name": pod["metadata"]["name"],
-                                        "uid": pod["metadata"]["uid"]}}})
-        path = self.tmp / f"token-{node}"
-        path.write_text(str(token.status.token))
-        return RemoteKeyWrapper(self.url, ca_file=self.ca, token_file=str(path),
-                                backoff_seconds=0.01)
 
     def cache(self, node: str, clock: Any = None) -> CredentialCache:
         wrapper = self.wrapper(node)
@@ -180,8 +106,7 @@ def world(control_plane: ControlPlane, minio_server: MinioServer,
     try:
         yield w
     finally:
-        w.server.shutdown()
-        w.server.server_close()
+        w.stop_service()
 
 
 def _binding(sandbox: str, uid: str, checkpoint: str) -> Binding:
