@@ -1,7 +1,10 @@
-"""The only module that talks to CRIU: typed requests in, pycriu RPC out.
+"""CRIU through pycriu's RPC: typed requests in, ``criu swrk`` out; the only module that
+imports pycriu (image decoding included).
 
 pycriu forks ``criu swrk`` from the calling process, so namespace and cgroup
-placement of the caller decide where a restored tree lands (see restore_worker).
+placement of the caller decide where a restored tree lands: a restore calls this module
+from restore_worker, a child process that first moves into the new container.
+lazypages runs the criu binary itself (``criu check``, the ``criu lazy-pages`` daemon).
 """
 
 from __future__ import annotations

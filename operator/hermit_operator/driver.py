@@ -240,6 +240,8 @@ def _apply(kube: Kube, sandbox: KubeObject, p: Plan, post: Poster, now: datetime
     for ckpt, ckpt_status in p.fail_checkpoints:
         kube.patch_checkpoint_status(namespace, ckpt, ckpt_status)
     for ckpt in p.delete_checkpoints:
-        # The S3 side (manifest and unreferenced chunks) is not collected yet.
+        # Kubernetes objects only: the node-agent collects the S3 side (the manifest, and
+        # chunks no manifest references) after the sandbox's next routine checkpoint
+        # (hermit_node.collect; docs/storage.md#garbage-collection).
         kube.delete_checkpoint(namespace, ckpt)
         metrics.CHECKPOINTS_DELETED.inc()
