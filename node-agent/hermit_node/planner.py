@@ -6,7 +6,7 @@ to /proc or to the clock: callers pass ``now`` and apply what comes back.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -41,6 +41,12 @@ class SandboxPod:
     restore_phase: str | None
     on_preemption: bool = True  # false: no checkpoint on a notice or a drain
     created: str = ""  # metadata.creationTimestamp, as the API wrote it
+    terminating: bool = False  # deletionTimestamp set: being deleted (evicted, say)
+    # The first container runs, whether or not the pod is being deleted: a terminating
+    # pod's tree can still be saved while its preStop hook holds it (``held_pods``).
+    container_live: bool = False
+    # Seconds the pod's deletion gives it (metadata.deletionGracePeriodSeconds), if any.
+    deletion_grace: int | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -70,9 +76,11 @@ def sandbox_pod(pod: Mapping[str, Any]) -> SandboxPod | None:
         incarnation = int(labels.get(protocol.LABEL_INCARNATION, "0"))
     except ValueError:
         incarnation = 0
-    running = (status.get("phase") == api.POD_RUNNING and not meta.get("deletionTimestamp")
-               and bool((first.get("state") or {}).get("running"))
-               and bool(first.get("containerID")))
+    container_live = (status.get("phase") == api.POD_RUNNING
+                      and bool((first.get("state") or {}).get("running"))
+                      and bool(first.get("containerID")))
+    running = container_live and not meta.get("deletionTimestamp")
+    grace = meta.get("deletionGracePeriodSeconds")
     return SandboxPod(
         namespace=str(meta.get("namespace") or "default"),
         pod=str(meta.get("name")),
@@ -90,6 +98,10 @@ def sandbox_pod(pod: Mapping[str, Any]) -> SandboxPod | None:
         restore_phase=annotations.get(protocol.ANNOTATION_RESTORE_PHASE) or None,
         on_preemption=annotations.get(protocol.ANNOTATION_ON_PREEMPTION) != "false",
         created=str(meta.get("creationTimestamp") or ""),
+        terminating=bool(meta.get("deletionTimestamp")),
+        container_live=container_live,
+        deletion_grace=grace if isinstance(grace, int) and not isinstance(grace, bool)
+        else None,
     )
 
 
@@ -115,14 +127,24 @@ def sandbox_pods(pods: Iterable[Mapping[str, Any]], node: str) -> list[SandboxPo
     return [sp for p in pods if (sp := sandbox_pod(p)) is not None and sp.node == node]
 
 
-def current_pods(pods: Iterable[SandboxPod]) -> dict[tuple[str, str], SandboxPod]:
+def held_tree(sp: SandboxPod) -> bool:
+    """A pod being deleted whose tree still runs (its preStop hook holds its termination):
+    it may still be saved by a stopping checkpoint."""
+    return (sp.terminating and sp.container_live
+            and (sp.restore_from is None or sp.restore_phase == protocol.RESTORED))
+
+
+def current_pods(pods: Iterable[SandboxPod],
+                 held: Set[str] = frozenset()) -> dict[tuple[str, str], SandboxPod]:
     """Per sandbox, the live pod with the highest incarnation, among the pods named as the
     operator names them (``<sandbox>-<incarnation>``): a pod someone else made with the
     sandbox's label, owner and incarnation has another name (names are unique), and is
-    never checkpointed in the sandbox's stead."""
+    never checkpointed in the sandbox's stead. ``held``: uids of pods being deleted whose
+    termination the hold endpoint holds; they count while their tree runs."""
     out: dict[tuple[str, str], SandboxPod] = {}
     for sp in pods:
-        if not sp.has_live_tree or sp.pod != operator_pod_name(sp.sandbox, sp.incarnation):
+        live = sp.has_live_tree or (sp.uid in held and held_tree(sp))
+        if not live or sp.pod != operator_pod_name(sp.sandbox, sp.incarnation):
             continue
         seen = out.get(sp.key)
         if seen is None or sp.incarnation > seen.incarnation:
@@ -157,7 +179,8 @@ def stop_backoff(failures: int) -> float:
 
 def stop_requests(pods: Iterable[SandboxPod], reason: str,
                   checkpoints: Iterable[Mapping[str, Any]] | None,
-                  now: datetime | None = None) -> list[tuple[SandboxPod, str]]:
+                  now: datetime | None = None,
+                  held: Set[str] = frozenset()) -> list[tuple[SandboxPod, str]]:
     """(pod, name tag) for each sandbox pod that needs a stopping request now: the request
     is ``protocol.checkpoint_name(sandbox, incarnation, reason, tag)`` (hermit_node.requests
     creates it, under a secret longer name when another node took that one).
@@ -171,7 +194,7 @@ def stop_requests(pods: Iterable[SandboxPod], reason: str,
     checkpoints (the API did not answer), only first requests."""
     listed = list(checkpoints or [])
     out = []
-    for sp in pods_to_checkpoint_on_notice(pods):
+    for sp in pods_to_checkpoint_on_notice(pods, held):
         made = [c for c in listed if _request_of(c, sp, reason)]
         if checkpoints is None:
             out.append((sp, ""))
@@ -223,11 +246,13 @@ def node_disruption(node: Mapping[str, Any]) -> str | None:
     return None
 
 
-def pods_to_checkpoint_on_notice(pods: Iterable[SandboxPod]) -> list[SandboxPod]:
-    """The sandbox pods to checkpoint when this node is going away, sorted by name.
+def pods_to_checkpoint_on_notice(pods: Iterable[SandboxPod],
+                                 held: Set[str] = frozenset()) -> list[SandboxPod]:
+    """The sandbox pods to checkpoint when this node is going away, sorted by name
+    (``held``: as for ``current_pods``).
 
     Pods whose sandbox turned ``onPreemption`` off are left alone."""
-    return sorted((sp for sp in current_pods(pods).values() if sp.on_preemption),
+    return sorted((sp for sp in current_pods(pods, held).values() if sp.on_preemption),
                   key=lambda sp: (sp.namespace, sp.pod))
 
 
@@ -293,7 +318,8 @@ def node_taint_patch(node: Mapping[str, Any], kind: str) -> KubeObject | None:
 # -- checkpoint requests ----------------------------------------------------------------
 
 def checkpoints_to_serve(checkpoints: Iterable[Mapping[str, Any]],
-                         pods: Iterable[SandboxPod]) -> list[tuple[KubeObject, SandboxPod]]:
+                         pods: Iterable[SandboxPod],
+                         held: Set[str] = frozenset()) -> list[tuple[KubeObject, SandboxPod]]:
     """Pending Checkpoints (empty status) whose sandbox's current pod is on this node and
     that are labelled with this node (the operator labels requests with the pod's node;
     the API server refuses this node-agent's status writes on any other).
@@ -302,7 +328,7 @@ def checkpoints_to_serve(checkpoints: Iterable[Mapping[str, Any]],
     returned, since a sandbox is checkpointed once at a time: a stopping request
     (Preemption, Eviction, Suspend) first, else the oldest.
     """
-    current = current_pods(pods)
+    current = current_pods(pods, held)
     chosen: dict[tuple[str, str], tuple[KubeObject, SandboxPod]] = {}
     pending = sorted(
         (c for c in checkpoints if claimable(c)),
@@ -313,6 +339,9 @@ def checkpoints_to_serve(checkpoints: Iterable[Mapping[str, Any]],
         ref = ((ckpt.get("spec") or {}).get("sandboxRef") or {}).get("name")
         key = (str(protocol.meta(ckpt).get("namespace") or "default"), str(ref))
         sp = current.get(key)
+        if sp is not None and sp.terminating and not protocol.is_stopping(
+                protocol.reason_of(ckpt)):
+            continue  # a held pod gets its stopping checkpoint only
         if (ref and sp is not None and key not in chosen and _for_incarnation(ckpt, sp)
                 and protocol.node_of(ckpt) == sp.node):
             chosen[key] = (dict(ckpt), sp)
@@ -727,3 +756,111 @@ def status_recovered(totals: Mapping[str, int], manifest_uri: str, manifest_dige
 def status_failed(message: str, now: datetime, node: str) -> KubeObject:
     return {"phase": protocol.FAILED, "nodeName": node, "message": protocol.one_line(message),
             "completedAt": protocol.rfc3339(now)}
+
+
+# -- the termination hold (docs/protocol.md, "Evictions") ---------------------------------
+
+HOLD_REFUSE = "refuse"  # not a request this node-agent acts on: answered at once
+HOLD_RELEASE = "release"  # nothing (more) to wait for: answered at once
+HOLD_WAIT = "wait"  # a stopping checkpoint of the pod is in flight: answered when it ends
+HOLD_TAKE = "take"  # the pod needs an Eviction checkpoint now: made, then waited for
+# At most this long is a hold kept (whatever the pod's grace period says).
+MAX_HOLD_SECONDS = 3600
+
+
+@dataclass(frozen=True)
+class HoldDecision:
+    """What the hold endpoint does for one pod, and what it answers when it stops."""
+
+    verdict: str
+    message: str
+    status: int = 200  # the HTTP status of the answer
+    checkpoint: str | None = None  # the stopping checkpoint it waits for, or that ended
+
+
+def hold_decision(pod: Mapping[str, Any] | None, sandbox: Mapping[str, Any] | None,
+                  checkpoints: Iterable[Mapping[str, Any]], node: str,
+                  where: str) -> HoldDecision:
+    """What a preStop hold request for ``pod`` (``where``: namespace/name, as asked) may
+    do. Anyone who reaches the endpoint can ask, so it only ever does what the pod's
+    deletion does anyway: for an operator-named sandbox pod on this node that is being
+    deleted (deletionTimestamp: only who may delete or evict it can set that) and whose
+    sandbox exists, saves its work on a drain and is not suspended, it waits for a stopping
+    checkpoint of the pod's incarnation, or asks for an Eviction one when there is none
+    (``stop_requests`` makes it, with its retries). Everything else is answered at once.
+
+    ``checkpoints`` are this node's; ``sandbox`` the pod's AgentSandbox as read (None:
+    gone)."""
+    sp = sandbox_pod(pod) if pod is not None else None
+    if sp is None or sp.node != node:
+        return HoldDecision(HOLD_REFUSE, f"no sandbox pod {where} on node {node}", 404)
+    if sp.pod != operator_pod_name(sp.sandbox, sp.incarnation):
+        return HoldDecision(HOLD_REFUSE, f"pod {where} is not named as the operator names "
+                                         "its pods", 403)
+    if not sp.terminating:
+        return HoldDecision(HOLD_REFUSE, f"pod {where} is not being deleted: nothing to "
+                                         "hold", 409)
+    stops = [c for c in checkpoints if _stop_of(c, sp)]
+    done = [c for c in stops if protocol.phase_of(c) == protocol.COMPLETED]
+    if done:
+        name = protocol.name_of(done[-1])
+        return HoldDecision(HOLD_RELEASE, f"checkpoint {name} of pod {where} is durable",
+                            checkpoint=name)
+    flying = [c for c in stops if protocol.phase_of(c) in protocol.IN_FLIGHT]
+    if flying:
+        name = protocol.name_of(flying[-1])
+        return HoldDecision(HOLD_WAIT, f"waiting for checkpoint {name} of pod {where}",
+                            checkpoint=name)
+    why = _nothing_to_save(sp, sandbox)
+    if why is not None:
+        return HoldDecision(HOLD_RELEASE, f"pod {where}: {why}")
+    failed = [c for c in stops if protocol.reason_of(c) == protocol.EVICTION]
+    if len(failed) >= STOP_ATTEMPTS:
+        return HoldDecision(HOLD_RELEASE, f"pod {where}: its {len(failed)} Eviction "
+                                          "checkpoints failed; the sandbox restarts from "
+                                          "its newest earlier checkpoint",
+                            checkpoint=protocol.name_of(failed[-1]))
+    return HoldDecision(HOLD_TAKE, f"taking an Eviction checkpoint of pod {where}")
+
+
+def _stop_of(ckpt: Mapping[str, Any], sp: SandboxPod) -> bool:
+    """A stopping checkpoint of ``sp``'s incarnation (any stopping reason)."""
+    return (str(protocol.meta(ckpt).get("namespace") or "default") == sp.namespace
+            and protocol.sandbox_of(ckpt) == sp.sandbox
+            and protocol.incarnation_of(ckpt) == sp.incarnation
+            and protocol.is_stopping(protocol.reason_of(ckpt)))
+
+
+def _nothing_to_save(sp: SandboxPod, sandbox: Mapping[str, Any] | None) -> str | None:
+    """Why a pod being deleted needs no checkpoint, or None when it does."""
+    if sandbox is None or str(protocol.meta(sandbox).get("uid") or "") != sp.sandbox_uid:
+        return f"its AgentSandbox {sp.sandbox} is gone: nothing to save"
+    if protocol.meta(sandbox).get("deletionTimestamp"):
+        return f"its AgentSandbox {sp.sandbox} is being deleted: nothing to save"
+    if not sp.on_preemption:
+        return "its sandbox saves nothing on a drain (onPreemption false)"
+    if (sandbox.get("spec") or {}).get("suspend"):
+        return "its sandbox is suspended: the operator released it"
+    if not held_tree(sp):
+        return "its tree is not running (ended, or still waiting for its restore)"
+    return None
+
+
+def hold_seconds(sp: SandboxPod | None) -> float:
+    """How long a hold may last: the deletion's grace period (at most MAX_HOLD_SECONDS);
+    the kubelet stops waiting for the hook then anyway."""
+    grace = sp.deletion_grace if sp is not None else None
+    return float(min(MAX_HOLD_SECONDS, grace if grace is not None else MAX_HOLD_SECONDS))
+
+
+def hold_requests(pods: Iterable[SandboxPod], held: Set[str],
+                  checkpoints: Iterable[Mapping[str, Any]] | None,
+                  now: datetime | None = None) -> list[tuple[SandboxPod, str]]:
+    """(pod, name tag) of the Eviction requests to make for held pods (their preStop hook
+    came in, ``hold_decision`` said take): none for a pod with a stopping checkpoint of its
+    incarnation in flight or done, whatever its reason (a Suspend, a notice's)."""
+    listed = list(checkpoints or [])
+    todo = [sp for sp in pods if sp.uid in held and held_tree(sp)
+            and not any(_stop_of(c, sp) and protocol.phase_of(c) != protocol.FAILED
+                        for c in listed)]
+    return stop_requests(todo, protocol.EVICTION, checkpoints, now, held)

@@ -1,5 +1,5 @@
 """The sandbox pod built from an AgentSandbox: a pure function from the object to a V1Pod dict
-(and the sandbox's PodDisruptionBudget).
+(and the sandbox's PodDisruptionBudget, when it has one).
 
 The first container runs under hermit-init (the PID 1 that CRIU dumps and restores
 under): an init container copies the static binary from the Hermit image into a
@@ -30,6 +30,8 @@ RESTORE_TIMEOUT_SECONDS = 300
 # A move's replacement created while the checkpoint is still taken (overlap.py) waits for
 # that too: at most the operator's STOPPING_WAIT (checkpoints.py) on top.
 OVERLAP_RESTORE_TIMEOUT_SECONDS = RESTORE_TIMEOUT_SECONDS + int(STOPPING_WAIT.total_seconds())
+# Without the termination hold (HERMIT_HOLD_PORT 0, or a template with its own preStop
+# hook) nothing needs long: hermit-init ends the tree on SIGTERM.
 TERMINATION_GRACE_SECONDS = 10
 
 # The labels by which the usual provisioners mark spot (preemptible) nodes (podpolicy.py,
@@ -133,11 +135,19 @@ def build_sandbox_pod(sandbox: KubeObject, settings: OperatorSettings, incarnati
     annotations = _pod_annotations(sandbox, tmeta, mount_path, restore_from)
 
     _wrap_main_container(pod_spec["containers"][0], mount_path, restore_from, overlap)
+    held = _add_hold(pod_spec["containers"][0], settings, meta, incarnation,
+                     on_preemption(sandbox))
+    if held:
+        # The cluster autoscaler skips nodes with emptyDir pods without this; the
+        # workspace moves with the Eviction checkpoint the hold waits for.
+        annotations.setdefault(protocol.ANNOTATION_SAFE_TO_EVICT, "true")
     pod_spec["initContainers"] = [_init_container(settings),
                                   *(pod_spec.get("initContainers") or [])]
     pod_spec["volumes"] = [*(pod_spec.get("volumes") or []), *_hermit_volumes(size)]
     pod_spec["restartPolicy"] = "Never"
-    pod_spec.setdefault("terminationGracePeriodSeconds", TERMINATION_GRACE_SECONDS)
+    pod_spec.setdefault("terminationGracePeriodSeconds",
+                        settings.termination_grace_seconds if held
+                        else TERMINATION_GRACE_SECONDS)
     pod_spec.setdefault("hostname", meta["name"])
     _apply_placement(pod_spec, spec, on_demand=capacity == api.CAPACITY_ON_DEMAND)
     pod_spec = podpolicy.secure_defaults(pod_spec, settings.pod_policy)
@@ -174,6 +184,48 @@ def _wrap_main_container(main: KubeObject, mount_path: str, restore_from: str | 
         {"name": INIT_VOLUME, "mountPath": INIT_DIR, "readOnly": True},
         {"name": WORKSPACE_VOLUME, "mountPath": mount_path},
     ]
+
+
+def _add_hold(main: KubeObject, settings: OperatorSettings, meta: KubeObject,
+              incarnation: int, saves: bool) -> bool:
+    """The termination hold: a preStop hook the kubelet runs before it sends SIGTERM, a GET
+    to the node-agent on the node's loopback that answers once the pod's Eviction
+    checkpoint is durable (docs/protocol.md, "Evictions"). Not added when the hold is off
+    (hold_port 0), the sandbox saves nothing on a drain (onPreemption false), or the
+    template's first container has a preStop hook of its own (the user's is kept; the
+    sandbox then keeps a PodDisruptionBudget instead: ``wants_disruption_budget``).
+    True when added."""
+    lifecycle = main.get("lifecycle") or {}
+    if not settings.hold_port or not saves or lifecycle.get("preStop"):
+        return False
+    path = protocol.hold_path(str(meta.get("namespace") or "default"),
+                              pod_name(meta["name"], incarnation))
+    main["lifecycle"] = {**lifecycle, "preStop": {"httpGet": {
+        "host": "127.0.0.1", "port": settings.hold_port, "path": path, "scheme": "HTTP"}}}
+    return True
+
+
+def holds_termination(pod: KubeObject | None) -> bool:
+    """Whether the pod's first container has Hermit's preStop hook (a pod made by an older
+    operator, or with the template's own hook, has not)."""
+    containers = ((pod or {}).get("spec") or {}).get("containers") or []
+    hook = ((containers[0].get("lifecycle") or {}).get("preStop") or {}) if containers else {}
+    path = str((hook.get("httpGet") or {}).get("path") or "")
+    return path.startswith(protocol.HOLD_PATH_PREFIX)
+
+
+def wants_disruption_budget(sandbox: KubeObject, settings: OperatorSettings,
+                            pod: KubeObject | None) -> bool:
+    """Whether the sandbox gets a blocking PodDisruptionBudget: never when it saves nothing
+    on a drain (onPreemption false); always with HERMIT_DISRUPTION_BUDGET (opt-in); else
+    only while its current pod lacks the termination hold (made before the hold existed,
+    the hold off, or the template's own preStop hook), which would lose its work to an
+    eviction."""
+    if not on_preemption(sandbox):
+        return False
+    if settings.disruption_budget:
+        return True
+    return pod is not None and not holds_termination(pod)
 
 
 def _hermit_volumes(workspace_size: str) -> list[KubeObject]:
@@ -223,7 +275,8 @@ def pdb_name(sandbox_name: str) -> str:
 def disruption_budget(sandbox: KubeObject) -> KubeObject | None:
     """The sandbox's PodDisruptionBudget: maxUnavailable 0 over its pods, so an eviction (a
     drain) is refused while the node-agent checkpoints the pod and the operator moves it by
-    deleting the pod. None when spec.checkpoint.onPreemption is false."""
+    deleting the pod. None when spec.checkpoint.onPreemption is false. Only made when
+    ``wants_disruption_budget``: by default evictions are allowed and held instead."""
     if not on_preemption(sandbox):
         return None
     meta = sandbox["metadata"]

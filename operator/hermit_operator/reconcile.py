@@ -259,7 +259,8 @@ def plan(sandbox: KubeObject, pod: KubeObject | None, now: datetime, *,
 def _accept(st: _State, out: KubeObject, pod: KubeObject | None) -> None:
     """A valid spec: its disruption budget, its checkpoints tracked."""
     sandbox = st.sandbox
-    st.pdb = podspec.disruption_budget(sandbox)
+    st.pdb = (podspec.disruption_budget(sandbox)
+              if podspec.wants_disruption_budget(sandbox, st.settings, pod) else None)
     st.delete_pdb = None if st.pdb is not None else podspec.pdb_name(st.name)
     where = _where(st, pod)
     st.ckpts = _trusted(st, ck.of_sandbox(sandbox, st.namespace_ckpts), where)
@@ -308,6 +309,11 @@ def _run(st: _State, out: KubeObject, pod: KubeObject | None, incarnation: int) 
         return _without_pod(st, out, incarnation, resuming, terminal)
     pod_name = pod["metadata"]["name"]
     if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        stop = None if terminal else ck.stopping_completed(st.ckpts, pod)
+        if stop is not None:
+            # Evicted (a drain, an autoscaler): its preStop hook held it until this
+            # checkpoint was durable. A move like any other, whoever deleted the pod.
+            return _migrate(st, out, incarnation, pod, stop)
         flight = ck.stopping_in_flight(st.ckpts, pod, st.now)
         if flight is not None:
             _overlap(st, incarnation, flight)

@@ -97,6 +97,8 @@ def sandbox() -> dict[str, Any]:
     return obj
 
 
-def run(kube: FakeKube, events: list[Event]) -> Any:
-    return driver.reconcile_sandbox(kube, OperatorSettings(), "ns", "minimal",  # type: ignore[arg-type]
-                                    lambda _sb, e: events.append(e), now=lambda: NOW)
+def run(kube: FakeKube, events: list[Event],
+        settings: OperatorSettings | None = None) -> Any:
+    return driver.reconcile_sandbox(kube, settings or OperatorSettings(),  # type: ignore[arg-type]
+                                    "ns", "minimal", lambda _sb, e: events.append(e),
+                                    now=lambda: NOW)
