@@ -81,11 +81,9 @@ REMOTE_POLL_SECONDS = 0.25
 AUTHORITY_POLL_SECONDS = 1.0
 CHUNK_CACHE_DIR = "chunk-cache"  # under HERMIT_WORK_DIR
 # The hold endpoint (holdserver.py): how long a request waits for this agent's copy of
-# the pod to show its deletion, how often a hold looks again, how many requests may wait
-# for one pod (the kubelet sends one).
+# the pod to show its deletion, and how often a hold looks again.
 HOLD_SEE_DELETE_SECONDS = 5.0
 HOLD_POLL_SECONDS = 0.5
-HOLD_WAITERS_PER_POD = 2
 
 
 class Checkpointer(Protocol):
@@ -465,9 +463,8 @@ class NodeAgent:
             log.info("hold of pod %s: %s", where, decision.message)
             return decision
         with self._lock:
-            if self._held.get(sp.uid, 0) >= HOLD_WAITERS_PER_POD:
-                return planner.HoldDecision(planner.HOLD_REFUSE, f"pod {where} is held "
-                                            "already", 429)
+            # No cap per pod: a caller who asks first must not crowd out the kubelet's own
+            # request (the server's connection cap bounds them all).
             self._held[sp.uid] = self._held.get(sp.uid, 0) + 1
         log.warning("pod %s is being deleted: its termination waits (at most %.0f s): %s",
                     where, planner.hold_seconds(sp), decision.message)
