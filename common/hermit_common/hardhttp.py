@@ -46,8 +46,6 @@ Handle = Callable[[str, str | None, bytes, str], Reply]
 # (path, Authorization header, source address) -> a refusal, or None to read the body:
 # called before the body is read, so that only admitted callers send large bodies.
 Admit = Callable[[str, str | None, str], Reply | None]
-# (path, source address) -> the reply to a GET (no body is read; the head is bounded).
-HandleGet = Callable[[str, str], Reply]
 
 
 class _Budget:
@@ -178,11 +176,10 @@ class HardenedHTTPServer(ThreadingHTTPServer):
 
 
 def handler(handle: Handle, max_body: int, usage: str,
-            admit: Admit | None = None,
-            get: HandleGet | None = None) -> type[BaseHTTPRequestHandler]:
+            admit: Admit | None = None) -> type[BaseHTTPRequestHandler]:
     """The request handler: POST bodies of at most ``max_body`` bytes go to ``handle``
-    (once ``admit``, when given, let the request in); a GET goes to ``get``, or is
-    answered 405 with ``usage`` without one."""
+    (once ``admit``, when given, let the request in); a GET is answered 405 with
+    ``usage``."""
 
     class Handler(BaseHTTPRequestHandler):
         server: HardenedHTTPServer
@@ -228,11 +225,8 @@ def handler(handle: Handle, max_body: int, usage: str,
                               self.client_address[0]))
 
         def do_GET(self) -> None:
-            if not self.server.request_read():
-                self.close_connection = True
-                return
-            self._send(Reply(405, {"error": usage}) if get is None
-                       else get(self.path, self.client_address[0]))
+            self.server.request_read()
+            self._send(Reply(405, {"error": usage}))
 
         def log_message(self, format: str, *args: object) -> None:
             pass  # the service logs what it decides; never a token
@@ -243,12 +237,9 @@ def handler(handle: Handle, max_body: int, usage: str,
 def serve(port: int, handle: Handle, *, max_body: int, usage: str, name: str,
           admit: Admit | None = None, host: str = "0.0.0.0", tls: TlsFiles | None = None,
           head_timeout: float = turnlimits.HEAD_TIMEOUT_SECONDS,
-          slots: turnlimits.ConnectionSlots | None = None,
-          get: HandleGet | None = None) -> HardenedHTTPServer:
-    """Serves POST (and, with ``get``, GET) requests on ``port`` from a daemon thread;
-    OSError when it cannot bind."""
-    server = HardenedHTTPServer((host, port), handler(handle, max_body, usage, admit, get),
-                                tls=tls,
+          slots: turnlimits.ConnectionSlots | None = None) -> HardenedHTTPServer:
+    """Serves POST requests on ``port`` from a daemon thread; OSError when it cannot bind."""
+    server = HardenedHTTPServer((host, port), handler(handle, max_body, usage, admit), tls=tls,
                                 head_timeout=head_timeout, slots=slots, name=name)
     threading.Thread(target=server.serve_forever, name=f"hermit-{name}", daemon=True).start()
     return server

@@ -10,7 +10,6 @@ of the API (group, kinds, AgentSandbox conditions).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -57,36 +56,12 @@ TURNS_VERB: Final = "create"
 DEFAULT_TURN_PORT: Final = 9103
 
 # -- the termination hold (docs/protocol.md, "Evictions") --------------------------------
-# Every sandbox container's preStop hook: the kubelet GETs this path on 127.0.0.1 at the
-# node-agent's hold port before it sends SIGTERM, and the node-agent answers once the
-# pod's Eviction checkpoint is durable (or failed, or there is nothing to save).
-HOLD_PATH: Final = "/v1/hold/{namespace}/{pod}"
-HOLD_PATH_PREFIX: Final = "/v1/hold/"
-DEFAULT_HOLD_PORT: Final = 9104
-# Pods: the cluster autoscaler may evict them despite their emptyDir volumes (the
-# workspace moves with the checkpoint).
+# Pods, set by the operator: "true" when the first container's preStop hook holds the pod's
+# termination (a sleep of its grace period) so that the node-agent can save it first.
+ANNOTATION_HOLD: Final = f"{GROUP}/termination-hold"
+# Pods: the cluster autoscaler may evict them despite their emptyDir volumes and their
+# controller it does not know (the workspace moves with the Eviction checkpoint).
 ANNOTATION_SAFE_TO_EVICT: Final = "cluster-autoscaler.kubernetes.io/safe-to-evict"
-_DNS_LABEL: Final = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS_SUBDOMAIN: Final = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
-
-
-def hold_path(namespace: str, pod: str) -> str:
-    return HOLD_PATH.format(namespace=namespace, pod=pod)
-
-
-def parse_hold_path(path: str) -> tuple[str, str] | None:
-    """(namespace, pod) of a hold request's path, or None when it is not one: a namespace
-    (DNS label) and a pod name (DNS subdomain), nothing else (no query, no dots-only)."""
-    if not path.startswith(HOLD_PATH_PREFIX) or len(path) > 512:
-        return None
-    parts = path[len(HOLD_PATH_PREFIX):].split("/")
-    if len(parts) != 2:
-        return None
-    namespace, pod = parts
-    if (len(namespace) > 63 or len(pod) > NAME_LIMIT or not _DNS_LABEL.match(namespace)
-            or not _DNS_SUBDOMAIN.match(pod)):
-        return None
-    return namespace, pod
 
 # -- restore outcome on the restore pod (annotation hermit.dev/restore-phase) -----------
 RESTORING: Final = "Restoring"

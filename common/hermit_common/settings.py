@@ -314,10 +314,6 @@ class NodeSettings:
     # The node-local chunk cache under <work_dir>/chunk-cache (docs/storage.md#prefetch-
     # and-the-chunk-cache): its size bound; 0 turns the cache and the prefetch off.
     chunk_cache_bytes: int = 0  # off: the prefetch competes with the old node (storage.md)
-    # The hold endpoint the sandbox pods' preStop hook calls on 127.0.0.1 (docs/protocol.md,
-    # "Evictions"): an evicted pod's termination waits there for its Eviction checkpoint.
-    # Must equal the operator's HERMIT_HOLD_PORT (the chart sets both); 0: not served.
-    hold_port: int = 9104
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> NodeSettings:
@@ -353,7 +349,6 @@ class NodeSettings:
             lazy_restore=env.flag("HERMIT_LAZY_RESTORE", False),
             chunk_cache_bytes=env.integer("HERMIT_CHUNK_CACHE_BYTES", 0,
                                           minimum=0, maximum=1024 ** 5),
-            hold_port=env.integer("HERMIT_HOLD_PORT", 9104, minimum=0, maximum=65535),
         )
 
 
@@ -497,11 +492,11 @@ class OperatorSettings:
     # whose inputs did not change since it was last reconciled costs nothing.
     resync_seconds: float = 600.0
     key_service: KeyServiceSettings = KeyServiceSettings()
-    # Evictions (drains, autoscalers) are allowed; each sandbox container's preStop hook
-    # asks the node-agent's hold endpoint on 127.0.0.1:hold_port to hold its termination
-    # until its Eviction checkpoint is durable, within termination_grace_seconds (the
-    # pod's terminationGracePeriodSeconds unless the template sets one). 0: no hook.
-    hold_port: int = 9104
+    # Evictions (drains, autoscalers) are allowed; each sandbox container gets a preStop
+    # hook that sleeps for the pod's grace period (termination_grace_seconds unless the
+    # template sets one), holding its termination while the node-agent takes its Eviction
+    # checkpoint; the operator's own deletes cut it short. False: no hook.
+    termination_hold: bool = True
     termination_grace_seconds: int = 120
     # Opt-in: also give each sandbox a PodDisruptionBudget (maxUnavailable 0) that refuses
     # evictions, as before the hold existed; autoscalers then never empty its node.
@@ -535,7 +530,7 @@ class OperatorSettings:
             resync_seconds=env.number("HERMIT_RESYNC_SECONDS", 600.0, minimum=10.0,
                                       maximum=86400.0),
             key_service=KeyServiceSettings.from_env(environ),
-            hold_port=env.integer("HERMIT_HOLD_PORT", 9104, minimum=0, maximum=65535),
+            termination_hold=env.flag("HERMIT_TERMINATION_HOLD", True),
             termination_grace_seconds=env.integer(
                 "HERMIT_TERMINATION_GRACE_SECONDS", 120, minimum=1, maximum=3600),
             disruption_budget=env.flag("HERMIT_DISRUPTION_BUDGET", False),

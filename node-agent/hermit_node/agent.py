@@ -38,7 +38,6 @@ from hermit_common.store import UploadProgress
 from hermit_node import (
     background,
     freezer,
-    holdserver,
     locate,
     metrics,
     planner,
@@ -80,10 +79,6 @@ REMOTE_POLL_SECONDS = 0.25
 # While a pod waits for the operator to name it or to verify its checkpoint.
 AUTHORITY_POLL_SECONDS = 1.0
 CHUNK_CACHE_DIR = "chunk-cache"  # under HERMIT_WORK_DIR
-# The hold endpoint (holdserver.py): how long a request waits for this agent's copy of
-# the pod to show its deletion, and how often a hold looks again.
-HOLD_SEE_DELETE_SECONDS = 5.0
-HOLD_POLL_SECONDS = 0.5
 
 
 class Checkpointer(Protocol):
@@ -335,9 +330,9 @@ class NodeAgent:
         self._remote_wait = False
         # Pods (uids) whose restore waits for the operator (planner.restore_authority).
         self._authority_waits: set[str] = set()
-        # Pods (uids) being deleted whose preStop hook waits at the hold endpoint, with
-        # how many requests wait for each (``hold``).
-        self._held: dict[str, int] = {}
+        # Pods (uids) being deleted under the termination hold, judged once: None when it
+        # is held for its stopping checkpoint, else why not (``_hold``).
+        self._held: dict[str, str | None] = {}
 
     # -- notices --------------------------------------------------------------------
 
@@ -435,83 +430,34 @@ class NodeAgent:
 
     def _held_now(self) -> frozenset[str]:
         with self._lock:
-            return frozenset(self._held)
+            return frozenset(uid for uid, why in self._held.items() if why is None)
 
-    def hold(self, namespace: str, name: str) -> planner.HoldDecision:
-        """A pod's preStop hook asks to hold its termination: answer at once, or once its
-        stopping checkpoint is durable or failed (``planner.hold_decision``), within the
-        deletion's grace period. Runs in the hold endpoint's request thread."""
-        where = f"{namespace}/{name}"
-        began = time.monotonic()
-        pod = self._pod_now(namespace, name)
-        # The kubelet acts on a deletion its watch saw; this agent's copy may lag a moment.
-        while (pod is not None and not protocol.meta(pod).get("deletionTimestamp")
-               and time.monotonic() - began < HOLD_SEE_DELETE_SECONDS
-               and not self._stopping.wait(HOLD_POLL_SECONDS)):
-            pod = self._pod_now(namespace, name)
-        sp = planner.sandbox_pod(pod) if pod is not None else None
-        sandbox = None
-        if sp is not None and sp.node == self.node and sp.terminating:
+    def _hold(self, pods: list[SandboxPod]) -> None:
+        """Pods being deleted under the termination hold (their preStop hook sleeps while
+        this agent saves them): each is judged once (``planner.hold_verdict``, one read of
+        its AgentSandbox) and, when it needs it, held: ``_drain`` asks for its Eviction
+        checkpoint and ``_serve`` serves it although the pod is being deleted."""
+        present = {sp.uid for sp in pods}
+        with self._lock:
+            self._held = {uid: why for uid, why in self._held.items() if uid in present}
+            judged = set(self._held)
+        for sp in pods:
+            if sp.uid in judged or not planner.holds(sp):
+                continue
             try:
                 sandbox = self._kube.get_sandbox(sp.namespace, sp.sandbox)
-            except KubeError as exc:  # cannot tell: save it rather than lose it
-                log.warning("hold of pod %s: %s", where, exc)
-                sandbox = {"metadata": {"uid": sp.sandbox_uid}}
-        decision = planner.hold_decision(pod, sandbox, self._checkpoints_or_none(), self.node,
-                                         where)
-        if decision.verdict in (planner.HOLD_REFUSE, planner.HOLD_RELEASE) or sp is None:
-            log.info("hold of pod %s: %s", where, decision.message)
-            return decision
-        with self._lock:
-            # No cap per pod: a caller who asks first must not crowd out the kubelet's own
-            # request (the server's connection cap bounds them all).
-            self._held[sp.uid] = self._held.get(sp.uid, 0) + 1
-        log.warning("pod %s is being deleted: its termination waits (at most %.0f s): %s",
-                    where, planner.hold_seconds(sp), decision.message)
-        try:
-            return self._hold_until_done(namespace, name, sp, sandbox, began)
-        finally:
+            except KubeError as exc:
+                log.warning("pod %s/%s is being deleted; its sandbox cannot be read yet: %s",
+                            sp.namespace, sp.pod, exc)
+                continue
+            why = planner.hold_verdict(sp, sandbox)
             with self._lock:
-                left = self._held.get(sp.uid, 1) - 1
-                if left > 0:
-                    self._held[sp.uid] = left
-                else:
-                    self._held.pop(sp.uid, None)
-
-    def _hold_until_done(self, namespace: str, name: str, sp: SandboxPod,
-                         sandbox: KubeObject | None, began: float) -> planner.HoldDecision:
-        where = f"{namespace}/{name}"
-        limit = planner.hold_seconds(sp)
-        take = True
-        while True:
-            if take:
-                self.reconcile_once()  # makes the Eviction request now, and serves it
-            decision = planner.hold_decision(self._pod_now(namespace, name), sandbox,
-                                             self._checkpoints_or_none(), self.node, where)
-            waited = time.monotonic() - began
-            if decision.verdict in (planner.HOLD_REFUSE, planner.HOLD_RELEASE):
-                log.warning("pod %s may end after %.1f s: %s", where, waited, decision.message)
-                return planner.HoldDecision(planner.HOLD_RELEASE, decision.message,
-                                            checkpoint=decision.checkpoint)
-            if waited >= limit or self._stopping.is_set():
-                message = (f"pod {where}: its grace period ({limit:.0f} s) is over before "
-                           f"its checkpoint ({decision.checkpoint or 'not made'}) was durable")
-                log.error("%s", message)
-                return planner.HoldDecision(planner.HOLD_RELEASE, message,
-                                            checkpoint=decision.checkpoint)
-            take = decision.verdict == planner.HOLD_TAKE
-            self._stopping.wait(HOLD_POLL_SECONDS)
-
-    def _pod_now(self, namespace: str, name: str) -> KubeObject | None:
-        try:
-            pods = self._view.pods_now()
-        except KubeError:
-            return None
-        return next((p for p in pods if protocol.meta(p).get("name") == name
-                     and protocol.meta(p).get("namespace") == namespace), None)
-
-    def _checkpoints_or_none(self) -> list[KubeObject]:
-        return self._read(self._view.checkpoints_now) or []
+                self._held[sp.uid] = why
+            if why is None:
+                log.warning("pod %s/%s is being deleted: its termination waits for its "
+                            "stopping checkpoint", sp.namespace, sp.pod)
+            else:
+                log.info("pod %s/%s is being deleted: %s", sp.namespace, sp.pod, why)
 
     # -- the reconcile loop -------------------------------------------------------------
 
@@ -532,6 +478,7 @@ class NodeAgent:
         checkpoints = self._read(self._view.checkpoints_now)
         if not self._recovered and checkpoints is not None:
             self._recovered = self._recover(checkpoints, pods)
+        self._hold(pods)
         made = [*self._drain(node, pods, checkpoints), *self._early(pods, checkpoints)]
         if checkpoints is not None:
             self._forget_finished(checkpoints, pods)
@@ -1175,7 +1122,6 @@ def run_agent(environ: Mapping[str, str], *, stop: threading.Event | None = None
     # Metrics, /healthz and /readyz (hermit_node.health) on one port.
     http_health.serve(settings.metrics_port, health.liveness, health.readiness)
     turnserver.start(settings)  # POST .../turns (docs/turns.md), when HERMIT_TURN_PORT > 0
-    holdserver.start(settings, agent.hold)  # GET /v1/hold/... (a preStop hook's), port > 0
     watcher = threading.Thread(target=_watch, args=(agent, settings, stop, health),
                                name="watcher", daemon=True)
     health.watching(watcher)

@@ -43,10 +43,11 @@ class SandboxPod:
     created: str = ""  # metadata.creationTimestamp, as the API wrote it
     terminating: bool = False  # deletionTimestamp set: being deleted (evicted, say)
     # The first container runs, whether or not the pod is being deleted: a terminating
-    # pod's tree can still be saved while its preStop hook holds it (``held_pods``).
+    # pod's tree can still be saved while its preStop hook holds it (``holds``).
     container_live: bool = False
-    # Seconds the pod's deletion gives it (metadata.deletionGracePeriodSeconds), if any.
-    deletion_grace: int | None = None
+    # The operator's preStop hook holds its termination (annotation hermit.dev/termination-
+    # hold): while it is being deleted, it is saved first.
+    hold: bool = False
 
     @property
     def key(self) -> tuple[str, str]:
@@ -80,7 +81,7 @@ def sandbox_pod(pod: Mapping[str, Any]) -> SandboxPod | None:
                       and bool((first.get("state") or {}).get("running"))
                       and bool(first.get("containerID")))
     running = container_live and not meta.get("deletionTimestamp")
-    grace = meta.get("deletionGracePeriodSeconds")
+
     return SandboxPod(
         namespace=str(meta.get("namespace") or "default"),
         pod=str(meta.get("name")),
@@ -100,8 +101,7 @@ def sandbox_pod(pod: Mapping[str, Any]) -> SandboxPod | None:
         created=str(meta.get("creationTimestamp") or ""),
         terminating=bool(meta.get("deletionTimestamp")),
         container_live=container_live,
-        deletion_grace=grace if isinstance(grace, int) and not isinstance(grace, bool)
-        else None,
+        hold=annotations.get(protocol.ANNOTATION_HOLD) == "true",
     )
 
 
@@ -140,7 +140,8 @@ def current_pods(pods: Iterable[SandboxPod],
     operator names them (``<sandbox>-<incarnation>``): a pod someone else made with the
     sandbox's label, owner and incarnation has another name (names are unique), and is
     never checkpointed in the sandbox's stead. ``held``: uids of pods being deleted whose
-    termination the hold endpoint holds; they count while their tree runs."""
+    termination the preStop hook holds (``hold_verdict``); they count while their tree
+    runs."""
     out: dict[tuple[str, str], SandboxPod] = {}
     for sp in pods:
         live = sp.has_live_tree or (sp.uid in held and held_tree(sp))
@@ -760,67 +761,19 @@ def status_failed(message: str, now: datetime, node: str) -> KubeObject:
 
 # -- the termination hold (docs/protocol.md, "Evictions") ---------------------------------
 
-HOLD_REFUSE = "refuse"  # not a request this node-agent acts on: answered at once
-HOLD_RELEASE = "release"  # nothing (more) to wait for: answered at once
-HOLD_WAIT = "wait"  # a stopping checkpoint of the pod is in flight: answered when it ends
-HOLD_TAKE = "take"  # the pod needs an Eviction checkpoint now: made, then waited for
-# At most this long is a hold kept (whatever the pod's grace period says).
-MAX_HOLD_SECONDS = 3600
+def holds(sp: SandboxPod) -> bool:
+    """A pod being deleted whose termination the operator's preStop hook holds and whose
+    tree still runs: it may be saved by a stopping checkpoint first."""
+    return sp.hold and held_tree(sp)
 
 
-@dataclass(frozen=True)
-class HoldDecision:
-    """What the hold endpoint does for one pod, and what it answers when it stops."""
-
-    verdict: str
-    message: str
-    status: int = 200  # the HTTP status of the answer
-    checkpoint: str | None = None  # the stopping checkpoint it waits for, or that ended
-
-
-def hold_decision(pod: Mapping[str, Any] | None, sandbox: Mapping[str, Any] | None,
-                  checkpoints: Iterable[Mapping[str, Any]], node: str,
-                  where: str) -> HoldDecision:
-    """What a preStop hold request for ``pod`` (``where``: namespace/name, as asked) may
-    do. Anyone who reaches the endpoint can ask, so it only ever does what the pod's
-    deletion does anyway: for an operator-named sandbox pod on this node that is being
-    deleted (deletionTimestamp: only who may delete or evict it can set that) and whose
-    sandbox exists, saves its work on a drain and is not suspended, it waits for a stopping
-    checkpoint of the pod's incarnation, or asks for an Eviction one when there is none
-    (``stop_requests`` makes it, with its retries). Everything else is answered at once.
-
-    ``checkpoints`` are this node's; ``sandbox`` the pod's AgentSandbox as read (None:
-    gone)."""
-    sp = sandbox_pod(pod) if pod is not None else None
-    if sp is None or sp.node != node:
-        return HoldDecision(HOLD_REFUSE, f"no sandbox pod {where} on node {node}", 404)
-    if sp.pod != operator_pod_name(sp.sandbox, sp.incarnation):
-        return HoldDecision(HOLD_REFUSE, f"pod {where} is not named as the operator names "
-                                         "its pods", 403)
-    if not sp.terminating:
-        return HoldDecision(HOLD_REFUSE, f"pod {where} is not being deleted: nothing to "
-                                         "hold", 409)
-    stops = [c for c in checkpoints if _stop_of(c, sp)]
-    done = [c for c in stops if protocol.phase_of(c) == protocol.COMPLETED]
-    if done:
-        name = protocol.name_of(done[-1])
-        return HoldDecision(HOLD_RELEASE, f"checkpoint {name} of pod {where} is durable",
-                            checkpoint=name)
-    flying = [c for c in stops if protocol.phase_of(c) in protocol.IN_FLIGHT]
-    if flying:
-        name = protocol.name_of(flying[-1])
-        return HoldDecision(HOLD_WAIT, f"waiting for checkpoint {name} of pod {where}",
-                            checkpoint=name)
-    why = _nothing_to_save(sp, sandbox)
-    if why is not None:
-        return HoldDecision(HOLD_RELEASE, f"pod {where}: {why}")
-    failed = [c for c in stops if protocol.reason_of(c) == protocol.EVICTION]
-    if len(failed) >= STOP_ATTEMPTS:
-        return HoldDecision(HOLD_RELEASE, f"pod {where}: its {len(failed)} Eviction "
-                                          "checkpoints failed; the sandbox restarts from "
-                                          "its newest earlier checkpoint",
-                            checkpoint=protocol.name_of(failed[-1]))
-    return HoldDecision(HOLD_TAKE, f"taking an Eviction checkpoint of pod {where}")
+def hold_verdict(sp: SandboxPod, sandbox: Mapping[str, Any] | None) -> str | None:
+    """For a pod being deleted under the termination hold (``holds``): None when it needs a
+    stopping checkpoint (``hold_requests`` asks for an Eviction one unless one of its
+    incarnation is in flight or done), else why not. Only who may delete or evict a pod can
+    set its deletionTimestamp, and the checkpoint is what its deletion calls for anyway.
+    ``sandbox``: the pod's AgentSandbox as read (None: gone)."""
+    return _nothing_to_save(sp, sandbox)
 
 
 def _stop_of(ckpt: Mapping[str, Any], sp: SandboxPod) -> bool:
@@ -846,21 +799,15 @@ def _nothing_to_save(sp: SandboxPod, sandbox: Mapping[str, Any] | None) -> str |
     return None
 
 
-def hold_seconds(sp: SandboxPod | None) -> float:
-    """How long a hold may last: the deletion's grace period (at most MAX_HOLD_SECONDS);
-    the kubelet stops waiting for the hook then anyway."""
-    grace = sp.deletion_grace if sp is not None else None
-    return float(min(MAX_HOLD_SECONDS, grace if grace is not None else MAX_HOLD_SECONDS))
-
-
 def hold_requests(pods: Iterable[SandboxPod], held: Set[str],
                   checkpoints: Iterable[Mapping[str, Any]] | None,
                   now: datetime | None = None) -> list[tuple[SandboxPod, str]]:
-    """(pod, name tag) of the Eviction requests to make for held pods (their preStop hook
-    came in, ``hold_decision`` said take): none for a pod with a stopping checkpoint of its
-    incarnation in flight or done, whatever its reason (a Suspend, a notice's)."""
+    """(pod, name tag) of the Eviction requests to make for held pods (being deleted under
+    the termination hold, ``hold_verdict`` found nothing against it): none for a pod with a
+    stopping checkpoint of its incarnation in flight or done, whatever its reason (a
+    Suspend, a notice's)."""
     listed = list(checkpoints or [])
-    todo = [sp for sp in pods if sp.uid in held and held_tree(sp)
+    todo = [sp for sp in pods if sp.uid in held and holds(sp)
             and not any(_stop_of(c, sp) and protocol.phase_of(c) != protocol.FAILED
                         for c in listed)]
     return stop_requests(todo, protocol.EVICTION, checkpoints, now, held)

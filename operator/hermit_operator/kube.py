@@ -90,10 +90,20 @@ class Kube(KubeApi):
                               "this sandbox; delete it or rename the sandbox")
         return existing
 
-    def delete_pod(self, namespace: str, name: str) -> None:
+    def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> None:
+        """Delete the pod (``grace_seconds``: its grace period, shorter than the pod's own:
+        also cuts short the deletion of a pod being deleted already, and the termination
+        hold's sleep with it)."""
         with contextlib.suppress(KubeNotFound):
             self._call(f"deleting pod {namespace}/{name}", self._core.delete_namespaced_pod,
-                       name, namespace)
+                       name, namespace, grace_period_seconds=grace_seconds)
+
+    def list_sandbox_pods(self, namespace: str, sandbox: str) -> list[KubeObject]:
+        """The pods labelled as the sandbox's (any incarnation)."""
+        out = self._call(f"listing the pods of AgentSandbox {namespace}/{sandbox}",
+                         self._core.list_namespaced_pod, namespace,
+                         label_selector=f"{protocol.LABEL_SANDBOX}={sandbox}")
+        return [self._dict(p) for p in out.items or []]
 
     # -- AgentSandboxes -------------------------------------------------------------
 

@@ -30,8 +30,9 @@ RESTORE_TIMEOUT_SECONDS = 300
 # A move's replacement created while the checkpoint is still taken (overlap.py) waits for
 # that too: at most the operator's STOPPING_WAIT (checkpoints.py) on top.
 OVERLAP_RESTORE_TIMEOUT_SECONDS = RESTORE_TIMEOUT_SECONDS + int(STOPPING_WAIT.total_seconds())
-# Without the termination hold (HERMIT_HOLD_PORT 0, or a template with its own preStop
-# hook) nothing needs long: hermit-init ends the tree on SIGTERM.
+# Without the termination hold nothing needs long: hermit-init ends the tree on SIGTERM.
+# The operator deletes pods with this grace period too: it deletes one only when its tree
+# has nothing left to save, and that cuts the hold's sleep short.
 TERMINATION_GRACE_SECONDS = 10
 
 # The labels by which the usual provisioners mark spot (preemptible) nodes (podpolicy.py,
@@ -135,19 +136,19 @@ def build_sandbox_pod(sandbox: KubeObject, settings: OperatorSettings, incarnati
     annotations = _pod_annotations(sandbox, tmeta, mount_path, restore_from)
 
     _wrap_main_container(pod_spec["containers"][0], mount_path, restore_from, overlap)
-    held = _add_hold(pod_spec["containers"][0], settings, meta, incarnation,
-                     on_preemption(sandbox))
-    if held:
-        # The cluster autoscaler skips nodes with emptyDir pods without this; the
-        # workspace moves with the Eviction checkpoint the hold waits for.
+    pod_spec.setdefault("terminationGracePeriodSeconds",
+                        settings.termination_grace_seconds if settings.termination_hold
+                        else TERMINATION_GRACE_SECONDS)
+    if _add_hold(pod_spec["containers"][0], settings, int(
+            pod_spec["terminationGracePeriodSeconds"] or 0), on_preemption(sandbox)):
+        annotations[protocol.ANNOTATION_HOLD] = "true"
+        # The cluster autoscaler skips nodes with emptyDir pods (or pods of a controller
+        # it does not know) without this; the workspace moves with the checkpoint.
         annotations.setdefault(protocol.ANNOTATION_SAFE_TO_EVICT, "true")
     pod_spec["initContainers"] = [_init_container(settings),
                                   *(pod_spec.get("initContainers") or [])]
     pod_spec["volumes"] = [*(pod_spec.get("volumes") or []), *_hermit_volumes(size)]
     pod_spec["restartPolicy"] = "Never"
-    pod_spec.setdefault("terminationGracePeriodSeconds",
-                        settings.termination_grace_seconds if held
-                        else TERMINATION_GRACE_SECONDS)
     pod_spec.setdefault("hostname", meta["name"])
     _apply_placement(pod_spec, spec, on_demand=capacity == api.CAPACITY_ON_DEMAND)
     pod_spec = podpolicy.secure_defaults(pod_spec, settings.pod_policy)
@@ -170,6 +171,7 @@ def _pod_annotations(sandbox: KubeObject, template_meta: KubeObject, mount_path:
                 protocol.ANNOTATION_RESTORE_RETRYABLE):
         annotations.pop(key, None)  # the node-agent's to write
     annotations.pop(protocol.ANNOTATION_ON_PREEMPTION, None)
+    annotations.pop(protocol.ANNOTATION_HOLD, None)  # the operator's to set (build_sandbox_pod)
     if not on_preemption(sandbox):
         annotations[protocol.ANNOTATION_ON_PREEMPTION] = "false"  # the node-agent leaves it alone
     return annotations
@@ -186,32 +188,30 @@ def _wrap_main_container(main: KubeObject, mount_path: str, restore_from: str | 
     ]
 
 
-def _add_hold(main: KubeObject, settings: OperatorSettings, meta: KubeObject,
-              incarnation: int, saves: bool) -> bool:
-    """The termination hold: a preStop hook the kubelet runs before it sends SIGTERM, a GET
-    to the node-agent on the node's loopback that answers once the pod's Eviction
-    checkpoint is durable (docs/protocol.md, "Evictions"). Not added when the hold is off
-    (hold_port 0), the sandbox saves nothing on a drain (onPreemption false), or the
-    template's first container has a preStop hook of its own (the user's is kept; the
-    sandbox then keeps a PodDisruptionBudget instead: ``wants_disruption_budget``).
-    True when added."""
+def _add_hold(main: KubeObject, settings: OperatorSettings, grace: int, saves: bool) -> bool:
+    """The termination hold: a preStop hook that sleeps for the pod's whole grace period,
+    so that the kubelet sends SIGTERM only once the operator cuts it short (its own delete
+    of a pod whose tree has nothing left to save, docs/protocol.md "Evictions") or the grace
+    period is over. The node-agent, which sees the pod being deleted, takes its Eviction
+    checkpoint meanwhile. A sleep, not an httpGet to the node-agent: the Pod Security
+    Standards' baseline (Kubernetes 1.34+) refuses a lifecycle ``httpGet.host``, and
+    without one the kubelet would call the sandbox's own IP. Not added when the hold is
+    off, the sandbox saves nothing on a drain (onPreemption false), the grace period is 0,
+    or the template's first container has a preStop hook of its own (kept; the sandbox
+    then keeps a PodDisruptionBudget instead: ``wants_disruption_budget``). True when
+    added."""
     lifecycle = main.get("lifecycle") or {}
-    if not settings.hold_port or not saves or lifecycle.get("preStop"):
+    if not settings.termination_hold or not saves or grace <= 0 or lifecycle.get("preStop"):
         return False
-    path = protocol.hold_path(str(meta.get("namespace") or "default"),
-                              pod_name(meta["name"], incarnation))
-    main["lifecycle"] = {**lifecycle, "preStop": {"httpGet": {
-        "host": "127.0.0.1", "port": settings.hold_port, "path": path, "scheme": "HTTP"}}}
+    main["lifecycle"] = {**lifecycle, "preStop": {"sleep": {"seconds": grace}}}
     return True
 
 
 def holds_termination(pod: KubeObject | None) -> bool:
-    """Whether the pod's first container has Hermit's preStop hook (a pod made by an older
-    operator, or with the template's own hook, has not)."""
-    containers = ((pod or {}).get("spec") or {}).get("containers") or []
-    hook = ((containers[0].get("lifecycle") or {}).get("preStop") or {}) if containers else {}
-    path = str((hook.get("httpGet") or {}).get("path") or "")
-    return path.startswith(protocol.HOLD_PATH_PREFIX)
+    """Whether the pod carries the termination hold (a pod made by an older operator, or
+    with the template's own preStop hook, does not)."""
+    annotations = ((pod or {}).get("metadata") or {}).get("annotations") or {}
+    return annotations.get(protocol.ANNOTATION_HOLD) == "true"
 
 
 def wants_disruption_budget(sandbox: KubeObject, settings: OperatorSettings,

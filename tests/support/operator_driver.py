@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
+from hermit_common import protocol
 from hermit_common.settings import OperatorSettings
 from hermit_operator import driver
 from hermit_operator.reconcile import Event
@@ -37,6 +38,7 @@ class FakeKube:
         self.checkpoints: dict[str, dict[str, Any]] = {}
         self.pdbs: dict[str, dict[str, Any]] = {}
         self.calls: list[str] = []
+        self.graces: list[int | None] = []  # the grace period of each pod delete
 
     def list_checkpoints(self, namespace: str) -> list[dict[str, Any]]:
         return [copy.deepcopy(c) for c in self.checkpoints.values()]
@@ -65,9 +67,14 @@ class FakeKube:
         self.calls.append(f"create {name}")
         return self.pods.setdefault(name, copy.deepcopy(manifest))
 
-    def delete_pod(self, namespace: str, name: str) -> None:
+    def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> None:
         self.calls.append(f"delete {name}")
+        self.graces.append(grace_seconds)
         self.pods.pop(name, None)
+
+    def list_sandbox_pods(self, namespace: str, sandbox: str) -> list[dict[str, Any]]:
+        return [p for p in self.pods.values()
+                if (p["metadata"].get("labels") or {}).get(protocol.LABEL_SANDBOX) == sandbox]
 
     def patch_sandbox_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         self.sandbox.setdefault("status", {})

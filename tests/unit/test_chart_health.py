@@ -45,10 +45,7 @@ def test_both_pods_probe_healthz_and_readyz_on_the_metrics_port(kind: str,
     c = container(render(f"metrics.enabled={metrics}", "metrics.port=9200"), kind)
     # The node-agent also serves the turn endpoint on the node's IP (docs/turns.md), the
     # operator the key service (docs/security.md#the-key-service).
-    turns = [{"name": "turns", "containerPort": 9103, "hostPort": 9103, "protocol": "TCP"},
-             # The hold endpoint a sandbox's preStop hook calls, on the node's loopback only.
-             {"name": "hold", "containerPort": 9104, "hostPort": 9104, "hostIP": "127.0.0.1",
-              "protocol": "TCP"}]
+    turns = [{"name": "turns", "containerPort": 9103, "hostPort": 9103, "protocol": "TCP"}]
     keys = [{"name": "keys", "containerPort": 9443, "protocol": "TCP"}]
     assert c["ports"] == [{"name": "metrics", "containerPort": 9200, "protocol": "TCP"},
                           *(turns if kind == "DaemonSet" else keys)]
@@ -104,8 +101,7 @@ def test_network_policies_select_each_component_and_open_only_what_it_needs() ->
     for component, spec in specs.items():
         assert spec["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == component
         assert spec["policyTypes"] == ["Ingress", "Egress"]
-        turns = [{"ports": [{"port": "turns", "protocol": "TCP"}]},  # docs/turns.md
-                 {"ports": [{"port": "hold", "protocol": "TCP"}]}]  # docs/protocol.md
+        turns = [{"ports": [{"port": "turns", "protocol": "TCP"}]}]  # docs/turns.md
         # The key service, from node-agents only (docs/security.md#the-key-service).
         keys = [{"ports": [{"port": "keys", "protocol": "TCP"}], "from": [{"podSelector": {
             "matchLabels": {"app.kubernetes.io/name": "hermit",

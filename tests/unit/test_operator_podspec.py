@@ -22,8 +22,9 @@ PLACEMENT_EXEMPT = dataclasses.replace(
     SETTINGS, pod_policy=PodPolicySettings(allow=frozenset({"placement"})))
 
 
-# Every pod (with the hold on) may be evicted by the cluster autoscaler despite its emptyDirs.
-SAFE = {protocol.ANNOTATION_SAFE_TO_EVICT: "true"}
+# Every pod (with the hold on) is marked held, and may be evicted by the cluster autoscaler
+# despite its emptyDirs.
+SAFE = {protocol.ANNOTATION_SAFE_TO_EVICT: "true", protocol.ANNOTATION_HOLD: "true"}
 
 
 def sample(name: str) -> dict[str, Any]:
@@ -60,9 +61,7 @@ def test_minimal_sample_runs_under_hermit_init() -> None:
     assert spec["restartPolicy"] == "Never"
     # Long enough for an evicted pod's Eviction checkpoint (its preStop hook waits for it).
     assert spec["terminationGracePeriodSeconds"] == 120
-    assert main["lifecycle"] == {"preStop": {"httpGet": {
-        "host": "127.0.0.1", "port": 9104, "path": "/v1/hold/team-a/minimal-1",
-        "scheme": "HTTP"}}}
+    assert main["lifecycle"] == {"preStop": {"sleep": {"seconds": 120}}}
     assert "nodeSelector" not in spec
     assert spec["affinity"] == {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
         "nodeSelectorTerms": [
@@ -466,10 +465,6 @@ def test_the_fallback_pod_restores_the_same_checkpoint_and_keeps_the_rest() -> N
     on_demand = build_sandbox_pod(sb, SETTINGS, 3, "full-1-preempt", on_demand=True)
     assert on_demand["metadata"]["annotations"][protocol.ANNOTATION_RESTORE_FROM] == \
         "full-1-preempt"
-    # The same containers, but for the preStop hook that names each pod.
-    hooks = [p["spec"]["containers"][0].pop("lifecycle") for p in (spot, on_demand)]
-    assert [h["preStop"]["httpGet"]["path"] for h in hooks] == [
-        "/v1/hold/team-a/full-2", "/v1/hold/team-a/full-3"]
     assert on_demand["spec"]["containers"] == spot["spec"]["containers"]
     assert on_demand["spec"]["nodeSelector"] == spot["spec"]["nodeSelector"]
     assert on_demand["spec"]["tolerations"] == spot["spec"]["tolerations"]

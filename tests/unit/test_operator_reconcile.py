@@ -207,7 +207,7 @@ def test_fork_restores_spec_restore_from_on_the_first_incarnation() -> None:
     assert p.create_pod["metadata"]["annotations"] == {
         protocol.ANNOTATION_RESTORE_FROM: "other-manual-1",
         protocol.ANNOTATION_WORKSPACE_PATH: "/workspace",
-        protocol.ANNOTATION_SAFE_TO_EVICT: "true"}
+        protocol.ANNOTATION_SAFE_TO_EVICT: "true", protocol.ANNOTATION_HOLD: "true"}
     assert p.status_patch["phase"] == "Restoring"
     assert p.status_patch["restoredFrom"] == {
         "name": "other-manual-1", "reason": "Manual", "checkpointTime": "2026-01-01T11:00:00Z",
