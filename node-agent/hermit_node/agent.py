@@ -631,8 +631,8 @@ class NodeAgent:
         decided = all([self._finish_stale_checkpoint(ckpt) for ckpt in stale])
         if not self._settled:
             fresh = self._list_checkpoints_or(checkpoints) if stale else checkpoints
-            for sp in pods:
-                if sp.running and sp.container_id:
+            for sp in pods:  # a pod being deleted may have been frozen under its hold
+                if sp.container_live and sp.container_id:
                     self._settle_tree(sp, planner.completed_stop_of(fresh, sp))
             for sp in planner.stale_restores(pods, set()):
                 self._annotate(sp, planner.restore_annotations(
