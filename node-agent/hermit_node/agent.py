@@ -379,7 +379,7 @@ class NodeAgent:
             planner.node_disruption(node) if node is not None else None)
         held = self._held_now()
         if reason is None:
-            # Not a drain of the node: only pods whose deletion waits at the hold endpoint.
+            # Not a drain of the node: only pods being deleted under the termination hold.
             todo = planner.hold_requests(pods, held, checkpoints, self._clock())
             reason = protocol.EVICTION
         else:
