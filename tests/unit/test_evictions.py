@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,8 @@ from hermit_common import api, protocol
 from hermit_node import planner
 from hermit_operator import podspec
 from hermit_operator.reconcile import plan
+from tests.support.node_agent import FakeEngine, FakeKube, make_agent
+from tests.support.node_agent import pod as node_pod
 from tests.support.operator_objects import NOW, RUNNING, SETTINGS, ckpt, pod
 from tests.support.operator_objects import sandbox as make_sandbox
 
@@ -262,3 +265,27 @@ def test_hold_requests_are_made_once_and_only_for_held_pods() -> None:
     every = [request(phase=protocol.FAILED, name=f"box-2-evict-r{i}")
              for i in range(planner.STOP_ATTEMPTS)]
     assert planner.hold_requests([sp], {sp.uid}, every, WHEN) == []
+
+
+# -- the node-agent itself, with fakes for the API and the engines ------------------------
+
+
+def test_the_agent_saves_a_held_pod_being_deleted_and_nothing_else(tmp_path: Path) -> None:
+    held = node_pod("box-1", terminating=True, annotations={protocol.ANNOTATION_HOLD: "true"})
+    # Made without the hold (it has a budget instead), and one with nothing to save.
+    unheld = node_pod("other-1", sandbox="other", terminating=True)
+    gone = node_pod("gone-1", sandbox="gone", terminating=True,
+                    annotations={protocol.ANNOTATION_HOLD: "true"})
+    kube = FakeKube([held, unheld, gone], [])
+    kube.get_sandbox = lambda namespace, name: (  # type: ignore[method-assign]
+        None if name == "gone" else {"metadata": {"name": name, "uid": "sbx-uid"}, "spec": {}})
+    engine = FakeEngine()
+    agent = make_agent(tmp_path, kube, engine)
+    agent.reconcile_once()
+    agent.reconcile_once()  # judged once, requested once
+    agent.shutdown()
+    [(target, stop)] = engine.calls
+    assert target.checkpoint == "box-1-evict" and stop is True
+    assert kube.checkpoints["box-1-evict"]["spec"]["reason"] == "Eviction"
+    assert kube.checkpoints["box-1-evict"]["status"]["phase"] == "Completed"
+    assert sorted(kube.checkpoints) == ["box-1-evict"]
