@@ -53,18 +53,6 @@ def _lock(namespace: str, name: str) -> threading.Lock:
         return _locks.setdefault((namespace, name), threading.Lock())
 
 
-def release_pods(kube: Kube, namespace: str, name: str, uid: str | None) -> None:
-    """A deleted sandbox's pods (those its ``uid`` controls): deleted with a short grace
-    period, so that the garbage collector's delete does not wait for the termination
-    hold's whole sleep (nothing of a deleted sandbox is saved)."""
-    for pod in kube.list_sandbox_pods(namespace, name):
-        meta = pod.get("metadata") or {}
-        owners = {ref.get("uid") for ref in meta.get("ownerReferences") or []
-                  if ref.get("controller") and ref.get("kind") == api.SANDBOX_KIND}
-        if uid and uid in owners and meta.get("name"):
-            kube.delete_pod(namespace, str(meta["name"]), podspec.TERMINATION_GRACE_SECONDS)
-
-
 def forget(namespace: str, name: str) -> None:
     """Drop the lock (and the phase count) of a deleted sandbox."""
     metrics.PHASES.forget(namespace, name)
@@ -222,10 +210,13 @@ def _apply(kube: Kube, sandbox: KubeObject, p: Plan, post: Poster, now: datetime
     namespace, name = meta["namespace"], meta["name"]
     _apply_pdb(kube, sandbox, p)  # first: the new pod is never without its budget
     # The operator deletes a pod only when its tree has nothing left to save (moved,
-    # suspended, a failed restore, an unwanted replacement): with a short grace period,
-    # which also cuts the termination hold's sleep short (docs/protocol.md "Evictions").
+    # suspended, a failed restore, an unwanted replacement): with the short grace period
+    # of a pod without the termination hold. An evicted pod whose stopping checkpoint is
+    # durable (its tree ended by the node-agent) is removed at once: the kubelet does not
+    # end a preStop sleep early (docs/protocol.md "Evictions").
     if p.delete_pod is not None:
-        kube.delete_pod(namespace, p.delete_pod, podspec.TERMINATION_GRACE_SECONDS)
+        kube.delete_pod(namespace, p.delete_pod,
+                        0 if p.release_pod else podspec.TERMINATION_GRACE_SECONDS)
     if p.delete_replacement is not None:
         kube.delete_pod(namespace, p.delete_replacement, podspec.TERMINATION_GRACE_SECONDS)
     if p.create_pod is not None:

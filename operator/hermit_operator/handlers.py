@@ -170,15 +170,9 @@ async def sandbox_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_:
 
 
 @kopf.on.delete(api.GROUP, api.VERSION, api.SANDBOX_PLURAL, optional=True)
-def sandbox_deleted(namespace: str | None, name: str, memo: kopf.Memo, body: kopf.Body,
-                    **_: Any) -> None:
+def sandbox_deleted(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     ns = namespace or "default"
     driver.forget(ns, name)  # its pods go with it (owner references)
-    try:  # without the termination hold's sleep: nothing of it is saved
-        driver.release_pods(memo.kube, ns, name, (body.get("metadata") or {}).get("uid"))
-    except KubeError as exc:
-        log.warning("the pods of deleted AgentSandbox %s/%s end after their grace period: "
-                    "%s", ns, name, exc)
     memo.inputs.forget(ns, name)
     memo.wakeups.cancel(ns, name)
 

@@ -91,19 +91,11 @@ class Kube(KubeApi):
         return existing
 
     def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> None:
-        """Delete the pod (``grace_seconds``: its grace period, shorter than the pod's own:
-        also cuts short the deletion of a pod being deleted already, and the termination
-        hold's sleep with it)."""
+        """Delete the pod (``grace_seconds``: its grace period instead of the pod's own; 0
+        removes the object at once, whatever the kubelet still does)."""
         with contextlib.suppress(KubeNotFound):
             self._call(f"deleting pod {namespace}/{name}", self._core.delete_namespaced_pod,
                        name, namespace, grace_period_seconds=grace_seconds)
-
-    def list_sandbox_pods(self, namespace: str, sandbox: str) -> list[KubeObject]:
-        """The pods labelled as the sandbox's (any incarnation)."""
-        out = self._call(f"listing the pods of AgentSandbox {namespace}/{sandbox}",
-                         self._core.list_namespaced_pod, namespace,
-                         label_selector=f"{protocol.LABEL_SANDBOX}={sandbox}")
-        return [self._dict(p) for p in out.items or []]
 
     # -- AgentSandboxes -------------------------------------------------------------
 

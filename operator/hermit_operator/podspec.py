@@ -32,7 +32,7 @@ RESTORE_TIMEOUT_SECONDS = 300
 OVERLAP_RESTORE_TIMEOUT_SECONDS = RESTORE_TIMEOUT_SECONDS + int(STOPPING_WAIT.total_seconds())
 # Without the termination hold nothing needs long: hermit-init ends the tree on SIGTERM.
 # The operator deletes pods with this grace period too: it deletes one only when its tree
-# has nothing left to save, and that cuts the hold's sleep short.
+# has nothing left to save (an evicted one with grace 0: reconcile.Plan.release_pod).
 TERMINATION_GRACE_SECONDS = 10
 
 # The labels by which the usual provisioners mark spot (preemptible) nodes (podpolicy.py,
@@ -190,14 +190,13 @@ def _wrap_main_container(main: KubeObject, mount_path: str, restore_from: str | 
 
 def _add_hold(main: KubeObject, settings: OperatorSettings, grace: int, saves: bool) -> bool:
     """The termination hold: a preStop hook that sleeps for the pod's whole grace period,
-    so that the kubelet sends SIGTERM only once the operator cuts it short (its own delete
-    of a pod whose tree has nothing left to save, docs/protocol.md "Evictions") or the grace
-    period is over. The node-agent, which sees the pod being deleted, takes its Eviction
-    checkpoint meanwhile. A sleep, not an httpGet to the node-agent: the Pod Security
-    Standards' baseline (Kubernetes 1.34+) refuses a lifecycle ``httpGet.host``, and
-    without one the kubelet would call the sandbox's own IP. Not added when the hold is
-    off, the sandbox saves nothing on a drain (onPreemption false), the grace period is 0,
-    or the template's first container has a preStop hook of its own (kept; the sandbox
+    so that the kubelet sends no signal while the node-agent, which sees the pod being
+    deleted, takes its stopping checkpoint; once that is durable the operator removes the
+    pod (docs/protocol.md "Evictions"). A sleep, not an httpGet to the node-agent: the Pod
+    Security Standards' baseline (Kubernetes 1.34+) refuses a lifecycle ``httpGet.host``,
+    and without one the kubelet would call the sandbox's own IP. Not added when the hold
+    is off, the sandbox saves nothing on a drain (onPreemption false), the grace period is
+    0, or the template's first container has a preStop hook of its own (kept; the sandbox
     then keeps a PodDisruptionBudget instead: ``wants_disruption_budget``). True when
     added."""
     lifecycle = main.get("lifecycle") or {}

@@ -141,8 +141,10 @@ def evict_like(kube: Kube, node: str, autoscaler: str) -> dict[str, list[int]]:
     """Every pod on ``node`` but DaemonSets' evicted as the autoscaler does it, 429s retried
     as it retries them; the answers, per pod."""
     answers: dict[str, list[int]] = {}
+    # Pods being deleted already (an earlier test's, its namespace going) are going anyway.
     pods = [p for p in _pods_on(kube, node) if not _daemonset_pod(p)
-            and p.status.phase not in ("Succeeded", "Failed")]
+            and p.status.phase not in ("Succeeded", "Failed")
+            and p.metadata.deletion_timestamp is None]
     deadline = time.monotonic() + CA_MAX_POD_EVICTION
     for pod in pods:
         name = f"{pod.metadata.namespace}/{pod.metadata.name}"

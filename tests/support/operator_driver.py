@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import yaml
 
-from hermit_common import protocol
 from hermit_common.settings import OperatorSettings
 from hermit_operator import driver
 from hermit_operator.reconcile import Event
@@ -71,10 +70,6 @@ class FakeKube:
         self.calls.append(f"delete {name}")
         self.graces.append(grace_seconds)
         self.pods.pop(name, None)
-
-    def list_sandbox_pods(self, namespace: str, sandbox: str) -> list[dict[str, Any]]:
-        return [p for p in self.pods.values()
-                if (p["metadata"].get("labels") or {}).get(protocol.LABEL_SANDBOX) == sandbox]
 
     def patch_sandbox_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         self.sandbox.setdefault("status", {})

@@ -135,7 +135,7 @@ def eviction(phase: str = "Completed", **kwargs: Any) -> dict[str, Any]:
 def test_an_evicted_pod_whose_eviction_checkpoint_is_durable_moves_at_once() -> None:
     p = plan(make_sandbox(dict(RUNNING)), evicted(held_pod()), NOW, settings=SETTINGS,
              checkpoints=[eviction()])
-    assert p.delete_pod == "minimal-1"  # it is being deleted already: harmless
+    assert p.delete_pod == "minimal-1" and p.release_pod  # removed at once: its tree ended
     assert p.create_pod is not None and p.create_pod["metadata"]["name"] == "minimal-2"
     assert (p.create_pod["metadata"]["annotations"][protocol.ANNOTATION_RESTORE_FROM]
             == "minimal-1-evict")
@@ -150,6 +150,7 @@ def test_an_evicted_pod_whose_checkpoint_failed_is_replaced_from_the_last_one_lo
     sb = make_sandbox(dict(RUNNING, lastCheckpoint={"name": "c1", "reason": "Interval"}))
     p = plan(sb, evicted(held_pod()), NOW, settings=SETTINGS, checkpoints=[older, failed])
     assert p.create_pod is None and p.delete_pod is None  # it ends first
+    assert not p.release_pod
     assert ("Warning", api.REASON_CHECKPOINT_FAILED) in [(e.type, e.reason) for e in p.events]
     p = plan(sb, None, NOW, settings=SETTINGS, checkpoints=[older, failed])
     assert p.create_pod is not None

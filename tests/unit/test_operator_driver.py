@@ -238,23 +238,11 @@ def test_checkpoint_of_an_existing_sandbox_is_left_to_the_node_agent(
 
 
 def test_the_operator_deletes_pods_with_a_short_grace_period(sandbox: dict[str, Any]) -> None:
-    # It deletes a pod only when its tree has nothing left to save: that also cuts the
-    # termination hold's sleep short (docs/protocol.md "Evictions").
+    # It deletes a pod only when its tree has nothing left to save (docs/protocol.md
+    # "Evictions").
     kube, events = FakeKube(sandbox), list[Event]()
     run(kube, events)
     kube.sandbox["spec"]["suspend"] = True
     run(kube, events)
     assert pod_calls(kube)[-1] == "delete minimal-1"
-    assert kube.graces == [podspec.TERMINATION_GRACE_SECONDS]
-
-
-def test_a_deleted_sandboxs_pods_are_deleted_without_the_hold(sandbox: dict[str, Any]) -> None:
-    kube, events = FakeKube(sandbox), list[Event]()
-    run(kube, events)
-    stranger = {"metadata": {"name": "other-1", "labels": {protocol.LABEL_SANDBOX: "minimal"},
-                             "ownerReferences": [{"kind": "AgentSandbox", "uid": "not-it",
-                                                  "controller": True}]}}
-    kube.pods["other-1"] = stranger  # the same label, another sandbox's uid: left alone
-    driver.release_pods(kube, "ns", "minimal", sandbox["metadata"]["uid"])  # type: ignore[arg-type]
-    assert pod_calls(kube)[-1] == "delete minimal-1" and "other-1" in kube.pods
     assert kube.graces == [podspec.TERMINATION_GRACE_SECONDS]
