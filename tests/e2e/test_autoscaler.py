@@ -83,7 +83,9 @@ def candidate_refusals(kube: Kube, node: str, autoscaler: str) -> list[str]:
     """Why the autoscaler's own rules would not choose ``node`` (empty: it would)."""
     why = []
     for pod in _pods_on(kube, node):
-        if _daemonset_pod(pod) or pod.status.phase in ("Succeeded", "Failed"):
+        # Both skip DaemonSet pods, finished pods and pods being deleted already.
+        if (_daemonset_pod(pod) or pod.status.phase in ("Succeeded", "Failed")
+                or pod.metadata.deletion_timestamp is not None):
             continue
         name = f"{pod.metadata.namespace}/{pod.metadata.name}"
         annotations = pod.metadata.annotations or {}
