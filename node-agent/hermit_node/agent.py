@@ -101,6 +101,8 @@ class Checkpointer(Protocol):
 
 
 class Restorer(Protocol):
+    lazy: bool  # restores leave the tree's pages to a lazy-pages daemon of this process
+
     def restore(self, target: RestoreTarget, *, timeout: float = 120.0,
                 store: CheckpointStore | None = None) -> RestoreResult: ...
 
@@ -132,6 +134,10 @@ class TreeControl(Protocol):
     """Thaws or ends a container's frozen tree (the cgroup freezer)."""
 
     def settle(self, init_pid: int, *, kill: bool) -> bool: ...
+
+    def restore_left(self, init_pid: int) -> str: ...
+
+    def end(self, init_pid: int) -> int: ...
 
 
 def utc_now() -> datetime:
@@ -342,6 +348,8 @@ class NodeAgent:
         # Pods (uids) being deleted under the termination hold, judged once: None when it
         # is held for its stopping checkpoint, else why not (``_hold``).
         self._held: dict[str, str | None] = {}
+        # Pods (uids) an earlier run of the agent left Restoring: since when (monotonic).
+        self._left_restoring: dict[str, float] = {}
 
     # -- notices --------------------------------------------------------------------
 
@@ -488,6 +496,7 @@ class NodeAgent:
         if not self._recovered and checkpoints is not None:
             self._recovered = self._recover(checkpoints, pods)
         self._hold(pods)
+        self._settle_restores(pods)
         made = [*self._drain(node, pods, checkpoints), *self._early(pods, checkpoints)]
         if checkpoints is not None:
             self._forget_finished(checkpoints, pods)
@@ -647,12 +656,65 @@ class NodeAgent:
             for sp in pods:  # a pod being deleted may have been frozen under its hold
                 if sp.container_live and sp.container_id:
                     self._settle_tree(sp, planner.completed_stop_of(fresh, sp))
-            for sp in planner.stale_restores(pods, set()):
-                self._annotate(sp, planner.restore_annotations(
-                    protocol.RESTORE_FAILED, "the node-agent restarted while restoring this pod",
-                    retryable=True))
+            now = time.monotonic()
+            self._left_restoring = {sp.uid: now for sp in planner.stale_restores(pods, set())}
             self._settled = True
         return decided
+
+    def _settle_restores(self, pods: list[SandboxPod]) -> None:
+        """Decide each restore an earlier run left Restoring (planner.cut_short_restore):
+        its CRIU may have finished after that run died, and its tree then runs: adopted, it
+        is the sandbox; never a second copy beside the fresh pod a Failed restore gets."""
+        if not self._left_restoring:
+            return
+        for sp in pods:
+            since = self._left_restoring.get(sp.uid)
+            if since is None:
+                continue
+            if sp.restore_phase != protocol.RESTORING:
+                self._left_restoring.pop(sp.uid)
+                continue
+            left = self._restore_left(sp)
+            action = planner.cut_short_restore(left, lazy=self._restorer.lazy,
+                                               waited=time.monotonic() - since)
+            if action is None:
+                continue  # its CRIU is still at work: the next loop looks again
+            self._left_restoring.pop(sp.uid)
+            self._finish_cut_short(sp, left, action)
+        present = {sp.uid for sp in pods}
+        for uid in [u for u in self._left_restoring if u not in present]:
+            self._left_restoring.pop(uid)
+
+    def _restore_left(self, sp: SandboxPod) -> str:
+        if self._trees is None or sp.container_id is None:
+            return freezer.NOTHING_RESTORED
+        try:
+            pid = locate.find_init_pid(sp.container_id, self._proc_root)
+            return self._trees.restore_left(pid)
+        except (HermitError, OSError) as exc:
+            log.warning("cannot tell what the restore of pod %s/%s left: %s", sp.namespace,
+                        sp.pod, exc)
+            return freezer.NOTHING_RESTORED
+
+    def _finish_cut_short(self, sp: SandboxPod, left: str, action: str) -> None:
+        if action == planner.ADOPT:
+            log.warning("pod %s/%s: its restore finished after the node-agent restarted; "
+                        "its tree runs: adopted", sp.namespace, sp.pod)
+            self._annotate(sp, planner.restore_annotations(
+                protocol.RESTORED, f"restored from Checkpoint {sp.restore_from} (the "
+                "node-agent restarted after CRIU restored the tree; adopted)"))
+            return
+        if action == planner.END and self._trees is not None and sp.container_id:
+            try:
+                ended = self._trees.end(locate.find_init_pid(sp.container_id, self._proc_root))
+                log.warning("pod %s/%s: ended %d process(es) of a restore cut short (%s)",
+                            sp.namespace, sp.pod, ended, left)
+            except (HermitError, OSError) as exc:
+                log.warning("cannot end the restore of pod %s/%s: %s", sp.namespace, sp.pod,
+                            exc)
+        self._annotate(sp, planner.restore_annotations(
+            protocol.RESTORE_FAILED, "the node-agent restarted while restoring this pod",
+            retryable=True))
 
     def _finish_stale_checkpoint(self, ckpt: KubeObject) -> bool:
         """Completed when its manifest is durable, else Failed; False when undecided."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -104,3 +105,63 @@ class Trees:
 
     def settle(self, init_pid: int, *, kill: bool) -> bool:
         return settle(init_pid, kill=kill, cgroup_root=self._cgroup_root)
+
+    def restore_left(self, init_pid: int) -> str:
+        return restore_left(init_pid, cgroup_root=self._cgroup_root)
+
+    def end(self, init_pid: int) -> int:
+        return end_container(init_pid, cgroup_root=self._cgroup_root)
+
+
+# What an earlier run of the node-agent left in a pod it was restoring (``restore_left``).
+CRIU_AT_WORK = "criu-at-work"  # processes of the restore (the worker, CRIU) still run
+TREE_RESTORED = "tree-restored"  # the restored tree runs under the container's init
+NOTHING_RESTORED = "nothing-restored"  # the init waits alone: the restore never got to CRIU
+
+
+def descendants(pid: int, proc_root: Path = Path("/proc")) -> set[int]:
+    """Every process below ``pid`` (the children of each of its threads, recursively)."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = list(Path(proc_root, str(parent), "task").iterdir())
+        except OSError:
+            continue  # ended meanwhile
+        for task in tasks:
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                if child not in found:
+                    found.add(child)
+                    todo.append(child)
+    return found
+
+
+def restore_left(init_pid: int, *, cgroup_root: Path = DEFAULT_CGROUP_ROOT,
+                 proc_root: Path = Path("/proc")) -> str:
+    """Where a restore into the container of ``init_pid`` stands, read from its processes:
+    the restore worker and CRIU join the container's cgroups but are not below its init;
+    the tree CRIU restores is reparented to the init once the worker exits."""
+    cgroup = freezer_cgroup(process_cgroups(init_pid, cgroup_root), cgroup_root)
+    procs = set(_procs(cgroup)) if cgroup is not None else set()
+    tree = descendants(init_pid, proc_root)
+    if procs - tree - {init_pid}:
+        return CRIU_AT_WORK
+    return TREE_RESTORED if tree else NOTHING_RESTORED
+
+
+def end_container(init_pid: int, *, cgroup_root: Path = DEFAULT_CGROUP_ROOT) -> int:
+    """Ends every process of the container of ``init_pid`` (its init included), frozen
+    first so none runs on; how many were sent SIGKILL. When it does not freeze (a task in
+    an uninterruptible sleep) they are ended unfrozen."""
+    cgroup = freezer_cgroup(process_cgroups(init_pid, cgroup_root), cgroup_root)
+    if cgroup is None:
+        os.kill(init_pid, signal.SIGKILL)
+        return 1
+    with contextlib.suppress(CheckpointFailed):  # freeze() thawed it: end them as they are
+        freeze(cgroup)
+    return end_frozen(cgroup, init_pid)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from hermit_common import api, display, protocol
 from hermit_common.protocol import KubeObject
+from hermit_node import freezer
 
 if TYPE_CHECKING:
     from hermit_common.store import UploadProgress
@@ -596,6 +597,30 @@ def prefetch_source(checkpoints: Iterable[Mapping[str, Any]],
 def stale_restores(pods: Iterable[SandboxPod], in_flight: set[tuple[str, str]]) -> list[SandboxPod]:
     """Pods this node left Restoring with no job running (the agent restarted)."""
     return [sp for sp in pods if sp.restore_phase == protocol.RESTORING and sp.key not in in_flight]
+
+
+# What becomes of a restore an earlier run of the agent left Restoring (cut_short_restore).
+ADOPT = "adopt"  # its tree runs: it is the sandbox, Restored
+END = "end"  # end what runs in the pod, then Failed (retryable): a fresh pod restores
+FAIL = "fail"  # nothing runs there: Failed (retryable)
+# How long a restore's CRIU may go on after the agent that started it is gone: a restore
+# takes seconds; past this it is ended rather than waited for.
+CUT_SHORT_PATIENCE_S = 60.0
+
+
+def cut_short_restore(left: str, *, lazy: bool, waited: float,
+                      patience: float = CUT_SHORT_PATIENCE_S) -> str | None:
+    """What to do with a restore whose agent died, from what it left (``freezer.
+    restore_left``): its CRIU runs in the pod's cgroups, not the agent's, so it may finish
+    after the agent is gone, and its tree then runs. A Failed restore gets a fresh pod, so
+    a tree that runs must be adopted or ended, never left beside it; adopted only when its
+    pages are all in (a lazy restore's daemon died with the agent). None: CRIU is still at
+    work; look again (ended once ``patience`` is spent)."""
+    if left == freezer.CRIU_AT_WORK:
+        return None if waited < patience else END
+    if left == freezer.TREE_RESTORED:
+        return END if lazy else ADOPT
+    return FAIL
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from tests.e2e.conftest import (  # noqa: F401  (fixtures the scenarios use)
     hermit_release,
     kube,
     namespace,
+    pytest_runtest_makereport,  # a failed scenario leaves the cluster's state in a file
     s3_for_pods,
     tick_ledger,
 )

@@ -121,3 +121,55 @@ def test_a_tree_an_earlier_run_left_frozen_is_settled(cgroup: Path, tmp_path: Pa
         wait_until("the tree to end", 10,
                    lambda: not (cgroup / "cgroup.procs").read_text().split(), 0.01)
         assert _size(ticks) == frozen_size, "a process of the settled tree ran again"
+
+
+def test_what_a_restore_cut_short_left_is_read_from_real_processes(tmp_path: Path) -> None:
+    """``restore_left`` on a real container-like cgroup (v1 freezer: the cluster's v1
+    nodes; a hybrid host's v2 processes sit in the v1 root freezer, so the v2 flavour runs
+    on the cluster's v2 nodes): an init alone is nothing restored; a process of the cgroup
+    outside the init's subtree is CRIU still at work; a child of the init is the restored
+    tree; ``end_container`` ends them all."""
+    cgroup = _new_cgroup("v1")
+    fifo = tmp_path / "go"
+    os.mkfifo(fifo)
+    # The init blocks in a builtin read (no child) until told, then starts its "tree".
+    init = subprocess.Popen(["bash", "-c", f"echo $$ > {cgroup}/cgroup.procs; "
+                             f"read x < {fifo}; sleep 600 & wait"])
+    worker = None
+    try:
+        wait_until("the init in the cgroup", 10,
+                   lambda: str(init.pid) in (cgroup / "cgroup.procs").read_text().split(),
+                   every=0.02)
+        assert freezer.restore_left(init.pid) == freezer.NOTHING_RESTORED
+        worker = subprocess.Popen(["bash", "-c", f"echo $$ > {cgroup}/cgroup.procs; "
+                                   "exec sleep 600"])
+        wait_until("CRIU at work seen", 10,
+                   lambda: freezer.restore_left(init.pid) == freezer.CRIU_AT_WORK, every=0.02)
+        worker.kill()
+        worker.wait()
+        with open(fifo, "w") as go:
+            go.write("go\n")
+        wait_until("the restored tree seen", 10,
+                   lambda: freezer.restore_left(init.pid) == freezer.TREE_RESTORED, every=0.02)
+        assert freezer.end_container(init.pid) >= 2  # the init and its child (at least)
+        init.wait(timeout=10)
+        wait_until("the cgroup empty", 10,
+                   lambda: not (cgroup / "cgroup.procs").read_text().split(), every=0.02)
+        assert not freezer.is_frozen(cgroup)
+    finally:
+        for proc in (init, worker):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for pid in (cgroup / "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        wait_until(f"{cgroup} removed", 10, lambda: _rmdir(cgroup), every=0.05)
+
+
+def _rmdir(path: Path) -> bool:
+    try:
+        path.rmdir()
+        return True
+    except OSError:
+        return False

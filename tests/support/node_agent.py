@@ -201,6 +201,7 @@ class FakeEngine:
         self.calls: list[tuple[Any, bool]] = []
         self.stores: list[Any] = []  # the store each call was given
         self.urgent: list[bool] = []  # each checkpoint's upload class
+        self.lazy = False  # restores are not lazy
 
     def checkpoint(self, target: Any, *, stop: bool = False,
                    keep_local: bool = False, deadline: float | None = None,
@@ -292,9 +293,18 @@ class FakeStores:
 
 
 class FakeTrees:
-    def __init__(self) -> None:
+    def __init__(self, left: str = "nothing-restored") -> None:
         self.settled: list[tuple[int, bool]] = []
+        self.left = left  # what restore_left answers (freezer.CRIU_AT_WORK, ...)
+        self.ended: list[int] = []
 
     def settle(self, init_pid: int, *, kill: bool) -> bool:
         self.settled.append((init_pid, kill))
         return True
+
+    def restore_left(self, init_pid: int) -> str:
+        return self.left
+
+    def end(self, init_pid: int) -> int:
+        self.ended.append(init_pid)
+        return 2

@@ -17,7 +17,7 @@ from hermit_common import protocol
 from hermit_common.errors import CheckpointFailed, CheckpointRefused, RestoreFailed
 from hermit_common.store import UploadProgress
 from hermit_node import agent as agent_module
-from hermit_node import planner
+from hermit_node import freezer, planner
 from hermit_node.agent import NodeAgent
 from hermit_node.checkpoint import CheckpointResult
 from hermit_node.kube import KubeTransient
@@ -670,6 +670,63 @@ def test_restart_mid_restore_is_a_retryable_failure(tmp_path: Path) -> None:
     agent.reconcile_once()
     agent.shutdown()
     assert kube.annotations[0][1][protocol.ANNOTATION_RESTORE_RETRYABLE] == "true"
+
+
+def _cut_short(tmp_path: Path, left: str, *, lazy: bool = False
+               ) -> tuple[FakeKube, FakeTrees, NodeAgent]:
+    stuck = pod("box-2", incarnation=2, annotations={
+        protocol.ANNOTATION_RESTORE_FROM: "c1", protocol.ANNOTATION_RESTORE_PHASE: "Restoring"})
+    kube = FakeKube([stuck], [])
+    trees = FakeTrees(left)
+    engine = FakeEngine()
+    engine.lazy = lazy
+    agent = NodeAgent(NODE, kube, engine, engine, view=kube,  # type: ignore[arg-type]
+                      trees=trees, proc_root=fake_proc(tmp_path), clock=lambda: NOW)
+    return kube, trees, agent
+
+
+def test_restart_after_criu_restored_the_tree_adopts_it(tmp_path: Path) -> None:
+    """The agent died after CRIU finished (CRIU runs in the pod's cgroups and outlives it):
+    the tree runs, so it is the sandbox. Failing it would give it a fresh pod beside it,
+    and the same ticks would run twice (the fault suite's restore kills found this)."""
+    kube, trees, agent = _cut_short(tmp_path, freezer.TREE_RESTORED)
+    agent.reconcile_once()
+    agent.shutdown()
+    [(_, written)] = kube.annotations
+    assert written[protocol.ANNOTATION_RESTORE_PHASE] == protocol.RESTORED
+    assert "adopted" in written[protocol.ANNOTATION_RESTORE_MESSAGE]
+    assert trees.ended == []
+
+
+def test_restart_after_a_lazy_restore_ends_its_tree_then_fails_it(tmp_path: Path) -> None:
+    """A lazy tree's pages were served by a daemon that died with the agent."""
+    kube, trees, agent = _cut_short(tmp_path, freezer.TREE_RESTORED, lazy=True)
+    agent.reconcile_once()
+    agent.shutdown()
+    assert trees.ended == [420]
+    [(_, written)] = kube.annotations
+    assert written[protocol.ANNOTATION_RESTORE_PHASE] == protocol.RESTORE_FAILED
+    assert written[protocol.ANNOTATION_RESTORE_RETRYABLE] == "true"
+
+
+def test_restart_while_criu_still_restores_waits_for_it(tmp_path: Path) -> None:
+    kube, trees, agent = _cut_short(tmp_path, freezer.CRIU_AT_WORK)
+    agent.reconcile_once()
+    assert kube.annotations == [] and trees.ended == []
+    trees.left = freezer.TREE_RESTORED  # CRIU finished
+    agent.reconcile_once()
+    agent.shutdown()
+    [(_, written)] = kube.annotations
+    assert written[protocol.ANNOTATION_RESTORE_PHASE] == protocol.RESTORED
+
+
+def test_a_cut_short_restore_is_adopted_ended_failed_or_waited_for() -> None:
+    decide = planner.cut_short_restore
+    assert decide(freezer.TREE_RESTORED, lazy=False, waited=0) == planner.ADOPT
+    assert decide(freezer.TREE_RESTORED, lazy=True, waited=0) == planner.END
+    assert decide(freezer.NOTHING_RESTORED, lazy=False, waited=0) == planner.FAIL
+    assert decide(freezer.CRIU_AT_WORK, lazy=False, waited=59, patience=60) is None
+    assert decide(freezer.CRIU_AT_WORK, lazy=False, waited=61, patience=60) == planner.END
 
 
 def test_completed_is_retried_until_it_lands_before_the_tree_is_killed(
