@@ -55,6 +55,14 @@ TURNS_SUBRESOURCE: Final = "turns"
 TURNS_VERB: Final = "create"
 DEFAULT_TURN_PORT: Final = 9103
 
+# -- the termination hold (docs/protocol.md, "Evictions") --------------------------------
+# Pods, set by the operator: "true" when the first container's preStop hook holds the pod's
+# termination (a sleep of its grace period) so that the node-agent can save it first.
+ANNOTATION_HOLD: Final = f"{GROUP}/termination-hold"
+# Pods: the cluster autoscaler may evict them despite their emptyDir volumes and their
+# controller it does not know (the workspace moves with the Eviction checkpoint).
+ANNOTATION_SAFE_TO_EVICT: Final = "cluster-autoscaler.kubernetes.io/safe-to-evict"
+
 # -- restore outcome on the restore pod (annotation hermit.dev/restore-phase) -----------
 RESTORING: Final = "Restoring"
 RESTORED: Final = "Restored"

@@ -536,6 +536,15 @@ class OperatorSettings:
     # whose inputs did not change since it was last reconciled costs nothing.
     resync_seconds: float = 600.0
     key_service: KeyServiceSettings = KeyServiceSettings()
+    # Evictions (drains, autoscalers) are allowed; each sandbox container gets a preStop
+    # hook that sleeps for the pod's grace period (termination_grace_seconds unless the
+    # template sets one), holding its termination while the node-agent takes its Eviction
+    # checkpoint; the operator's own deletes cut it short. False: no hook.
+    termination_hold: bool = True
+    termination_grace_seconds: int = 120
+    # Opt-in: also give each sandbox a PodDisruptionBudget (maxUnavailable 0) that refuses
+    # evictions, as before the hold existed; autoscalers then never empty its node.
+    disruption_budget: bool = False
 
     @property
     def clusterwide(self) -> bool:
@@ -566,6 +575,10 @@ class OperatorSettings:
             resync_seconds=env.number("HERMIT_RESYNC_SECONDS", 600.0, minimum=10.0,
                                       maximum=86400.0),
             key_service=KeyServiceSettings.from_env(environ),
+            termination_hold=env.flag("HERMIT_TERMINATION_HOLD", True),
+            termination_grace_seconds=env.integer(
+                "HERMIT_TERMINATION_GRACE_SECONDS", 120, minimum=1, maximum=3600),
+            disruption_budget=env.flag("HERMIT_DISRUPTION_BUDGET", False),
             **_leader_settings(env),
         )
 

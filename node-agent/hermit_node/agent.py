@@ -345,6 +345,9 @@ class NodeAgent:
         self._remote_wait = False
         # Pods (uids) whose restore waits for the operator (planner.restore_authority).
         self._authority_waits: set[str] = set()
+        # Pods (uids) being deleted under the termination hold, judged once: None when it
+        # is held for its stopping checkpoint, else why not (``_hold``).
+        self._held: dict[str, str | None] = {}
         # Pods (uids) an earlier run of the agent left Restoring: since when (monotonic).
         self._left_restoring: dict[str, float] = {}
 
@@ -391,10 +394,15 @@ class NodeAgent:
                 log.warning("cannot taint node %s yet: %s", self.node, exc)
         reason = protocol.PREEMPTION if notice is not None else (
             planner.node_disruption(node) if node is not None else None)
+        held = self._held_now()
         if reason is None:
-            return []
+            # Not a drain of the node: only pods being deleted under the termination hold.
+            todo = planner.hold_requests(pods, held, checkpoints, self._clock())
+            reason = protocol.EVICTION
+        else:
+            todo = planner.stop_requests(pods, reason, checkpoints, self._clock(), held)
         made = []
-        for sp, tag in planner.stop_requests(pods, reason, checkpoints, self._clock()):
+        for sp, tag in todo:
             try:
                 # No operator round trip: the request is made here, and served at once.
                 made.append(requests.create(self._kube, sp, reason, self.node, tag))
@@ -435,6 +443,39 @@ class NodeAgent:
                     self._advised = None
         return made
 
+    # -- the termination hold (docs/protocol.md, "Evictions") ---------------------------
+
+    def _held_now(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(uid for uid, why in self._held.items() if why is None)
+
+    def _hold(self, pods: list[SandboxPod]) -> None:
+        """Pods being deleted under the termination hold (their preStop hook sleeps while
+        this agent saves them): each is judged once (``planner.hold_verdict``, one read of
+        its AgentSandbox) and, when it needs it, held: ``_drain`` asks for its Eviction
+        checkpoint and ``_serve`` serves it although the pod is being deleted."""
+        present = {sp.uid for sp in pods}
+        with self._lock:
+            self._held = {uid: why for uid, why in self._held.items() if uid in present}
+            judged = set(self._held)
+        for sp in pods:
+            if sp.uid in judged or not planner.holds(sp):
+                continue
+            try:
+                sandbox = self._kube.get_sandbox(sp.namespace, sp.sandbox)
+            except KubeError as exc:
+                log.warning("pod %s/%s is being deleted; its sandbox cannot be read yet: %s",
+                            sp.namespace, sp.pod, exc)
+                continue
+            why = planner.hold_verdict(sp, sandbox)
+            with self._lock:
+                self._held[sp.uid] = why
+            if why is None:
+                log.warning("pod %s/%s is being deleted: its termination waits for its "
+                            "stopping checkpoint", sp.namespace, sp.pod)
+            else:
+                log.info("pod %s/%s is being deleted: %s", sp.namespace, sp.pod, why)
+
     # -- the reconcile loop -------------------------------------------------------------
 
     def reconcile_once(self) -> None:
@@ -454,6 +495,7 @@ class NodeAgent:
         checkpoints = self._read(self._view.checkpoints_now)
         if not self._recovered and checkpoints is not None:
             self._recovered = self._recover(checkpoints, pods)
+        self._hold(pods)
         self._settle_restores(pods)
         made = [*self._drain(node, pods, checkpoints), *self._early(pods, checkpoints)]
         if checkpoints is not None:
@@ -492,7 +534,7 @@ class NodeAgent:
 
     def _serve(self, checkpoints: list[KubeObject], pods: list[SandboxPod]) -> None:
         """Queue a job for each request to serve now (stopping ones first)."""
-        for ckpt, sp in planner.checkpoints_to_serve(checkpoints, pods):
+        for ckpt, sp in planner.checkpoints_to_serve(checkpoints, pods, self._held_now()):
             uid = str((ckpt.get("metadata") or {}).get("uid") or "")
             urgent = protocol.is_stopping(protocol.reason_of(ckpt))
             self._start(uid, sp.key, functools.partial(self.run_checkpoint, ckpt, sp),
@@ -611,8 +653,8 @@ class NodeAgent:
         decided = all([self._finish_stale_checkpoint(ckpt) for ckpt in stale])
         if not self._settled:
             fresh = self._list_checkpoints_or(checkpoints) if stale else checkpoints
-            for sp in pods:
-                if sp.running and sp.container_id:
+            for sp in pods:  # a pod being deleted may have been frozen under its hold
+                if sp.container_live and sp.container_id:
                     self._settle_tree(sp, planner.completed_stop_of(fresh, sp))
             now = time.monotonic()
             self._left_restoring = {sp.uid: now for sp in planner.stale_restores(pods, set())}

@@ -6,7 +6,7 @@ to /proc or to the clock: callers pass ``now`` and apply what comes back.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -42,6 +42,13 @@ class SandboxPod:
     restore_phase: str | None
     on_preemption: bool = True  # false: no checkpoint on a notice or a drain
     created: str = ""  # metadata.creationTimestamp, as the API wrote it
+    terminating: bool = False  # deletionTimestamp set: being deleted (evicted, say)
+    # The first container runs, whether or not the pod is being deleted: a terminating
+    # pod's tree can still be saved while its preStop hook holds it (``holds``).
+    container_live: bool = False
+    # The operator's preStop hook holds its termination (annotation hermit.dev/termination-
+    # hold): while it is being deleted, it is saved first.
+    hold: bool = False
 
     @property
     def key(self) -> tuple[str, str]:
@@ -71,9 +78,11 @@ def sandbox_pod(pod: Mapping[str, Any]) -> SandboxPod | None:
         incarnation = int(labels.get(protocol.LABEL_INCARNATION, "0"))
     except ValueError:
         incarnation = 0
-    running = (status.get("phase") == api.POD_RUNNING and not meta.get("deletionTimestamp")
-               and bool((first.get("state") or {}).get("running"))
-               and bool(first.get("containerID")))
+    container_live = (status.get("phase") == api.POD_RUNNING
+                      and bool((first.get("state") or {}).get("running"))
+                      and bool(first.get("containerID")))
+    running = container_live and not meta.get("deletionTimestamp")
+
     return SandboxPod(
         namespace=str(meta.get("namespace") or "default"),
         pod=str(meta.get("name")),
@@ -91,6 +100,9 @@ def sandbox_pod(pod: Mapping[str, Any]) -> SandboxPod | None:
         restore_phase=annotations.get(protocol.ANNOTATION_RESTORE_PHASE) or None,
         on_preemption=annotations.get(protocol.ANNOTATION_ON_PREEMPTION) != "false",
         created=str(meta.get("creationTimestamp") or ""),
+        terminating=bool(meta.get("deletionTimestamp")),
+        container_live=container_live,
+        hold=annotations.get(protocol.ANNOTATION_HOLD) == "true",
     )
 
 
@@ -116,14 +128,25 @@ def sandbox_pods(pods: Iterable[Mapping[str, Any]], node: str) -> list[SandboxPo
     return [sp for p in pods if (sp := sandbox_pod(p)) is not None and sp.node == node]
 
 
-def current_pods(pods: Iterable[SandboxPod]) -> dict[tuple[str, str], SandboxPod]:
+def held_tree(sp: SandboxPod) -> bool:
+    """A pod being deleted whose tree still runs (its preStop hook holds its termination):
+    it may still be saved by a stopping checkpoint."""
+    return (sp.terminating and sp.container_live
+            and (sp.restore_from is None or sp.restore_phase == protocol.RESTORED))
+
+
+def current_pods(pods: Iterable[SandboxPod],
+                 held: Set[str] = frozenset()) -> dict[tuple[str, str], SandboxPod]:
     """Per sandbox, the live pod with the highest incarnation, among the pods named as the
     operator names them (``<sandbox>-<incarnation>``): a pod someone else made with the
     sandbox's label, owner and incarnation has another name (names are unique), and is
-    never checkpointed in the sandbox's stead."""
+    never checkpointed in the sandbox's stead. ``held``: uids of pods being deleted whose
+    termination the preStop hook holds (``hold_verdict``); they count while their tree
+    runs."""
     out: dict[tuple[str, str], SandboxPod] = {}
     for sp in pods:
-        if not sp.has_live_tree or sp.pod != operator_pod_name(sp.sandbox, sp.incarnation):
+        live = sp.has_live_tree or (sp.uid in held and held_tree(sp))
+        if not live or sp.pod != operator_pod_name(sp.sandbox, sp.incarnation):
             continue
         seen = out.get(sp.key)
         if seen is None or sp.incarnation > seen.incarnation:
@@ -158,7 +181,8 @@ def stop_backoff(failures: int) -> float:
 
 def stop_requests(pods: Iterable[SandboxPod], reason: str,
                   checkpoints: Iterable[Mapping[str, Any]] | None,
-                  now: datetime | None = None) -> list[tuple[SandboxPod, str]]:
+                  now: datetime | None = None,
+                  held: Set[str] = frozenset()) -> list[tuple[SandboxPod, str]]:
     """(pod, name tag) for each sandbox pod that needs a stopping request now: the request
     is ``protocol.checkpoint_name(sandbox, incarnation, reason, tag)`` (hermit_node.requests
     creates it, under a secret longer name when another node took that one).
@@ -172,7 +196,7 @@ def stop_requests(pods: Iterable[SandboxPod], reason: str,
     checkpoints (the API did not answer), only first requests."""
     listed = list(checkpoints or [])
     out = []
-    for sp in pods_to_checkpoint_on_notice(pods):
+    for sp in pods_to_checkpoint_on_notice(pods, held):
         made = [c for c in listed if _request_of(c, sp, reason)]
         if checkpoints is None:
             out.append((sp, ""))
@@ -224,11 +248,13 @@ def node_disruption(node: Mapping[str, Any]) -> str | None:
     return None
 
 
-def pods_to_checkpoint_on_notice(pods: Iterable[SandboxPod]) -> list[SandboxPod]:
-    """The sandbox pods to checkpoint when this node is going away, sorted by name.
+def pods_to_checkpoint_on_notice(pods: Iterable[SandboxPod],
+                                 held: Set[str] = frozenset()) -> list[SandboxPod]:
+    """The sandbox pods to checkpoint when this node is going away, sorted by name
+    (``held``: as for ``current_pods``).
 
     Pods whose sandbox turned ``onPreemption`` off are left alone."""
-    return sorted((sp for sp in current_pods(pods).values() if sp.on_preemption),
+    return sorted((sp for sp in current_pods(pods, held).values() if sp.on_preemption),
                   key=lambda sp: (sp.namespace, sp.pod))
 
 
@@ -294,7 +320,8 @@ def node_taint_patch(node: Mapping[str, Any], kind: str) -> KubeObject | None:
 # -- checkpoint requests ----------------------------------------------------------------
 
 def checkpoints_to_serve(checkpoints: Iterable[Mapping[str, Any]],
-                         pods: Iterable[SandboxPod]) -> list[tuple[KubeObject, SandboxPod]]:
+                         pods: Iterable[SandboxPod],
+                         held: Set[str] = frozenset()) -> list[tuple[KubeObject, SandboxPod]]:
     """Pending Checkpoints (empty status) whose sandbox's current pod is on this node and
     that are labelled with this node (the operator labels requests with the pod's node;
     the API server refuses this node-agent's status writes on any other).
@@ -303,7 +330,7 @@ def checkpoints_to_serve(checkpoints: Iterable[Mapping[str, Any]],
     returned, since a sandbox is checkpointed once at a time: a stopping request
     (Preemption, Eviction, Suspend) first, else the oldest.
     """
-    current = current_pods(pods)
+    current = current_pods(pods, held)
     chosen: dict[tuple[str, str], tuple[KubeObject, SandboxPod]] = {}
     pending = sorted(
         (c for c in checkpoints if claimable(c)),
@@ -314,6 +341,9 @@ def checkpoints_to_serve(checkpoints: Iterable[Mapping[str, Any]],
         ref = ((ckpt.get("spec") or {}).get("sandboxRef") or {}).get("name")
         key = (str(protocol.meta(ckpt).get("namespace") or "default"), str(ref))
         sp = current.get(key)
+        if sp is not None and sp.terminating and not protocol.is_stopping(
+                protocol.reason_of(ckpt)):
+            continue  # a held pod gets its stopping checkpoint only
         if (ref and sp is not None and key not in chosen and _for_incarnation(ckpt, sp)
                 and protocol.node_of(ckpt) == sp.node):
             chosen[key] = (dict(ckpt), sp)
@@ -752,3 +782,57 @@ def status_recovered(totals: Mapping[str, int], manifest_uri: str, manifest_dige
 def status_failed(message: str, now: datetime, node: str) -> KubeObject:
     return {"phase": protocol.FAILED, "nodeName": node, "message": protocol.one_line(message),
             "completedAt": protocol.rfc3339(now)}
+
+
+# -- the termination hold (docs/protocol.md, "Evictions") ---------------------------------
+
+def holds(sp: SandboxPod) -> bool:
+    """A pod being deleted whose termination the operator's preStop hook holds and whose
+    tree still runs: it may be saved by a stopping checkpoint first."""
+    return sp.hold and held_tree(sp)
+
+
+def hold_verdict(sp: SandboxPod, sandbox: Mapping[str, Any] | None) -> str | None:
+    """For a pod being deleted under the termination hold (``holds``): None when it needs a
+    stopping checkpoint (``hold_requests`` asks for an Eviction one unless one of its
+    incarnation is in flight or done), else why not. Only who may delete or evict a pod can
+    set its deletionTimestamp, and the checkpoint is what its deletion calls for anyway.
+    ``sandbox``: the pod's AgentSandbox as read (None: gone)."""
+    return _nothing_to_save(sp, sandbox)
+
+
+def _stop_of(ckpt: Mapping[str, Any], sp: SandboxPod) -> bool:
+    """A stopping checkpoint of ``sp``'s incarnation (any stopping reason)."""
+    return (str(protocol.meta(ckpt).get("namespace") or "default") == sp.namespace
+            and protocol.sandbox_of(ckpt) == sp.sandbox
+            and protocol.incarnation_of(ckpt) == sp.incarnation
+            and protocol.is_stopping(protocol.reason_of(ckpt)))
+
+
+def _nothing_to_save(sp: SandboxPod, sandbox: Mapping[str, Any] | None) -> str | None:
+    """Why a pod being deleted needs no checkpoint, or None when it does."""
+    if sandbox is None or str(protocol.meta(sandbox).get("uid") or "") != sp.sandbox_uid:
+        return f"its AgentSandbox {sp.sandbox} is gone: nothing to save"
+    if protocol.meta(sandbox).get("deletionTimestamp"):
+        return f"its AgentSandbox {sp.sandbox} is being deleted: nothing to save"
+    if not sp.on_preemption:
+        return "its sandbox saves nothing on a drain (onPreemption false)"
+    if (sandbox.get("spec") or {}).get("suspend"):
+        return "its sandbox is suspended: the operator released it"
+    if not held_tree(sp):
+        return "its tree is not running (ended, or still waiting for its restore)"
+    return None
+
+
+def hold_requests(pods: Iterable[SandboxPod], held: Set[str],
+                  checkpoints: Iterable[Mapping[str, Any]] | None,
+                  now: datetime | None = None) -> list[tuple[SandboxPod, str]]:
+    """(pod, name tag) of the Eviction requests to make for held pods (being deleted under
+    the termination hold, ``hold_verdict`` found nothing against it): none for a pod with a
+    stopping checkpoint of its incarnation in flight or done, whatever its reason (a
+    Suspend, a notice's)."""
+    listed = list(checkpoints or [])
+    todo = [sp for sp in pods if sp.uid in held and holds(sp)
+            and not any(_stop_of(c, sp) and protocol.phase_of(c) != protocol.FAILED
+                        for c in listed)]
+    return stop_requests(todo, protocol.EVICTION, checkpoints, now, held)

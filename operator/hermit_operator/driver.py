@@ -19,7 +19,7 @@ from hermit_common import api, protocol
 from hermit_common.errors import HermitError
 from hermit_common.protocol import KubeObject
 from hermit_common.settings import OperatorSettings
-from hermit_operator import metrics, overlap
+from hermit_operator import metrics, overlap, podspec
 from hermit_operator.checkpoints import orphan_status, sandbox_of
 from hermit_operator.kube import Kube, KubeTransient
 from hermit_operator.podspec import InvalidSpec
@@ -209,10 +209,16 @@ def _apply(kube: Kube, sandbox: KubeObject, p: Plan, post: Poster, now: datetime
     meta = sandbox["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     _apply_pdb(kube, sandbox, p)  # first: the new pod is never without its budget
+    # The operator deletes a pod only when its tree has nothing left to save (moved,
+    # suspended, a failed restore, an unwanted replacement): with the short grace period
+    # of a pod without the termination hold. An evicted pod whose stopping checkpoint is
+    # durable (its tree ended by the node-agent) is removed at once: the kubelet does not
+    # end a preStop sleep early (docs/protocol.md "Evictions").
     if p.delete_pod is not None:
-        kube.delete_pod(namespace, p.delete_pod)
+        kube.delete_pod(namespace, p.delete_pod,
+                        0 if p.release_pod else podspec.TERMINATION_GRACE_SECONDS)
     if p.delete_replacement is not None:
-        kube.delete_pod(namespace, p.delete_replacement)
+        kube.delete_pod(namespace, p.delete_replacement, podspec.TERMINATION_GRACE_SECONDS)
     if p.create_pod is not None:
         try:
             kube.create_pod(p.create_pod)

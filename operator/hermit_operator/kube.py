@@ -90,10 +90,12 @@ class Kube(KubeApi):
                               "this sandbox; delete it or rename the sandbox")
         return existing
 
-    def delete_pod(self, namespace: str, name: str) -> None:
+    def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> None:
+        """Delete the pod (``grace_seconds``: its grace period instead of the pod's own; 0
+        removes the object at once, whatever the kubelet still does)."""
         with contextlib.suppress(KubeNotFound):
             self._call(f"deleting pod {namespace}/{name}", self._core.delete_namespaced_pod,
-                       name, namespace)
+                       name, namespace, grace_period_seconds=grace_seconds)
 
     # -- AgentSandboxes -------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """The sandbox pod built from an AgentSandbox: a pure function from the object to a V1Pod dict
-(and the sandbox's PodDisruptionBudget).
+(and the sandbox's PodDisruptionBudget, when it has one).
 
 The first container runs under hermit-init (the PID 1 that CRIU dumps and restores
 under): an init container copies the static binary from the Hermit image into a
@@ -30,6 +30,9 @@ RESTORE_TIMEOUT_SECONDS = 300
 # A move's replacement created while the checkpoint is still taken (overlap.py) waits for
 # that too: at most the operator's STOPPING_WAIT (checkpoints.py) on top.
 OVERLAP_RESTORE_TIMEOUT_SECONDS = RESTORE_TIMEOUT_SECONDS + int(STOPPING_WAIT.total_seconds())
+# Without the termination hold nothing needs long: hermit-init ends the tree on SIGTERM.
+# The operator deletes pods with this grace period too: it deletes one only when its tree
+# has nothing left to save (an evicted one with grace 0: reconcile.Plan.release_pod).
 TERMINATION_GRACE_SECONDS = 10
 
 # The labels by which the usual provisioners mark spot (preemptible) nodes (podpolicy.py,
@@ -133,11 +136,19 @@ def build_sandbox_pod(sandbox: KubeObject, settings: OperatorSettings, incarnati
     annotations = _pod_annotations(sandbox, tmeta, mount_path, restore_from)
 
     _wrap_main_container(pod_spec["containers"][0], mount_path, restore_from, overlap)
+    pod_spec.setdefault("terminationGracePeriodSeconds",
+                        settings.termination_grace_seconds if settings.termination_hold
+                        else TERMINATION_GRACE_SECONDS)
+    if _add_hold(pod_spec["containers"][0], settings, int(
+            pod_spec["terminationGracePeriodSeconds"] or 0), on_preemption(sandbox)):
+        annotations[protocol.ANNOTATION_HOLD] = "true"
+        # The cluster autoscaler skips nodes with emptyDir pods (or pods of a controller
+        # it does not know) without this; the workspace moves with the checkpoint.
+        annotations.setdefault(protocol.ANNOTATION_SAFE_TO_EVICT, "true")
     pod_spec["initContainers"] = [_init_container(settings),
                                   *(pod_spec.get("initContainers") or [])]
     pod_spec["volumes"] = [*(pod_spec.get("volumes") or []), *_hermit_volumes(size)]
     pod_spec["restartPolicy"] = "Never"
-    pod_spec.setdefault("terminationGracePeriodSeconds", TERMINATION_GRACE_SECONDS)
     pod_spec.setdefault("hostname", meta["name"])
     _apply_placement(pod_spec, spec, on_demand=capacity == api.CAPACITY_ON_DEMAND)
     pod_spec = podpolicy.secure_defaults(pod_spec, settings.pod_policy)
@@ -160,6 +171,7 @@ def _pod_annotations(sandbox: KubeObject, template_meta: KubeObject, mount_path:
                 protocol.ANNOTATION_RESTORE_RETRYABLE):
         annotations.pop(key, None)  # the node-agent's to write
     annotations.pop(protocol.ANNOTATION_ON_PREEMPTION, None)
+    annotations.pop(protocol.ANNOTATION_HOLD, None)  # the operator's to set (build_sandbox_pod)
     if not on_preemption(sandbox):
         annotations[protocol.ANNOTATION_ON_PREEMPTION] = "false"  # the node-agent leaves it alone
     return annotations
@@ -174,6 +186,45 @@ def _wrap_main_container(main: KubeObject, mount_path: str, restore_from: str | 
         {"name": INIT_VOLUME, "mountPath": INIT_DIR, "readOnly": True},
         {"name": WORKSPACE_VOLUME, "mountPath": mount_path},
     ]
+
+
+def _add_hold(main: KubeObject, settings: OperatorSettings, grace: int, saves: bool) -> bool:
+    """The termination hold: a preStop hook that sleeps for the pod's whole grace period,
+    so that the kubelet sends no signal while the node-agent, which sees the pod being
+    deleted, takes its stopping checkpoint; once that is durable the operator removes the
+    pod (docs/protocol.md "Evictions"). A sleep, not an httpGet to the node-agent: the Pod
+    Security Standards' baseline (Kubernetes 1.34+) refuses a lifecycle ``httpGet.host``,
+    and without one the kubelet would call the sandbox's own IP. Not added when the hold
+    is off, the sandbox saves nothing on a drain (onPreemption false), the grace period is
+    0, or the template's first container has a preStop hook of its own (kept; the sandbox
+    then keeps a PodDisruptionBudget instead: ``wants_disruption_budget``). True when
+    added."""
+    lifecycle = main.get("lifecycle") or {}
+    if not settings.termination_hold or not saves or grace <= 0 or lifecycle.get("preStop"):
+        return False
+    main["lifecycle"] = {**lifecycle, "preStop": {"sleep": {"seconds": grace}}}
+    return True
+
+
+def holds_termination(pod: KubeObject | None) -> bool:
+    """Whether the pod carries the termination hold (a pod made by an older operator, or
+    with the template's own preStop hook, does not)."""
+    annotations = ((pod or {}).get("metadata") or {}).get("annotations") or {}
+    return annotations.get(protocol.ANNOTATION_HOLD) == "true"
+
+
+def wants_disruption_budget(sandbox: KubeObject, settings: OperatorSettings,
+                            pod: KubeObject | None) -> bool:
+    """Whether the sandbox gets a blocking PodDisruptionBudget: never when it saves nothing
+    on a drain (onPreemption false); always with HERMIT_DISRUPTION_BUDGET (opt-in); else
+    only while its current pod lacks the termination hold (made before the hold existed,
+    the hold off, or the template's own preStop hook), which would lose its work to an
+    eviction."""
+    if not on_preemption(sandbox):
+        return False
+    if settings.disruption_budget:
+        return True
+    return pod is not None and not holds_termination(pod)
 
 
 def _hermit_volumes(workspace_size: str) -> list[KubeObject]:
@@ -223,7 +274,8 @@ def pdb_name(sandbox_name: str) -> str:
 def disruption_budget(sandbox: KubeObject) -> KubeObject | None:
     """The sandbox's PodDisruptionBudget: maxUnavailable 0 over its pods, so an eviction (a
     drain) is refused while the node-agent checkpoints the pod and the operator moves it by
-    deleting the pod. None when spec.checkpoint.onPreemption is false."""
+    deleting the pod. None when spec.checkpoint.onPreemption is false. Only made when
+    ``wants_disruption_budget``: by default evictions are allowed and held instead."""
     if not on_preemption(sandbox):
         return None
     meta = sandbox["metadata"]

@@ -102,6 +102,10 @@ class Plan:
     # Seconds of work a restore of an older checkpoint drops (its WorkLost Event): observed
     # by the driver once the pod that restores it is created.
     work_lost: float | None = None
+    # delete_pod is being deleted already (evicted) and its stopping checkpoint is durable:
+    # its object is removed at once (grace 0), ending the termination hold's sleep for
+    # everyone waiting on it (docs/protocol.md "Evictions").
+    release_pod: bool = False
 
 
 @dataclass
@@ -133,6 +137,7 @@ class _State:
     replacement: KubeObject | None = None  # pod N+1, created while its checkpoint is taken
     keep_replacement: bool = False  # this plan waits for it or adopts it (else: deleted)
     early_pod: KubeObject | None = None  # the replacement this plan creates (overlap)
+    release_pod: bool = False  # Plan.release_pod
 
     @property
     def status(self) -> KubeObject:
@@ -259,7 +264,8 @@ def plan(sandbox: KubeObject, pod: KubeObject | None, now: datetime, *,
 def _accept(st: _State, out: KubeObject, pod: KubeObject | None) -> None:
     """A valid spec: its disruption budget, its checkpoints tracked."""
     sandbox = st.sandbox
-    st.pdb = podspec.disruption_budget(sandbox)
+    st.pdb = (podspec.disruption_budget(sandbox)
+              if podspec.wants_disruption_budget(sandbox, st.settings, pod) else None)
     st.delete_pdb = None if st.pdb is not None else podspec.pdb_name(st.name)
     where = _where(st, pod)
     st.ckpts = _trusted(st, ck.of_sandbox(sandbox, st.namespace_ckpts), where)
@@ -308,6 +314,13 @@ def _run(st: _State, out: KubeObject, pod: KubeObject | None, incarnation: int) 
         return _without_pod(st, out, incarnation, resuming, terminal)
     pod_name = pod["metadata"]["name"]
     if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        stop = None if terminal else ck.stopping_completed(st.ckpts, pod)
+        if stop is not None:
+            # Evicted (a drain, an autoscaler): its preStop hook held it while this
+            # checkpoint was taken. A move like any other, whoever deleted the pod; its
+            # frozen tree was ended once the checkpoint was durable, so its object goes.
+            st.release_pod = True
+            return _migrate(st, out, incarnation, pod, stop)
         flight = ck.stopping_in_flight(st.ckpts, pod, st.now)
         if flight is not None:
             _overlap(st, incarnation, flight)
@@ -927,4 +940,5 @@ def _finish(st: _State, out: KubeObject, pod: KubeObject | None, situation: sit.
                 fail_checkpoints=st.fail,
                 delete_checkpoints=drop, pdb=st.pdb, delete_pdb=st.delete_pdb,
                 requeue_after=st.requeue_after, downtime=st.downtime,
-                work_lost=st.work_lost if create is not None else None)
+                work_lost=st.work_lost if create is not None else None,
+                release_pod=st.release_pod and delete is not None)

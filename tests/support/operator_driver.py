@@ -37,6 +37,7 @@ class FakeKube:
         self.checkpoints: dict[str, dict[str, Any]] = {}
         self.pdbs: dict[str, dict[str, Any]] = {}
         self.calls: list[str] = []
+        self.graces: list[int | None] = []  # the grace period of each pod delete
 
     def list_checkpoints(self, namespace: str) -> list[dict[str, Any]]:
         return [copy.deepcopy(c) for c in self.checkpoints.values()]
@@ -65,8 +66,9 @@ class FakeKube:
         self.calls.append(f"create {name}")
         return self.pods.setdefault(name, copy.deepcopy(manifest))
 
-    def delete_pod(self, namespace: str, name: str) -> None:
+    def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> None:
         self.calls.append(f"delete {name}")
+        self.graces.append(grace_seconds)
         self.pods.pop(name, None)
 
     def patch_sandbox_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
@@ -97,6 +99,8 @@ def sandbox() -> dict[str, Any]:
     return obj
 
 
-def run(kube: FakeKube, events: list[Event]) -> Any:
-    return driver.reconcile_sandbox(kube, OperatorSettings(), "ns", "minimal",  # type: ignore[arg-type]
-                                    lambda _sb, e: events.append(e), now=lambda: NOW)
+def run(kube: FakeKube, events: list[Event],
+        settings: OperatorSettings | None = None) -> Any:
+    return driver.reconcile_sandbox(kube, settings or OperatorSettings(),  # type: ignore[arg-type]
+                                    "ns", "minimal", lambda _sb, e: events.append(e),
+                                    now=lambda: NOW)

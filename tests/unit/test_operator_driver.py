@@ -9,7 +9,7 @@ import pytest
 
 from hermit_common import api, protocol
 from hermit_common.settings import OperatorSettings
-from hermit_operator import driver
+from hermit_operator import driver, podspec
 from hermit_operator.podspec import InvalidSpec
 from hermit_operator.reconcile import Event
 from tests.support.operator_driver import NOW, FakeKube, run
@@ -21,6 +21,10 @@ def _fresh_driver() -> None:
     driver._pdb_seen.clear()
 
 
+# The opt-in blocking budget (HERMIT_DISRUPTION_BUDGET): every sandbox has one.
+BUDGET = OperatorSettings(disruption_budget=True)
+
+
 def pod_calls(kube: FakeKube) -> list[str]:
     """The calls that create or delete pods and Checkpoints (not the budget's)."""
     return [c for c in kube.calls if "pdb" not in c]
@@ -28,19 +32,19 @@ def pod_calls(kube: FakeKube) -> list[str]:
 
 def test_lifecycle_create_run_and_pod_loss(sandbox: dict[str, Any]) -> None:
     kube, events = FakeKube(sandbox), list[Event]()
-    run(kube, events)
+    run(kube, events, BUDGET)
     assert kube.calls == ["ensure pdb minimal", "create minimal-1"]
     assert kube.sandbox["status"]["podName"] == "minimal-1"
-    run(kube, events)  # nothing new happened: no second pod (and the budget is known)
+    run(kube, events, BUDGET)  # nothing new happened: no second pod (and the budget is known)
     assert kube.calls == ["ensure pdb minimal", "create minimal-1"]
     kube.pods["minimal-1"]["spec"]["nodeName"] = "spot-1"
     kube.pods["minimal-1"]["status"] = {"phase": "Running", "conditions": [
         {"type": "Ready", "status": "True"}]}
-    run(kube, events)
+    run(kube, events, BUDGET)
     assert (kube.sandbox["status"]["phase"], kube.sandbox["status"]["nodeName"]) == (
         "Running", "spot-1")
     del kube.pods["minimal-1"]  # the node vanished with the pod
-    run(kube, events)
+    run(kube, events, BUDGET)
     assert kube.calls[-1] == "create minimal-2"
     assert kube.sandbox["status"]["incarnation"] == 2
     assert [e.reason for e in events] == ["PodCreating", "PodRunning", "PodLost", "PodCreating"]
@@ -177,14 +181,24 @@ def test_disruption_budget_is_checked_at_most_every_minute(sandbox: dict[str, An
     kube, events = FakeKube(sandbox), list[Event]()
     clock = [1000.0]
     monkeypatch.setattr(driver.time, "monotonic", lambda: clock[0])
-    run(kube, events)
-    run(kube, events)
+    run(kube, events, BUDGET)
+    run(kube, events, BUDGET)
     assert [c for c in kube.calls if "pdb" in c] == ["ensure pdb minimal"]
     clock[0] += driver.PDB_RECHECK_SECONDS
-    run(kube, events)
+    run(kube, events, BUDGET)
     assert [c for c in kube.calls if "pdb" in c] == ["ensure pdb minimal"] * 2
     kube.sandbox["spec"]["checkpoint"] = {"onPreemption": False}
-    run(kube, events)  # the wish changed: acted on at once
+    run(kube, events, BUDGET)  # the wish changed: acted on at once
+    assert kube.calls[-1] == "delete pdb minimal" and kube.pdbs == {}
+
+
+def test_by_default_no_budget_is_made_and_an_old_one_is_deleted(sandbox: dict[str, Any]
+                                                               ) -> None:
+    kube, events = FakeKube(sandbox), list[Event]()
+    run(kube, events, BUDGET)
+    assert kube.pdbs  # made by an operator with the opt-in (or before the hold existed)
+    driver._pdb_seen.clear()  # a restarted operator, now without the opt-in
+    run(kube, events)
     assert kube.calls[-1] == "delete pdb minimal" and kube.pdbs == {}
 
 
@@ -221,3 +235,14 @@ def test_checkpoint_of_an_existing_sandbox_is_left_to_the_node_agent(
     assert driver.reconcile_checkpoint(kube, OperatorSettings(), request,  # type: ignore[arg-type]
                                        lambda _o, _e: None, now=lambda: NOW) is not None
     assert not any("status" in c for c in kube.calls)
+
+
+def test_the_operator_deletes_pods_with_a_short_grace_period(sandbox: dict[str, Any]) -> None:
+    # It deletes a pod only when its tree has nothing left to save (docs/protocol.md
+    # "Evictions").
+    kube, events = FakeKube(sandbox), list[Event]()
+    run(kube, events)
+    kube.sandbox["spec"]["suspend"] = True
+    run(kube, events)
+    assert pod_calls(kube)[-1] == "delete minimal-1"
+    assert kube.graces == [podspec.TERMINATION_GRACE_SECONDS]

@@ -22,6 +22,11 @@ PLACEMENT_EXEMPT = dataclasses.replace(
     SETTINGS, pod_policy=PodPolicySettings(allow=frozenset({"placement"})))
 
 
+# Every pod (with the hold on) is marked held, and may be evicted by the cluster autoscaler
+# despite its emptyDirs.
+SAFE = {protocol.ANNOTATION_SAFE_TO_EVICT: "true", protocol.ANNOTATION_HOLD: "true"}
+
+
 def sample(name: str) -> dict[str, Any]:
     obj: dict[str, Any] = yaml.safe_load((SAMPLES / name).read_text())
     obj["metadata"].update(namespace="team-a", uid="uid-1234", generation=1)
@@ -35,7 +40,7 @@ def test_minimal_sample_runs_under_hermit_init() -> None:
     assert meta["name"] == "minimal-1" and meta["namespace"] == "team-a"
     assert meta["labels"] == {protocol.LABEL_SANDBOX: "minimal", protocol.LABEL_INCARNATION: "1",
                               protocol.LABEL_CAPACITY: "spot"}
-    assert meta["annotations"] == {protocol.ANNOTATION_WORKSPACE_PATH: "/workspace"}
+    assert meta["annotations"] == {protocol.ANNOTATION_WORKSPACE_PATH: "/workspace", **SAFE}
     assert meta["ownerReferences"] == [{
         "apiVersion": "hermit.dev/v1alpha1", "kind": "AgentSandbox", "name": "minimal",
         "uid": "uid-1234", "controller": True, "blockOwnerDeletion": True}]
@@ -54,7 +59,9 @@ def test_minimal_sample_runs_under_hermit_init() -> None:
                                         "emptyDir": {"sizeLimit": "1Gi"}}
     assert "emptyDir" in vols["hermit-init"]
     assert spec["restartPolicy"] == "Never"
-    assert spec["terminationGracePeriodSeconds"] == 10
+    # Long enough for an evicted pod's Eviction checkpoint (its preStop hook waits for it).
+    assert spec["terminationGracePeriodSeconds"] == 120
+    assert main["lifecycle"] == {"preStop": {"sleep": {"seconds": 120}}}
     assert "nodeSelector" not in spec
     assert spec["affinity"] == {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
         "nodeSelectorTerms": [
@@ -86,7 +93,8 @@ def test_restore_mode_waits_for_the_restored_tree_and_annotates() -> None:
     pod = build_sandbox_pod(sample("agentsandbox-minimal.yaml"), SETTINGS, 3, "minimal-ckpt-7")
     assert pod["metadata"]["name"] == "minimal-3"
     assert pod["metadata"]["annotations"] == {protocol.ANNOTATION_RESTORE_FROM: "minimal-ckpt-7",
-                                              protocol.ANNOTATION_WORKSPACE_PATH: "/workspace"}
+                                              protocol.ANNOTATION_WORKSPACE_PATH: "/workspace",
+                                              **SAFE}
     assert pod["spec"]["containers"][0]["command"] == [
         "/.hermit/hermit-init", "--restore", "--restore-timeout", "300", "--",
         "python", "-m", "http.server", "8000"]
@@ -100,7 +108,7 @@ def test_full_sample_keeps_user_metadata_workspace_and_placement() -> None:
     meta, spec = pod["metadata"], pod["spec"]
     assert meta["labels"]["team"] == "research"
     assert meta["annotations"] == {"example.com/owner": "alice",
-                                   protocol.ANNOTATION_WORKSPACE_PATH: "/workspace"}
+                                   protocol.ANNOTATION_WORKSPACE_PATH: "/workspace", **SAFE}
     assert spec["terminationGracePeriodSeconds"] == 30  # the user's choice wins
     assert spec["containers"][0]["env"] == [{"name": "MODEL", "value": "small"}]
     vols = {v["name"]: v for v in spec["volumes"]}
@@ -351,7 +359,8 @@ def test_workspace_path_annotation_follows_the_mount_path_and_protocol_keys_are_
         protocol.ANNOTATION_RESTORE_FROM: "forged", protocol.ANNOTATION_RESTORE_PHASE: "Restored",
         protocol.ANNOTATION_RESTORE_MESSAGE: "x", "keep": "me"}}
     fresh = build_sandbox_pod(sb, SETTINGS, 1, None)["metadata"]["annotations"]
-    assert fresh == {protocol.ANNOTATION_WORKSPACE_PATH: "/home/agent/work", "keep": "me"}
+    assert fresh == {protocol.ANNOTATION_WORKSPACE_PATH: "/home/agent/work", "keep": "me",
+                     **SAFE}
     restore = build_sandbox_pod(sb, SETTINGS, 2, "c-1")["metadata"]["annotations"]
     assert restore[protocol.ANNOTATION_RESTORE_FROM] == "c-1"
     assert protocol.ANNOTATION_RESTORE_PHASE not in restore
@@ -401,7 +410,7 @@ def test_protocol_annotations_of_the_node_agent_are_never_copied_from_the_templa
     sb["spec"]["podTemplate"]["metadata"] = {"annotations": {
         protocol.ANNOTATION_RESTORE_RETRYABLE: "false", protocol.ANNOTATION_ON_PREEMPTION: "false"}}
     annotations = build_sandbox_pod(sb, SETTINGS, 1, None)["metadata"]["annotations"]
-    assert annotations == {protocol.ANNOTATION_WORKSPACE_PATH: "/workspace"}
+    assert annotations == {protocol.ANNOTATION_WORKSPACE_PATH: "/workspace", **SAFE}
 
 
 def test_on_preemption_false_marks_the_pod_and_drops_the_budget() -> None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -205,7 +206,8 @@ def test_fork_restores_spec_restore_from_on_the_first_incarnation() -> None:
     assert p.create_pod is not None
     assert p.create_pod["metadata"]["annotations"] == {
         protocol.ANNOTATION_RESTORE_FROM: "other-manual-1",
-        protocol.ANNOTATION_WORKSPACE_PATH: "/workspace"}
+        protocol.ANNOTATION_WORKSPACE_PATH: "/workspace",
+        protocol.ANNOTATION_SAFE_TO_EVICT: "true", protocol.ANNOTATION_HOLD: "true"}
     assert p.status_patch["phase"] == "Restoring"
     assert p.status_patch["restoredFrom"] == {
         "name": "other-manual-1", "reason": "Manual", "checkpointTime": "2026-01-01T11:00:00Z",
@@ -316,14 +318,16 @@ def test_pod_readiness_falls_back_to_container_statuses() -> None:
 
 
 def test_every_plan_keeps_the_disruption_budget_unless_preemption_is_off() -> None:
-    p = plan(sandbox(), None, NOW, settings=SETTINGS)
+    # With the opt-in (HERMIT_DISRUPTION_BUDGET): evictions are refused, as before the hold.
+    budget = dataclasses.replace(SETTINGS, disruption_budget=True)
+    p = plan(sandbox(), None, NOW, settings=budget)
     assert p.pdb is not None and p.pdb["metadata"]["name"] == "minimal" and p.delete_pdb is None
     off = sandbox(checkpoint={"onPreemption": False})
-    q = plan(off, None, NOW, settings=SETTINGS)
+    q = plan(off, None, NOW, settings=budget)
     assert q.pdb is None and q.delete_pdb == "minimal"
     assert q.create_pod is not None
     assert q.create_pod["metadata"]["annotations"][protocol.ANNOTATION_ON_PREEMPTION] == "false"
     invalid = sandbox()
     del invalid["spec"]["podTemplate"]["spec"]["containers"][0]["command"]
-    r = plan(invalid, None, NOW, settings=SETTINGS)
+    r = plan(invalid, None, NOW, settings=budget)
     assert r.pdb is None and r.delete_pdb is None  # nothing is touched for an invalid spec
