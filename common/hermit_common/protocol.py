@@ -100,6 +100,11 @@ ANNOTATION_RESTORE_MESSAGE: Final = f"{GROUP}/restore-message"
 ANNOTATION_RESTORE_RETRYABLE: Final = f"{GROUP}/restore-retryable"
 # Nodes, set by the node-agent with a cordon: this node is going away.
 TAINT_INTERRUPTION: Final = f"{GROUP}/interruption"
+# Nodes, set by the node-agent once it is ready (and never removed by it): sandbox pods
+# require it (HERMIT_REQUIRE_READY_NODE_AGENT), so no sandbox lands on a node whose
+# node-agent never came up (a new node without Hermit, a Windows or virtual node).
+LABEL_NODE_AGENT: Final = f"{GROUP}/node-agent"
+NODE_AGENT_READY: Final = "ready"
 
 # -- what a node-agent may write (the chart's node-agent-policy.yaml holds it to this) ---
 # The only pod annotations a node-agent writes: a restore's outcome.

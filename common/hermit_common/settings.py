@@ -545,6 +545,9 @@ class OperatorSettings:
     # Opt-in: also give each sandbox a PodDisruptionBudget (maxUnavailable 0) that refuses
     # evictions, as before the hold existed; autoscalers then never empty its node.
     disruption_budget: bool = False
+    # Sandbox pods require a node whose node-agent is ready (its protocol.LABEL_NODE_AGENT
+    # label) in every required node selector term; False: any node the placement allows.
+    require_ready_node_agent: bool = True
 
     @property
     def clusterwide(self) -> bool:
@@ -579,6 +582,7 @@ class OperatorSettings:
             termination_grace_seconds=env.integer(
                 "HERMIT_TERMINATION_GRACE_SECONDS", 120, minimum=1, maximum=3600),
             disruption_budget=env.flag("HERMIT_DISRUPTION_BUDGET", False),
+            require_ready_node_agent=env.flag("HERMIT_REQUIRE_READY_NODE_AGENT", True),
             **_leader_settings(env),
         )
 

@@ -443,6 +443,26 @@ class NodeAgent:
                     self._advised = None
         return made
 
+    def _mark_ready(self, node: KubeObject | None) -> None:
+        """Once this agent is ready (its /readyz), label its node with it
+        (protocol.LABEL_NODE_AGENT): sandbox pods require the label. Written only while it
+        is missing; an API error is logged and the next loop tries again. Never removed:
+        a sandbox already on the node stays where it is when this agent stops being
+        ready (docs/real-clusters.md, "Which nodes")."""
+        if node is None or self._health is None or not self._health.readiness().ok:
+            return
+        patch = planner.node_ready_patch(node)
+        if patch is None:
+            return
+        try:
+            self._kube.patch_node(patch)
+        except KubeError as exc:
+            log.warning("cannot label node %s %s=%s yet: %s", self.node,
+                        protocol.LABEL_NODE_AGENT, protocol.NODE_AGENT_READY, exc)
+            return
+        log.info("node %s labelled %s=%s", self.node, protocol.LABEL_NODE_AGENT,
+                 protocol.NODE_AGENT_READY)
+
     # -- the termination hold (docs/protocol.md, "Evictions") ---------------------------
 
     def _held_now(self) -> frozenset[str]:
@@ -498,6 +518,7 @@ class NodeAgent:
         self._hold(pods)
         self._settle_restores(pods)
         made = [*self._drain(node, pods, checkpoints), *self._early(pods, checkpoints)]
+        self._mark_ready(node)
         if checkpoints is not None:
             self._forget_finished(checkpoints, pods)
             checkpoints = [*checkpoints, *made]

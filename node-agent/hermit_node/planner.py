@@ -317,6 +317,16 @@ def node_taint_patch(node: Mapping[str, Any], kind: str) -> KubeObject | None:
     }
 
 
+def node_ready_patch(node: Mapping[str, Any]) -> KubeObject | None:
+    """The merge patch that labels ``node`` with this node-agent's readiness
+    (protocol.LABEL_NODE_AGENT: NODE_AGENT_READY); None when it already is. A merge patch
+    of one label leaves the node's other labels as they are."""
+    labels = protocol.meta(node).get("labels") or {}
+    if labels.get(protocol.LABEL_NODE_AGENT) == protocol.NODE_AGENT_READY:
+        return None
+    return {"metadata": {"labels": {protocol.LABEL_NODE_AGENT: protocol.NODE_AGENT_READY}}}
+
+
 # -- checkpoint requests ----------------------------------------------------------------
 
 def checkpoints_to_serve(checkpoints: Iterable[Mapping[str, Any]],

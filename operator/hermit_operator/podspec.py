@@ -151,6 +151,8 @@ def build_sandbox_pod(sandbox: KubeObject, settings: OperatorSettings, incarnati
     pod_spec["restartPolicy"] = "Never"
     pod_spec.setdefault("hostname", meta["name"])
     _apply_placement(pod_spec, spec, on_demand=capacity == api.CAPACITY_ON_DEMAND)
+    if settings.require_ready_node_agent:
+        _require_ready_node_agent(pod_spec)
     pod_spec = podpolicy.secure_defaults(pod_spec, settings.pod_policy)
 
     pod_meta = _pod_metadata(sandbox, incarnation, labels, annotations)
@@ -407,6 +409,30 @@ def _and_terms(user: KubeObject, spot_terms: list[KubeObject]) -> list[KubeObjec
              "matchExpressions": [*copy.deepcopy(user.get("matchExpressions") or []),
                                   *spot["matchExpressions"]]}
             for spot in spot_terms]
+
+
+READY_NODE_AGENT: KubeObject = {
+    "key": protocol.LABEL_NODE_AGENT, "operator": "In", "values": [protocol.NODE_AGENT_READY]}
+
+
+def _require_ready_node_agent(pod_spec: KubeObject) -> None:
+    """Only a node whose node-agent is ready (it labels its node): READY_NODE_AGENT is added
+    to every required nodeSelectorTerm, as terms are ORed (an empty term, which matches no
+    node, stays as it is), or is the only term when there is none. A node without Hermit
+    (new, Windows, virtual) then never gets a sandbox it could not save."""
+    affinity = pod_spec.get("affinity") or {}
+    node_affinity = affinity.get("nodeAffinity") or {}
+    required = node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}
+    terms = [
+        term if READY_NODE_AGENT in (term.get("matchExpressions") or [])
+        or not (term.get("matchExpressions") or term.get("matchFields"))
+        else {**term, "matchExpressions": [*(term.get("matchExpressions") or []),
+                                           copy.deepcopy(READY_NODE_AGENT)]}
+        for term in required.get("nodeSelectorTerms") or []]
+    pod_spec["affinity"] = {**affinity, "nodeAffinity": {
+        **node_affinity, "requiredDuringSchedulingIgnoredDuringExecution": {
+            **required, "nodeSelectorTerms": terms or [
+                {"matchExpressions": [copy.deepcopy(READY_NODE_AGENT)]}]}}}
 
 
 def _apply_placement(pod_spec: KubeObject, spec: KubeObject, *, on_demand: bool) -> None:

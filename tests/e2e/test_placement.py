@@ -12,6 +12,7 @@ from functools import partial
 from typing import Any
 
 import pytest
+from kubernetes import client
 
 from hermit_common import api, protocol
 from tests.e2e import sandboxes as sb
@@ -200,3 +201,95 @@ def test_without_spare_spot_capacity_it_falls_back_to_on_demand_then_returns_to_
             if kube.node(node) is not None:
                 _cordon(kube, node, False)
 
+
+
+# -- only nodes with a ready node-agent (docs/real-clusters.md#which-nodes) ---------------
+
+# A label the node-agent DaemonSet's default affinity excludes (a virtual node): putting it
+# on a node takes its node-agent away through the chart's own rule, with the API alone.
+VIRTUAL = ("type", "virtual-kubelet")
+
+
+def _agent_labelled(kube: Kube, node: str) -> bool:
+    return labels_of(kube.node(node) or {}).get(
+        protocol.LABEL_NODE_AGENT) == protocol.NODE_AGENT_READY
+
+
+def _sandbox_pod(kube: Kube, ns: str, name: str) -> Obj | None:
+    items: list[Obj] = Kube._json(kube.api.list_namespaced_pod(
+        ns, label_selector=f"{protocol.LABEL_SANDBOX}={name}", _preload_content=False))["items"]
+    return items[0] if items else None
+
+
+def _unschedulable(pod: Obj | None) -> Obj | None:
+    """The pod's PodScheduled=False (Unschedulable) condition: the scheduler tried it on
+    every node and none fits."""
+    for c in ((pod or {}).get("status") or {}).get("conditions") or []:
+        if c["type"] == "PodScheduled" and c["status"] == "False" \
+                and c.get("reason") == "Unschedulable":
+            return dict(c)
+    return None
+
+
+def _no_agent(kube: Kube, release_ns: str, node: str) -> bool:
+    pods = kube.api.list_namespaced_pod(
+        release_ns, field_selector=f"spec.nodeName={node}",
+        label_selector="app.kubernetes.io/component=node-agent")
+    return not pods.items
+
+
+def test_a_sandbox_never_lands_on_a_node_without_a_ready_node_agent(
+    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
+) -> None:
+    """The DaemonSet requires Linux amd64 (not virtual) nodes; every node with a ready
+    node-agent is labelled hermit.dev/node-agent=ready. A spot node whose node-agent is
+    taken away (labelled as a virtual node) and whose label is removed gets no sandbox:
+    one pinned to it stays unschedulable. With the node-agent back, the label returns and
+    that sandbox runs there."""
+    apps = client.AppsV1Api(kube.api.api_client)
+    [ds] = [d for d in Kube._json(apps.list_namespaced_daemon_set(
+        hermit_release, _preload_content=False))["items"]
+        if d["metadata"]["name"].endswith("node-agent")]
+    [term] = ds["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    required = {e["key"]: (e["operator"], e["values"]) for e in term["matchExpressions"]}
+    assert required["kubernetes.io/os"] == ("In", ["linux"])
+    assert required["kubernetes.io/arch"] == ("In", ["amd64"])
+    assert required[VIRTUAL[0]] == ("NotIn", [VIRTUAL[1]])
+
+    sb.ensure_spot_nodes(kube, e2e_config, 1)
+    nodes = [name_of(n) for n in ready_nodes(kube)]
+    for node in nodes:  # each node-agent labels its node once it is ready
+        sb.wait_agent_ready(kube, hermit_release, node)
+        wait_until(f"{node} labelled {protocol.LABEL_NODE_AGENT}=ready", 60,
+                   partial(_agent_labelled, kube, node))
+    node = sb.ready_spot_nodes(kube)[-1]
+    saved = labels_of(kube.node(node) or {}).get(VIRTUAL[0])
+    name = "pinned-no-agent"
+    try:
+        _label(kube, node, {VIRTUAL[0]: VIRTUAL[1]})
+        wait_until(f"no node-agent pod on {node}", 120,
+                   partial(_no_agent, kube, hermit_release, node))
+        _label(kube, node, {protocol.LABEL_NODE_AGENT: None})
+        assert not _agent_labelled(kube, node)
+        sb.create_sandbox(namespace, name, _sleeper(e2e_config.sandbox_image, node))
+        refused = wait_until(f"{name}'s pod unschedulable", 120, lambda: _unschedulable(
+            _sandbox_pod(kube, namespace, name)))
+        pod = _sandbox_pod(kube, namespace, name) or {}
+        assert not pod["spec"].get("nodeName"), pod["spec"].get("nodeName")
+        terms = pod["spec"]["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        ready = {"key": protocol.LABEL_NODE_AGENT, "operator": "In",
+                 "values": [protocol.NODE_AGENT_READY]}
+        assert terms and all(ready in t["matchExpressions"] for t in terms), terms
+        print(f"{node} without a node-agent or its label: {name}'s pod unschedulable: "
+              f"{refused.get('message')}")
+        assert not _agent_labelled(kube, node)  # nothing put it back meanwhile
+        assert _no_agent(kube, hermit_release, node)
+    finally:
+        _label(kube, node, {VIRTUAL[0]: saved})
+    sb.wait_agent_ready(kube, hermit_release, node)
+    wait_until(f"{node} labelled again by its node-agent", 60,
+               partial(_agent_labelled, kube, node))
+    s = wait_until(f"{name} Running on {node}", 120, partial(_placed_on, namespace, name, node))
+    print(f"node-agent back on {node}: labelled again, {name} Running there ({s['podName']})")

@@ -214,10 +214,15 @@ def test_a_node_agent_token_changes_only_the_interruption_taint_and_cordon_of_it
     print(f"\nnode-agent of {mine}:")
     assert agent.attempt(agent.core.patch_node, mine, _cordon(kube, mine)) is None
     assert agent.attempt(agent.core.patch_node, mine, {"spec": {"unschedulable": True}}) is None
+    # Its readiness label, that value only (the agent has set it already: a no-op here).
+    ready = {protocol.LABEL_NODE_AGENT: protocol.NODE_AGENT_READY}
+    assert agent.attempt(agent.core.patch_node, mine, {"metadata": {"labels": ready}}) is None
     for label in ("node-role.kubernetes.io/control-plane", "node-restriction.kubernetes.io/x",
-                  "hermit.dev/e2e"):
+                  "hermit.dev/e2e", protocol.LABEL_NODE_AGENT):
         _refused(agent.attempt(agent.core.patch_node, mine,
                                {"metadata": {"labels": {label: "x"}}}), "never its labels")
+    _refused(agent.attempt(agent.core.patch_node, mine, {"metadata": {"labels": {
+        protocol.LABEL_NODE_AGENT: None}}}), "never its labels")
     _refused(agent.attempt(agent.core.patch_node, mine,
                            {"metadata": {"annotations": {"hermit.dev/e2e": "x"}}}),
              "never its labels, annotations")
@@ -233,11 +238,13 @@ def test_a_node_agent_token_changes_only_the_interruption_taint_and_cordon_of_it
                  "never another taint or spec field")
     attack.record("node-agent token on its own Node",
                   tried="label it node-role.kubernetes.io/control-plane and "
-                        "node-restriction.kubernetes.io/x, annotate it, add a taint, add the "
-                        "interruption taint as NoExecute, remove its taints",
+                        "node-restriction.kubernetes.io/x, set hermit.dev/node-agent to "
+                        "another value than ready or remove it, annotate it, add a taint, "
+                        "add the interruption taint as NoExecute, remove its taints",
                   outcome=REFUSED,
                   evidence="all refused (node-scope policy); only the interruption taint "
-                           "(NoSchedule) and spec.unschedulable admitted")
+                           "(NoSchedule), spec.unschedulable and hermit.dev/node-agent=ready "
+                           "admitted")
 
 
 @pytest.mark.attack

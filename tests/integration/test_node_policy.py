@@ -200,6 +200,22 @@ def test_a_node_agent_changes_only_the_interruption_taint_and_cordon_of_its_node
                     "node-restriction.kubernetes.io/x", "zone")],
         ("annotation", "never its labels, annotations", agent.attempt(
             patch, "node-a", {"metadata": {"annotations": {"x": "y"}}}, _content_type=MERGE)),
+        # Its readiness label (planner.node_ready_patch): that value only, its own node only.
+        ("ready label", None, agent.attempt(
+            patch, "node-a", {"metadata": {"labels": {
+                protocol.LABEL_NODE_AGENT: protocol.NODE_AGENT_READY}}}, _content_type=MERGE)),
+        ("ready label, another value", "never its labels", agent.attempt(
+            patch, "node-a", {"metadata": {"labels": {protocol.LABEL_NODE_AGENT: "x"}}},
+            _content_type=MERGE)),
+        ("ready label and another label", "never its labels", agent.attempt(
+            patch, "node-a", {"metadata": {"labels": {
+                protocol.LABEL_NODE_AGENT: protocol.NODE_AGENT_READY, "zone": "z2"}}},
+            _content_type=MERGE)),
+        ("a label removed", "never its labels", agent.attempt(
+            patch, "node-a", {"metadata": {"labels": {"zone": None}}}, _content_type=MERGE)),
+        ("ready label on another node", "only its own node (node-a)", agent.attempt(
+            patch, "node-b", {"metadata": {"labels": {
+                protocol.LABEL_NODE_AGENT: protocol.NODE_AGENT_READY}}}, _content_type=MERGE)),
         ("owner", "owners or finalizers", agent.attempt(patch, "node-a", {"metadata": {
             "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": "node-b",
                                  "uid": "u"}]}}, _content_type=MERGE)),
@@ -223,6 +239,32 @@ def test_a_node_agent_changes_only_the_interruption_taint_and_cordon_of_its_node
             Caller(agent.plane, AGENT).core.patch_node, "node-a",
             {"spec": {"unschedulable": True}}, _content_type=MERGE)),
     ])
+
+
+def test_a_node_agent_never_removes_its_ready_label_but_taints_a_node_labelled_otherwise(
+        agent: Caller, plane: ControlPlane) -> None:
+    """The label once there (the agent never removes it); a value someone else set (here
+    an admin's) neither blocks the agent's taint and cordon nor may the agent change it
+    but to ready."""
+    admin = client.CoreV1Api(Caller(plane, None).client)
+    patch = agent.core.patch_node
+    try:
+        for value in (protocol.NODE_AGENT_READY, "drained"):
+            admin.patch_node("node-a", {"metadata": {"labels": {
+                protocol.LABEL_NODE_AGENT: value}}})
+            _check([
+                (f"{value}: removed", "never its labels", agent.attempt(
+                    patch, "node-a", {"metadata": {"labels": {protocol.LABEL_NODE_AGENT: None}}},
+                    _content_type=MERGE)),
+                (f"{value}: cordon", None, agent.attempt(
+                    patch, "node-a", {"spec": {"unschedulable": True}}, _content_type=MERGE)),
+                (f"{value}: set to ready", None, agent.attempt(
+                    patch, "node-a", {"metadata": {"labels": {
+                        protocol.LABEL_NODE_AGENT: protocol.NODE_AGENT_READY}}},
+                    _content_type=MERGE)),
+            ])
+    finally:
+        admin.patch_node("node-a", {"metadata": {"labels": {protocol.LABEL_NODE_AGENT: None}}})
 
 
 def test_a_node_agent_writes_only_the_restore_annotations_of_pods_on_its_node(

@@ -128,6 +128,8 @@ class FakeKube:
         self.events: list[tuple[str, str, str]] = []
         self.fail_lists = 0
         self.claims: list[tuple[str, str | None]] = []  # (name, resourceVersion precondition)
+        self.node_patches: list[dict[str, Any]] = []
+        self.fail_node_patches = 0
 
     def list_node_pods(self) -> list[dict[str, Any]]:
         if self.fail_lists:
@@ -187,7 +189,14 @@ class FakeKube:
         self.annotations.append((name, ann))
 
     def patch_node(self, patch: dict[str, Any]) -> None:
-        self.node["spec"].update(patch["spec"])
+        self.node_patches.append(patch)
+        if self.fail_node_patches:
+            self.fail_node_patches -= 1
+            raise KubeError("patching node node-a failed: HTTP 503")
+        self.node["spec"].update(patch.get("spec") or {})
+        labels = (patch.get("metadata") or {}).get("labels") or {}
+        if labels:
+            self.node["metadata"].setdefault("labels", {}).update(labels)
 
     def checkpoint_event(self, c: dict[str, Any], kind: str, reason: str, msg: str) -> None:
         self.events.append((c["metadata"]["name"], kind, reason))

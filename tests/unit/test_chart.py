@@ -576,6 +576,14 @@ def test_the_node_agent_runs_on_linux_nodes_of_the_built_architectures_only() ->
     assert term == {"matchExpressions": [{"key": "pool", "operator": "Exists"}]}
 
 
+def test_sandbox_pods_require_a_ready_node_agent_unless_turned_off() -> None:
+    assert _operator_env()["HERMIT_REQUIRE_READY_NODE_AGENT"] == "true"
+    assert _operator_env("sandboxes.requireReadyNodeAgent=false")[
+        "HERMIT_REQUIRE_READY_NODE_AGENT"] == "false"
+    with pytest.raises(subprocess.CalledProcessError):
+        _render("sandboxes.requireReadyNodeAgent=maybe")
+
+
 def test_the_chart_renders_no_key_so_every_render_is_the_same() -> None:
     """GitOps: `helm template` (Argo CD, Flux) must not make a new sealing key or CA on
     each sync. The chart renders no Secret; the hook Job creates the missing ones."""

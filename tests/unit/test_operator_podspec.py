@@ -14,8 +14,12 @@ from hermit_operator import podspec
 from hermit_operator.podspec import InvalidSpec, build_sandbox_pod
 
 SAMPLES = Path(__file__).resolve().parents[2] / "crds" / "samples"
+# The placement tests judge Hermit's spot terms alone: the ready node-agent requirement
+# (on by default) is added to each term afterwards, tested on its own (READY, below).
 SETTINGS = OperatorSettings(init_image="registry.example/hermit:1.0",
-                            init_path="/usr/local/bin/hermit-init")
+                            init_path="/usr/local/bin/hermit-init",
+                            require_ready_node_agent=False)
+READY = dataclasses.replace(SETTINGS, require_ready_node_agent=True)
 # A template's own nodeSelector switches the spot requirement off: the pod policy refuses
 # it unless the admin grants the placement exemption (tests/unit/test_podpolicy.py).
 PLACEMENT_EXEMPT = dataclasses.replace(
@@ -519,3 +523,116 @@ def test_fallback_after_seconds(value: Any, after: int | None) -> None:
     if value is not None:
         sb["spec"]["placement"] = {"fallbackToOnDemandAfterSeconds": value}
     assert podspec.fallback_after_seconds(sb) == after
+
+
+# -- only nodes with a ready node-agent (protocol.LABEL_NODE_AGENT) --------------------------
+
+READY_EXPR = {"key": protocol.LABEL_NODE_AGENT, "operator": "In",
+              "values": [protocol.NODE_AGENT_READY]}
+AGENT_READY = {protocol.LABEL_NODE_AGENT: protocol.NODE_AGENT_READY}
+
+
+def with_ready(terms: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The terms the pod gets with the requirement on: each non-empty one with READY_EXPR
+    appended, or READY_EXPR alone when there is none."""
+    if not terms:
+        return [{"matchExpressions": [READY_EXPR]}]
+    return [t if not t.get("matchExpressions") else
+            {**t, "matchExpressions": [*t["matchExpressions"], READY_EXPR]} for t in terms]
+
+
+def both(sb: dict[str, Any], **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The pod spec without and with the requirement (the same sandbox)."""
+    off = build_sandbox_pod(copy.deepcopy(sb), SETTINGS, 1, None, **kwargs)["spec"]
+    on = build_sandbox_pod(copy.deepcopy(sb), READY, 1, None, **kwargs)["spec"]
+    return off, on
+
+
+def test_the_ready_node_agent_label_is_required_by_default() -> None:
+    assert OperatorSettings().require_ready_node_agent
+    assert OperatorSettings.from_env({}).require_ready_node_agent
+    assert not OperatorSettings.from_env(
+        {"HERMIT_REQUIRE_READY_NODE_AGENT": "false"}).require_ready_node_agent
+    assert podspec.READY_NODE_AGENT == READY_EXPR
+
+
+def test_a_sandbox_without_node_affinity_gets_one_term_for_the_ready_node_agent() -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    sb["spec"]["placement"] = {"spot": False}
+    off, on = both(sb)
+    assert required_terms(off) is None
+    assert required_terms(on) == [{"matchExpressions": [READY_EXPR]}]
+    assert schedules_on(on, {"kubernetes.io/hostname": "n1", **AGENT_READY})
+    assert not schedules_on(on, {"kubernetes.io/hostname": "n1"})
+    assert not schedules_on(on, {protocol.LABEL_NODE_AGENT: "x"})
+
+
+def test_every_spot_term_requires_the_ready_node_agent() -> None:
+    off, on = both(sample("agentsandbox-minimal.yaml"))
+    assert required_terms(off) == spot_terms()
+    assert required_terms(on) == with_ready(spot_terms())
+    for convention, labels in SPOT_NODES.items():
+        assert schedules_on(on, {**labels, **AGENT_READY}), convention
+        assert not schedules_on(on, labels), convention
+    for kind, labels in ON_DEMAND_NODES.items():
+        assert not schedules_on(on, {**labels, **AGENT_READY}), kind
+
+
+def test_every_on_demand_fallback_term_requires_the_ready_node_agent() -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    sb["spec"]["placement"] = {"fallbackToOnDemandAfterSeconds": 60}
+    off, on = both(sb, on_demand=True)
+    terms = required_terms(off)
+    assert terms is not None and len(terms) == 1
+    assert required_terms(on) == with_ready(terms)
+    for kind, labels in ON_DEMAND_NODES.items():
+        assert schedules_on(on, {**labels, **AGENT_READY}), kind
+        assert not schedules_on(on, labels), kind
+
+
+def test_each_of_the_users_required_terms_requires_the_ready_node_agent() -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    zone_a = {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["a"]}
+    gpu = {"key": "pool", "operator": "In", "values": ["gpu"]}
+    preferred = [{"weight": 1, "preference": {"matchExpressions": [gpu]}}]
+    sb["spec"]["podTemplate"]["spec"]["affinity"] = {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{}, {"matchExpressions": [zone_a]},
+                                  {"matchExpressions": [gpu]}]},
+        "preferredDuringSchedulingIgnoredDuringExecution": preferred}}
+    before = copy.deepcopy(sb)
+    for spot in (True, False):
+        sb["spec"]["placement"] = {"spot": spot}
+        off, on = both(sb)
+        assert sb["spec"]["podTemplate"] == before["spec"]["podTemplate"]
+        terms = required_terms(off)
+        assert terms is not None and len(terms) == (
+            1 + 2 * len(podspec.SPOT_NODE_LABELS) if spot else 3)
+        assert required_terms(on) == with_ready(terms)
+        assert required_terms(on)[0] == {}  # still matches no node
+        assert on["affinity"]["nodeAffinity"][
+            "preferredDuringSchedulingIgnoredDuringExecution"] == preferred
+        spot_node = SPOT_NODES["eks"] if spot else {}
+        for user in ({"topology.kubernetes.io/zone": "a"}, {"pool": "gpu"}):
+            assert schedules_on(on, {**user, **spot_node, **AGENT_READY}), (spot, user)
+            assert not schedules_on(on, {**user, **spot_node}), (spot, user)
+
+
+def test_a_template_node_selector_still_gets_the_ready_node_agent_term() -> None:
+    sb = sample("agentsandbox-minimal.yaml")
+    sb["spec"]["podTemplate"]["spec"]["nodeSelector"] = {"pool": "gpu"}
+    ready = dataclasses.replace(PLACEMENT_EXEMPT, require_ready_node_agent=True)
+    on = build_sandbox_pod(sb, ready, 1, None)["spec"]
+    assert on["nodeSelector"] == {"pool": "gpu"}
+    assert required_terms(on) == [{"matchExpressions": [READY_EXPR]}]
+    assert schedules_on(on, {"pool": "gpu", **AGENT_READY})
+    assert not schedules_on(on, {"pool": "gpu"})
+
+
+def test_with_the_setting_off_no_term_names_the_node_agent() -> None:
+    for name in ("agentsandbox-minimal.yaml", "agentsandbox-full.yaml"):
+        for spot in (True, False):
+            sb = sample(name)
+            sb["spec"]["placement"] = {**(sb["spec"].get("placement") or {}), "spot": spot}
+            off = build_sandbox_pod(sb, SETTINGS, 1, None)["spec"]
+            assert protocol.LABEL_NODE_AGENT not in repr(off.get("affinity")), (name, spot)

@@ -1,0 +1,79 @@
+"""The node-agent labels its node once it is ready (protocol.LABEL_NODE_AGENT), which
+sandbox pods require (issue 19, point 5): written only while missing, tried again on later
+loops after an API error, never a reason for the agent to fail."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hermit_common import protocol
+from hermit_common.health import Heartbeats, Verdict
+from hermit_node import planner
+from hermit_node.agent import NodeAgent
+from tests.support.node_agent import NODE, NOW, FakeEngine, FakeKube, fake_proc
+
+READY = {"metadata": {"labels": {protocol.LABEL_NODE_AGENT: protocol.NODE_AGENT_READY}}}
+
+
+class Health:
+    """The agent's health as the loop reads it: heartbeats and a readiness verdict."""
+
+    def __init__(self) -> None:
+        self.beats = Heartbeats()
+        self.ready = False
+
+    def readiness(self) -> Verdict:
+        return Verdict(self.ready, "test")
+
+
+def _agent(tmp_path: Path, kube: FakeKube, health: Health | None) -> NodeAgent:
+    engine = FakeEngine()
+    return NodeAgent(NODE, kube, engine, engine,  # type: ignore[arg-type]
+                     view=kube, proc_root=fake_proc(tmp_path), clock=lambda: NOW,
+                     health=health)  # type: ignore[arg-type]
+
+
+def test_the_patch_sets_only_the_label_and_none_when_it_is_there() -> None:
+    assert planner.node_ready_patch({"metadata": {"labels": {"zone": "a"}}}) == READY
+    assert planner.node_ready_patch({"metadata": {}}) == READY
+    assert planner.node_ready_patch({"metadata": {"labels": {
+        protocol.LABEL_NODE_AGENT: "other"}}}) == READY
+    assert planner.node_ready_patch({"metadata": {"labels": {
+        protocol.LABEL_NODE_AGENT: protocol.NODE_AGENT_READY, "zone": "a"}}}) is None
+
+
+def test_the_node_is_labelled_once_the_agent_is_ready_and_only_once(tmp_path: Path) -> None:
+    kube = FakeKube([], [])
+    health = Health()
+    agent = _agent(tmp_path, kube, health)
+    agent.reconcile_once()
+    assert kube.node_patches == []  # not ready yet: no label
+    health.ready = True
+    agent.reconcile_once()
+    assert kube.node_patches == [READY]
+    assert kube.node["metadata"]["labels"] == READY["metadata"]["labels"]
+    agent.reconcile_once()
+    health.ready = False  # not ready any more: the label stays, nothing is written
+    agent.reconcile_once()
+    assert kube.node_patches == [READY]
+    assert kube.node["metadata"]["labels"] == READY["metadata"]["labels"]
+
+
+def test_an_api_error_is_tried_again_on_the_next_loop(tmp_path: Path) -> None:
+    kube = FakeKube([], [])
+    kube.fail_node_patches = 2
+    health = Health()
+    health.ready = True
+    agent = _agent(tmp_path, kube, health)
+    agent.reconcile_once()  # does not raise
+    agent.reconcile_once()
+    assert "labels" not in kube.node["metadata"]
+    agent.reconcile_once()
+    assert kube.node_patches == [READY, READY, READY]
+    assert kube.node["metadata"]["labels"] == READY["metadata"]["labels"]
+
+
+def test_without_a_health_recorder_nothing_is_labelled(tmp_path: Path) -> None:
+    kube = FakeKube([], [])
+    _agent(tmp_path, kube, None).reconcile_once()
+    assert kube.node_patches == []
