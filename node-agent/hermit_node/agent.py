@@ -695,29 +695,32 @@ class NodeAgent:
             if sp.restore_phase != protocol.RESTORING:
                 self._left_restoring.pop(sp.uid)
                 continue
-            left = self._restore_left(sp)
+            pid, left = self._restore_left(sp)
             action = planner.cut_short_restore(left, lazy=self._restorer.lazy,
                                                waited=time.monotonic() - since)
             if action is None:
                 continue  # its CRIU is still at work: the next loop looks again
             self._left_restoring.pop(sp.uid)
-            self._finish_cut_short(sp, left, action)
+            self._finish_cut_short(sp, pid, left, action)
         present = {sp.uid for sp in pods}
         for uid in [u for u in self._left_restoring if u not in present]:
             self._left_restoring.pop(uid)
 
-    def _restore_left(self, sp: SandboxPod) -> str:
+    def _restore_left(self, sp: SandboxPod) -> tuple[int | None, str]:
+        """The host pid of the init of a pod left Restoring (None: not found) and what its
+        restore left there (``freezer.restore_left``)."""
         if self._trees is None or sp.container_id is None:
-            return freezer.NOTHING_RESTORED
+            return None, freezer.NOTHING_RESTORED
         try:
             pid = locate.find_init_pid(sp.container_id, self._proc_root)
-            return self._trees.restore_left(pid)
+            return pid, self._trees.restore_left(pid)
         except (HermitError, OSError) as exc:
             log.warning("cannot tell what the restore of pod %s/%s left: %s", sp.namespace,
                         sp.pod, exc)
-            return freezer.NOTHING_RESTORED
+            return None, freezer.NOTHING_RESTORED
 
-    def _finish_cut_short(self, sp: SandboxPod, left: str, action: str) -> None:
+    def _finish_cut_short(self, sp: SandboxPod, pid: int | None, left: str,
+                          action: str) -> None:
         if action == planner.ADOPT:
             log.warning("pod %s/%s: its restore finished after the node-agent restarted; "
                         "its tree runs: adopted", sp.namespace, sp.pod)
@@ -725,9 +728,9 @@ class NodeAgent:
                 protocol.RESTORED, f"restored from Checkpoint {sp.restore_from} (the "
                 "node-agent restarted after CRIU restored the tree; adopted)"))
             return
-        if action == planner.END and self._trees is not None and sp.container_id:
+        if action == planner.END and self._trees is not None and pid:
             try:
-                ended = self._trees.end(locate.find_init_pid(sp.container_id, self._proc_root))
+                ended = self._trees.end(pid)
                 log.warning("pod %s/%s: ended %d process(es) of a restore cut short (%s)",
                             sp.namespace, sp.pod, ended, left)
             except (HermitError, OSError) as exc:

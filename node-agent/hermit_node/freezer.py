@@ -83,11 +83,16 @@ def _procs(cgroup: Path) -> list[int]:
     return pids
 
 
+def container_cgroup(init_pid: int, cgroup_root: Path = DEFAULT_CGROUP_ROOT) -> Path | None:
+    """The cgroup whose freezer controls the container of ``init_pid``."""
+    return freezer_cgroup(process_cgroups(init_pid, cgroup_root), cgroup_root)
+
+
 def settle(init_pid: int, *, kill: bool, cgroup_root: Path = DEFAULT_CGROUP_ROOT) -> bool:
     """After a restart of the node-agent: thaw the container of ``init_pid`` if an earlier
     run left it frozen, first ending its tree (``end_frozen``) when ``kill``. True when it
     was frozen."""
-    cgroup = freezer_cgroup(process_cgroups(init_pid, cgroup_root), cgroup_root)
+    cgroup = container_cgroup(init_pid, cgroup_root)
     if cgroup is None or not is_frozen(cgroup):
         return False
     if kill:
@@ -146,7 +151,7 @@ def restore_left(init_pid: int, *, cgroup_root: Path = DEFAULT_CGROUP_ROOT,
     """Where a restore into the container of ``init_pid`` stands, read from its processes:
     the restore worker and CRIU join the container's cgroups but are not below its init;
     the tree CRIU restores is reparented to the init once the worker exits."""
-    cgroup = freezer_cgroup(process_cgroups(init_pid, cgroup_root), cgroup_root)
+    cgroup = container_cgroup(init_pid, cgroup_root)
     procs = set(_procs(cgroup)) if cgroup is not None else set()
     tree = descendants(init_pid, proc_root)
     if procs - tree - {init_pid}:
@@ -158,7 +163,7 @@ def end_container(init_pid: int, *, cgroup_root: Path = DEFAULT_CGROUP_ROOT) -> 
     """Ends every process of the container of ``init_pid`` (its init included), frozen
     first so none runs on; how many were sent SIGKILL. When it does not freeze (a task in
     an uninterruptible sleep) they are ended unfrozen."""
-    cgroup = freezer_cgroup(process_cgroups(init_pid, cgroup_root), cgroup_root)
+    cgroup = container_cgroup(init_pid, cgroup_root)
     if cgroup is None:
         os.kill(init_pid, signal.SIGKILL)
         return 1

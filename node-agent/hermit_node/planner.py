@@ -802,15 +802,6 @@ def holds(sp: SandboxPod) -> bool:
     return sp.hold and held_tree(sp)
 
 
-def hold_verdict(sp: SandboxPod, sandbox: Mapping[str, Any] | None) -> str | None:
-    """For a pod being deleted under the termination hold (``holds``): None when it needs a
-    stopping checkpoint (``hold_requests`` asks for an Eviction one unless one of its
-    incarnation is in flight or done), else why not. Only who may delete or evict a pod can
-    set its deletionTimestamp, and the checkpoint is what its deletion calls for anyway.
-    ``sandbox``: the pod's AgentSandbox as read (None: gone)."""
-    return _nothing_to_save(sp, sandbox)
-
-
 def _stop_of(ckpt: Mapping[str, Any], sp: SandboxPod) -> bool:
     """A stopping checkpoint of ``sp``'s incarnation (any stopping reason)."""
     return (str(protocol.meta(ckpt).get("namespace") or "default") == sp.namespace
@@ -819,8 +810,12 @@ def _stop_of(ckpt: Mapping[str, Any], sp: SandboxPod) -> bool:
             and protocol.is_stopping(protocol.reason_of(ckpt)))
 
 
-def _nothing_to_save(sp: SandboxPod, sandbox: Mapping[str, Any] | None) -> str | None:
-    """Why a pod being deleted needs no checkpoint, or None when it does."""
+def hold_verdict(sp: SandboxPod, sandbox: Mapping[str, Any] | None) -> str | None:
+    """For a pod being deleted under the termination hold (``holds``): None when it needs a
+    stopping checkpoint (``hold_requests`` asks for an Eviction one unless one of its
+    incarnation is in flight or done), else why not. Only who may delete or evict a pod can
+    set its deletionTimestamp, and the checkpoint is what its deletion calls for anyway.
+    ``sandbox``: the pod's AgentSandbox as read (None: gone)."""
     if sandbox is None or str(protocol.meta(sandbox).get("uid") or "") != sp.sandbox_uid:
         return f"its AgentSandbox {sp.sandbox} is gone: nothing to save"
     if protocol.meta(sandbox).get("deletionTimestamp"):

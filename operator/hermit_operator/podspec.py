@@ -423,16 +423,19 @@ def _require_ready_node_agent(pod_spec: KubeObject) -> None:
     affinity = pod_spec.get("affinity") or {}
     node_affinity = affinity.get("nodeAffinity") or {}
     required = node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}
-    terms = [
-        term if READY_NODE_AGENT in (term.get("matchExpressions") or [])
-        or not (term.get("matchExpressions") or term.get("matchFields"))
-        else {**term, "matchExpressions": [*(term.get("matchExpressions") or []),
-                                           copy.deepcopy(READY_NODE_AGENT)]}
-        for term in required.get("nodeSelectorTerms") or []]
+    terms = [_with_ready_node_agent(term) for term in required.get("nodeSelectorTerms") or []]
     pod_spec["affinity"] = {**affinity, "nodeAffinity": {
         **node_affinity, "requiredDuringSchedulingIgnoredDuringExecution": {
             **required, "nodeSelectorTerms": terms or [
                 {"matchExpressions": [copy.deepcopy(READY_NODE_AGENT)]}]}}}
+
+
+def _with_ready_node_agent(term: KubeObject) -> KubeObject:
+    """``term`` ANDed with READY_NODE_AGENT (as it is when empty or already has it)."""
+    expressions = term.get("matchExpressions") or []
+    if READY_NODE_AGENT in expressions or not (expressions or term.get("matchFields")):
+        return term
+    return {**term, "matchExpressions": [*expressions, copy.deepcopy(READY_NODE_AGENT)]}
 
 
 def _apply_placement(pod_spec: KubeObject, spec: KubeObject, *, on_demand: bool) -> None:

@@ -123,13 +123,14 @@ def test_a_tree_an_earlier_run_left_frozen_is_settled(cgroup: Path, tmp_path: Pa
         assert _size(ticks) == frozen_size, "a process of the settled tree ran again"
 
 
-def test_what_a_restore_cut_short_left_is_read_from_real_processes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cgroup", ["v1"], indirect=True)
+def test_what_a_restore_cut_short_left_is_read_from_real_processes(
+        cgroup: Path, tmp_path: Path) -> None:
     """``restore_left`` on a real container-like cgroup (v1 freezer: the cluster's v1
     nodes; a hybrid host's v2 processes sit in the v1 root freezer, so the v2 flavour runs
     on the cluster's v2 nodes): an init alone is nothing restored; a process of the cgroup
     outside the init's subtree is CRIU still at work; a child of the init is the restored
     tree; ``end_container`` ends them all."""
-    cgroup = _new_cgroup("v1")
     fifo = tmp_path / "go"
     os.mkfifo(fifo)
     # The init blocks in a builtin read (no child) until told, then starts its "tree".
@@ -157,19 +158,7 @@ def test_what_a_restore_cut_short_left_is_read_from_real_processes(tmp_path: Pat
                    lambda: not (cgroup / "cgroup.procs").read_text().split(), every=0.02)
         assert not freezer.is_frozen(cgroup)
     finally:
-        for proc in (init, worker):
+        for proc in (init, worker):  # the fixture ends the cgroup's processes; reap ours
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        for pid in (cgroup / "cgroup.procs").read_text().split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-        wait_until(f"{cgroup} removed", 10, lambda: _rmdir(cgroup), every=0.05)
-
-
-def _rmdir(path: Path) -> bool:
-    try:
-        path.rmdir()
-        return True
-    except OSError:
-        return False
