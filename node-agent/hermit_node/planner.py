@@ -49,6 +49,9 @@ class SandboxPod:
     # The operator's preStop hook holds its termination (annotation hermit.dev/termination-
     # hold): while it is being deleted, it is saved first.
     hold: bool = False
+    # Deleted with a grace period of 0 (a force delete): the API removes the object at once
+    # and the kubelet kills the tree; no preStop hook runs, so nothing holds it.
+    forced: bool = False
 
     @property
     def key(self) -> tuple[str, str]:
@@ -103,6 +106,7 @@ def sandbox_pod(pod: Mapping[str, Any]) -> SandboxPod | None:
         terminating=bool(meta.get("deletionTimestamp")),
         container_live=container_live,
         hold=annotations.get(protocol.ANNOTATION_HOLD) == "true",
+        forced=bool(meta.get("deletionTimestamp")) and meta.get("deletionGracePeriodSeconds") == 0,
     )
 
 
@@ -130,8 +134,10 @@ def sandbox_pods(pods: Iterable[Mapping[str, Any]], node: str) -> list[SandboxPo
 
 def held_tree(sp: SandboxPod) -> bool:
     """A pod being deleted whose tree still runs (its preStop hook holds its termination):
-    it may still be saved by a stopping checkpoint."""
-    return (sp.terminating and sp.container_live
+    it may still be saved by a stopping checkpoint. Not a force-deleted one: the API shows
+    it with its deletionTimestamp for an instant before it removes it, and a request made
+    then would wait for a pod that no node-agent serves."""
+    return (sp.terminating and sp.container_live and not sp.forced
             and (sp.restore_from is None or sp.restore_phase == protocol.RESTORED))
 
 

@@ -122,8 +122,12 @@ def untaint(kube: Kube, node: str, key: str) -> None:
         for t in current.spec.taints or [] if t.key != key] or None}})
 
 
+NAMESPACE_TERMINATING = "NamespaceTerminating"
+
+
 def evict(kube: Kube, pod: Any, grace: int | None) -> int:
-    """One call of the Eviction API: its HTTP status (201 accepted, 429 refused)."""
+    """One call of the Eviction API: its HTTP status (201 accepted, 429 refused, 403 when
+    the pod's namespace is being deleted: its deletion removes the pod soon)."""
     body = client.V1Eviction(
         metadata=client.V1ObjectMeta(name=pod.metadata.name, namespace=pod.metadata.namespace),
         delete_options=None if grace is None else client.V1DeleteOptions(
@@ -136,12 +140,15 @@ def evict(kube: Kube, pod: Any, grace: int | None) -> int:
             return 404  # gone meanwhile: what both autoscalers count as done
         if exc.status == 429:
             return 429
+        if exc.status == 403 and NAMESPACE_TERMINATING in (exc.body or ""):
+            return 403  # an earlier test's namespace, going: retried until the pod is gone
         raise
 
 
 def evict_like(kube: Kube, node: str, autoscaler: str) -> dict[str, list[int]]:
-    """Every pod on ``node`` but DaemonSets' evicted as the autoscaler does it, 429s retried
-    as it retries them; the answers, per pod."""
+    """Every pod on ``node`` but DaemonSets' evicted as the autoscaler does it, 429s (and
+    403s of a namespace being deleted) retried as it retries failed evictions; the answers,
+    per pod."""
     answers: dict[str, list[int]] = {}
     # Pods being deleted already (an earlier test's, its namespace going) are going anyway.
     pods = [p for p in _pods_on(kube, node) if not _daemonset_pod(p)
@@ -158,7 +165,7 @@ def evict_like(kube: Kube, node: str, autoscaler: str) -> dict[str, list[int]]:
         while True:
             status = evict(kube, pod, grace)
             answers.setdefault(name, []).append(status)
-            if status != 429 or time.monotonic() > deadline:
+            if status not in (429, 403) or time.monotonic() > deadline:
                 break
             # Karpenter's queue backs off exponentially; the CA retries every 10 s.
             time.sleep(CA_EVICTION_RETRY if autoscaler == "cluster-autoscaler" else backoff)

@@ -170,7 +170,7 @@ WHEN = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 def agent_pod(name: str = "box-2", *, deleting: bool = True, live: bool = True,
               hold: bool = True, restore_from: str | None = None,
               restore_phase: str | None = None, on_preemption: bool = True,
-              uid: str = "pod-uid") -> planner.SandboxPod:
+              uid: str = "pod-uid", grace: int = 90) -> planner.SandboxPod:
     annotations: dict[str, str] = {}
     if hold:
         annotations[protocol.ANNOTATION_HOLD] = "true"
@@ -185,7 +185,7 @@ def agent_pod(name: str = "box-2", *, deleting: bool = True, live: bool = True,
         "labels": {protocol.LABEL_SANDBOX: "box", protocol.LABEL_INCARNATION: "2"},
         "ownerReferences": [{"kind": api.SANDBOX_KIND, "uid": SB_UID, "name": "box"}]}
     if deleting:
-        meta.update(deletionTimestamp="2026-01-01T11:59:59Z", deletionGracePeriodSeconds=90)
+        meta.update(deletionTimestamp="2026-01-01T11:59:59Z", deletionGracePeriodSeconds=grace)
     state = ({"running": {"startedAt": "2026-01-01T11:00:00Z"}} if live
              else {"terminated": {"exitCode": 0}})
     sp = planner.sandbox_pod({
@@ -217,6 +217,18 @@ def test_only_a_held_pod_being_deleted_with_its_tree_running_is_held() -> None:
     assert not planner.holds(agent_pod(live=False))  # its tree ended (a move's delete)
     assert not planner.holds(agent_pod(restore_from="box-1-evict"))  # waits for a restore
     assert planner.holds(agent_pod(restore_from="box-1-evict", restore_phase="Restored"))
+
+
+def test_a_force_deleted_pod_is_not_held_and_gets_no_request() -> None:
+    """A delete with a grace period of 0 shows the pod with its deletionTimestamp for an
+    instant before the API removes it (no preStop hook runs): a request made then was
+    never served, and the sandbox waited 300 s for it (CI, the fault suite)."""
+    sp = agent_pod(grace=0)
+    assert sp.terminating and sp.forced and sp.container_live and sp.hold
+    assert not planner.holds(sp) and not planner.held_tree(sp)
+    assert planner.hold_requests([sp], {sp.uid}, []) == []
+    assert planner.current_pods([sp], {sp.uid}) == {}
+    assert not agent_pod(grace=1).forced and planner.holds(agent_pod(grace=1))
 
 
 def test_a_held_pod_needs_its_checkpoint_unless_there_is_nothing_to_save() -> None:
