@@ -658,7 +658,11 @@ def test_values_platform_teams_expect() -> None:
     assert len(monitors) == 2
     for m in monitors:
         [ep] = m["spec"]["endpoints"]
-        assert ep["relabelings"] == [{"targetLabel": "cluster", "replacement": "prod"}]
+        # The node-agent's targets also get their node's name (the dashboard's node variable).
+        node = ([{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}]
+                if m["metadata"]["labels"]["app.kubernetes.io/component"] == "node-agent"
+                else [])
+        assert ep["relabelings"] == [*node, {"targetLabel": "cluster", "replacement": "prod"}]
         assert ep["metricRelabelings"] == [
             {"action": "drop", "sourceLabels": ["__name__"], "regex": "go_.*"}]
     # Defaults: no registry, tags, the chart's own pod security context.

@@ -42,19 +42,47 @@ def test_every_panel_queries_known_metrics() -> None:
             unknown = {n for n in names if _metric(n) not in metrics.ALL}
             assert unknown == set(), f"panel {panel['title']!r}: {unknown}"
             queried |= {_metric(n) for n in names}
-    # Downtime, restores, checkpoint phases and bytes, notices and failures are all shown.
+    # Downtime, restores, checkpoint phases and bytes, notices and failures are all shown;
+    # so are turns, upload bandwidth, the chunk cache and lost work (issue 21, point 7).
     assert {metrics.OPERATOR_DOWNTIME, metrics.NODE_RESTORE_SECONDS,
             metrics.NODE_CHECKPOINT_SECONDS, metrics.NODE_CHECKPOINT_BYTES,
-            metrics.NODE_NOTICES, metrics.OPERATOR_RECONCILES} <= queried
+            metrics.NODE_NOTICES, metrics.OPERATOR_RECONCILES, metrics.NODE_TURNS,
+            metrics.NODE_UPLOAD_WAIT_SECONDS, metrics.NODE_UPLOADS_ACTIVE,
+            metrics.NODE_PREFETCH_BYTES, metrics.NODE_CHUNK_CACHE_HITS,
+            metrics.NODE_CHUNK_CACHE_MISSES, metrics.OPERATOR_WORK_LOST,
+            metrics.OPERATOR_SANDBOXES, metrics.NODE_NOTICE_MARGIN} <= queried
 
 
 def test_panels_are_unique_and_use_the_datasource_variable() -> None:
     doc = json.loads(DASHBOARD.read_text())
     ids = [p["id"] for p in doc["panels"]]
     assert len(ids) == len(set(ids))
-    assert [v["name"] for v in doc["templating"]["list"]] == ["datasource"]
+    assert [v["name"] for v in doc["templating"]["list"]] == ["datasource", "namespace", "node"]
     for panel in _panels():
         assert panel["datasource"]["uid"] == "${datasource}"
+
+
+def test_namespace_and_node_variables_filter_every_query() -> None:
+    """namespace (where Hermit runs: the scrape's label) applies to every series; node (the
+    ServiceMonitor's relabeling of the node-agent's targets) to the node-agent's."""
+    doc = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in doc["templating"]["list"]}
+    for name in ("namespace", "node"):
+        v = variables[name]
+        assert v["type"] == "query" and v["datasource"]["uid"] == "${datasource}"
+        assert v["query"]["query"].startswith("label_values(")
+        assert v["query"]["query"].endswith(f", {name})")
+        # "All" must also match series without the label (a Prometheus without the
+        # chart's ServiceMonitor has no node label).
+        assert v["includeAll"] and v["allValue"] == ".*"
+    assert "$namespace" in variables["node"]["query"]["query"]
+    for panel in _panels():
+        for target in panel["targets"]:
+            selectors = re.findall(r"\b(hermit_[a-z_]+)(\{[^}]*\})?", target["expr"])
+            for name, labels in selectors:
+                assert 'namespace=~"$namespace"' in labels, (panel["title"], name)
+                node = 'node=~"$node"' in labels
+                assert node == name.startswith("hermit_node_"), (panel["title"], name)
 
 
 def test_the_code_defines_every_listed_metric() -> None:
