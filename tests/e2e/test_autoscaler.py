@@ -146,31 +146,34 @@ def evict(kube: Kube, pod: Any, grace: int | None) -> int:
 
 
 def evict_like(kube: Kube, node: str, autoscaler: str) -> dict[str, list[int]]:
-    """Every pod on ``node`` but DaemonSets' evicted as the autoscaler does it, 429s (and
-    403s of a namespace being deleted) retried as it retries failed evictions; the answers,
-    per pod."""
+    """Every pod on ``node`` but DaemonSets' evicted as the autoscaler does it: all at once
+    (both evict a node's pods in parallel), then 429s (and 403s of a namespace being
+    deleted) retried as they retry failed evictions; the answers, per pod."""
     answers: dict[str, list[int]] = {}
     # Pods being deleted already (an earlier test's, its namespace going) are going anyway.
-    pods = [p for p in _pods_on(kube, node) if not _daemonset_pod(p)
-            and p.status.phase not in ("Succeeded", "Failed")
-            and p.metadata.deletion_timestamp is None]
+    pending = [p for p in _pods_on(kube, node) if not _daemonset_pod(p)
+               and p.status.phase not in ("Succeeded", "Failed")
+               and p.metadata.deletion_timestamp is None]
     deadline = time.monotonic() + CA_MAX_POD_EVICTION
-    for pod in pods:
-        name = f"{pod.metadata.namespace}/{pod.metadata.name}"
-        grace = None
-        if autoscaler == "cluster-autoscaler":
-            grace = min(pod.spec.termination_grace_period_seconds or 30,
-                        CA_MAX_GRACEFUL_TERMINATION)
-        backoff = 1.0
-        while True:
+    backoff = 1.0
+    while True:
+        refused = []
+        for pod in pending:
+            grace = None
+            if autoscaler == "cluster-autoscaler":
+                grace = min(pod.spec.termination_grace_period_seconds or 30,
+                            CA_MAX_GRACEFUL_TERMINATION)
             status = evict(kube, pod, grace)
-            answers.setdefault(name, []).append(status)
-            if status not in (429, 403) or time.monotonic() > deadline:
-                break
-            # Karpenter's queue backs off exponentially; the CA retries every 10 s.
-            time.sleep(CA_EVICTION_RETRY if autoscaler == "cluster-autoscaler" else backoff)
-            backoff = min(backoff * 2, 10.0)
-    return answers
+            answers.setdefault(f"{pod.metadata.namespace}/{pod.metadata.name}",
+                               []).append(status)
+            if status in (429, 403):
+                refused.append(pod)
+        pending = refused
+        if not pending or time.monotonic() > deadline:
+            return answers
+        # Karpenter's queue backs off exponentially; the CA retries every 10 s.
+        time.sleep(CA_EVICTION_RETRY if autoscaler == "cluster-autoscaler" else backoff)
+        backoff = min(backoff * 2, 10.0)
 
 
 def only_daemonsets_left(kube: Kube, node: str) -> Callable[[], list[str] | None]:
