@@ -9,6 +9,7 @@ look later (a timed decision: an interval checkpoint, a restore retry, ...) ends
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from hermit_operator.kube import Kube, KubeTransient
 from hermit_operator.podspec import InvalidSpec
 from hermit_operator.reconcile import Event, Plan, plan, rejected_status
 from hermit_operator.resync import Inputs, fingerprint_of
+
+log = logging.getLogger("hermit.operator")
 
 Poster = Callable[[KubeObject, Event], None]
 
@@ -113,6 +116,8 @@ def reconcile_sandbox(kube: Kube, settings: OperatorSettings, namespace: str, na
     try:
         with _lock(namespace, name):
             sandbox = kube.get_sandbox(namespace, name)
+            if sandbox is None or (sandbox.get("metadata") or {}).get("deletionTimestamp"):
+                _cut_holds(kube, namespace, name, sandbox)
             if sandbox is None:
                 result = "ok"
                 return None
@@ -145,6 +150,18 @@ def reconcile_sandbox(kube: Kube, settings: OperatorSettings, namespace: str, na
     finally:
         metrics.RECONCILES.labels(result=result).inc()
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+
+
+def _cut_holds(kube: Kube, namespace: str, name: str, sandbox: KubeObject | None) -> None:
+    """The AgentSandbox is gone or going: its pods being deleted have nothing to save, so
+    their termination holds end now (podspec.hold_to_cut) instead of after their grace
+    period. Their pod events bring the sandbox's name here."""
+    for pod in kube.list_sandbox_pods(namespace, name):
+        if podspec.hold_to_cut(pod, sandbox):
+            meta = pod["metadata"]
+            log.info("pod %s/%s: its AgentSandbox %s is gone or being deleted; nothing to "
+                     "save: removing it now", namespace, meta["name"], name)
+            kube.delete_pod(namespace, meta["name"], 0, uid=meta.get("uid"))
 
 
 def reconcile_checkpoint(kube: Kube, settings: OperatorSettings, ckpt: KubeObject, post: Poster,

@@ -66,6 +66,13 @@ class Kube(KubeApi):
                          label_selector=protocol.LABEL_SANDBOX)
         return [self._dict(p) for p in out.items or []]
 
+    def list_sandbox_pods(self, namespace: str, sandbox: str) -> list[KubeObject]:
+        """The pods labelled as ``sandbox``'s (``hermit.dev/sandbox``) in ``namespace``."""
+        out = self._call(f"listing the pods of sandbox {namespace}/{sandbox}",
+                         self._core.list_namespaced_pod, namespace,
+                         label_selector=f"{protocol.LABEL_SANDBOX}={sandbox}")
+        return [self._dict(p) for p in out.items or []]
+
     def create_pod(self, manifest: KubeObject) -> KubeObject:
         """Create the pod; when it already exists and belongs to the same owner, return it.
         InvalidSpec when the API rejects it (400, 422) or one of that name is not ours."""
@@ -90,12 +97,16 @@ class Kube(KubeApi):
                               "this sandbox; delete it or rename the sandbox")
         return existing
 
-    def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> None:
+    def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None,
+                   uid: str | None = None) -> None:
         """Delete the pod (``grace_seconds``: its grace period instead of the pod's own; 0
-        removes the object at once, whatever the kubelet still does)."""
-        with contextlib.suppress(KubeNotFound):
+        removes the object at once, whatever the kubelet still does). ``uid``: only that
+        pod, not another of the same name made since (a conflict is then nothing to do)."""
+        body = None if uid is None else client.V1DeleteOptions(
+            preconditions=client.V1Preconditions(uid=uid))
+        with contextlib.suppress(KubeNotFound, KubeConflict):
             self._call(f"deleting pod {namespace}/{name}", self._core.delete_namespaced_pod,
-                       name, namespace, grace_period_seconds=grace_seconds)
+                       name, namespace, grace_period_seconds=grace_seconds, body=body)
 
     # -- AgentSandboxes -------------------------------------------------------------
 

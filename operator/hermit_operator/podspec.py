@@ -215,6 +215,26 @@ def holds_termination(pod: KubeObject | None) -> bool:
     return annotations.get(protocol.ANNOTATION_HOLD) == "true"
 
 
+def hold_to_cut(pod: KubeObject, sandbox: KubeObject | None) -> bool:
+    """Whether ``pod``'s termination hold has nothing left to wait for: the pod is being
+    deleted with a grace period (its preStop sleep holds it), carries the hold, and the
+    AgentSandbox that owns it is gone (``sandbox``: the one of that name as read now, None
+    when there is none) or being deleted. Its tree has nothing to save, so the operator
+    removes the object (grace 0) rather than leave it sleeping out its grace period."""
+    meta = pod.get("metadata") or {}
+    if not meta.get("deletionTimestamp") or not holds_termination(pod):
+        return False
+    if meta.get("deletionGracePeriodSeconds") == 0:
+        return False  # going at once already
+    owners = {o.get("uid") for o in meta.get("ownerReferences") or []
+              if o.get("controller") and o.get("kind") == api.SANDBOX_KIND}
+    if sandbox is None:
+        return bool(owners)
+    sandbox_meta = sandbox.get("metadata") or {}
+    return (sandbox_meta.get("uid") not in owners
+            or bool(sandbox_meta.get("deletionTimestamp")))
+
+
 def wants_disruption_budget(sandbox: KubeObject, settings: OperatorSettings,
                             pod: KubeObject | None) -> bool:
     """Whether the sandbox gets a blocking PodDisruptionBudget: never when it saves nothing

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
+from hermit_common import protocol
 from hermit_common.settings import OperatorSettings
 from hermit_operator import driver
 from hermit_operator.reconcile import Event
@@ -66,7 +67,13 @@ class FakeKube:
         self.calls.append(f"create {name}")
         return self.pods.setdefault(name, copy.deepcopy(manifest))
 
-    def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> None:
+    def list_sandbox_pods(self, namespace: str, sandbox: str) -> list[dict[str, Any]]:
+        return [copy.deepcopy(p) for p in self.pods.values()
+                if ((p.get("metadata") or {}).get("labels") or {}).get(
+                    protocol.LABEL_SANDBOX) == sandbox]
+
+    def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None,
+                   uid: str | None = None) -> None:
         self.calls.append(f"delete {name}")
         self.graces.append(grace_seconds)
         self.pods.pop(name, None)
