@@ -38,7 +38,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from hermit_common import protocol
+from hermit_common import api, protocol
 from tests.e2e import sandboxes as sb
 from tests.e2e.conftest import RELEASE_NS, E2EConfig, Kube, wait_until
 
@@ -272,3 +272,24 @@ def _evict_and_follow(kube: Kube, cfg: E2EConfig, namespace: str, name: str,
             f"{durable} s after the eviction began; old pod gone and {node} left with "
             f"{left or 'its pods'} after {emptied} s; sandbox running on {after.node} "
             f"({after.pod}) from tick {last + 1}")
+
+
+def test_deleting_an_agentsandbox_ends_its_held_pod_at_once(
+    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
+) -> None:
+    """A deleted AgentSandbox's pod has nothing left to save: the operator removes it at
+    once instead of leaving its preStop sleep to hold it for its whole grace period (which
+    kept an earlier test's pod on a node the next test emptied)."""
+    name, where = sb.start_on_spot(kube, e2e_config, hermit_release, namespace)
+    pod = kube.api.read_namespaced_pod(where.pod, namespace)
+    annotations = pod.metadata.annotations or {}
+    assert annotations.get(protocol.ANNOTATION_HOLD) == "true", annotations
+    grace = pod.spec.termination_grace_period_seconds or 0
+    assert grace >= 60, f"the hold's grace period is {grace}s"
+    sb.custom().delete_namespaced_custom_object(  # as kubectl does: background propagation
+        api.GROUP, api.VERSION, namespace, api.SANDBOX_PLURAL, name)
+    deleted = time.monotonic()
+    wait_until(f"pod {where.pod} gone", grace / 2,
+               lambda: kube.pod(namespace, where.pod) is None, 0.2)
+    gone = sb.since(deleted)
+    print(f"sandbox deleted: its held pod gone after {gone} s (grace period {grace} s)")
