@@ -104,7 +104,7 @@ def owner_sandbox(pod: KubeObject) -> str | None:
 def reconcile_sandbox(kube: Kube, settings: OperatorSettings, namespace: str, name: str,
                       post: Poster, now: Callable[[], datetime] | None = None,
                       inputs: Inputs | None = None) -> Plan | None:
-    """Reconcile one sandbox; None when it no longer exists.
+    """Reconcile one sandbox; None when it no longer exists or is being deleted.
 
     Raises InvalidSpec after recording it in the status, KubeTransient for retries, and
     Requeue (after applying the plan) when the plan asks to be looked at again later.
@@ -117,8 +117,9 @@ def reconcile_sandbox(kube: Kube, settings: OperatorSettings, namespace: str, na
         with _lock(namespace, name):
             sandbox = kube.get_sandbox(namespace, name)
             if sandbox is None or (sandbox.get("metadata") or {}).get("deletionTimestamp"):
+                # Gone or going (a foreground delete, a finalizer): its pods go with it, so
+                # it gets no new one; those held have nothing to save.
                 _cut_holds(kube, namespace, name, sandbox)
-            if sandbox is None:
                 result = "ok"
                 return None
             pod_name = (sandbox.get("status") or {}).get("podName")

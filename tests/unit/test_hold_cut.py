@@ -63,9 +63,18 @@ def test_a_sandbox_being_deleted_has_its_held_pods_removed(sandbox: dict[str, An
     sandbox["metadata"]["deletionTimestamp"] = "2026-01-01T12:00:00Z"
     kube = FakeKube(sandbox)
     kube.pods = {"minimal-1": pod()}
-    run(kube, [])
-    assert "delete minimal-1" in kube.calls
-    assert kube.graces[kube.calls.index("delete minimal-1")] == 0
+    assert run(kube, []) is None
+    assert kube.calls == ["delete minimal-1"] and kube.graces == [0]
+
+
+def test_a_sandbox_being_deleted_gets_no_new_pod(sandbox: dict[str, Any]) -> None:
+    """Under a foreground delete the AgentSandbox stays until its pods are gone: a pod
+    created for it then would be deleted by the garbage collector, and made again."""
+    sandbox["metadata"]["deletionTimestamp"] = "2026-01-01T12:00:00Z"
+    sandbox["status"] = {"incarnation": 1, "podName": "minimal-1"}
+    kube = FakeKube(sandbox)
+    assert run(kube, []) is None
+    assert kube.calls == [] and kube.pods == {}
 
 
 def test_a_live_sandboxs_held_pod_is_left_to_the_node_agent(sandbox: dict[str, Any]) -> None:
