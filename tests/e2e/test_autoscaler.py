@@ -274,22 +274,44 @@ def _evict_and_follow(kube: Kube, cfg: E2EConfig, namespace: str, name: str,
             f"({after.pod}) from tick {last + 1}")
 
 
+@pytest.mark.parametrize("propagation", ["Background", "Foreground"])
 def test_deleting_an_agentsandbox_ends_its_held_pod_at_once(
-    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
+    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig, propagation: str,
 ) -> None:
     """A deleted AgentSandbox's pod has nothing left to save: the operator removes it at
     once instead of leaving its preStop sleep to hold it for its whole grace period (which
-    kept an earlier test's pod on a node the next test emptied)."""
+    kept an earlier test's pod on a node the next test emptied). Under a foreground delete
+    the AgentSandbox waits for its pods, and gets no new one meanwhile."""
     name, where = sb.start_on_spot(kube, e2e_config, hermit_release, namespace)
     pod = kube.api.read_namespaced_pod(where.pod, namespace)
     annotations = pod.metadata.annotations or {}
     assert annotations.get(protocol.ANNOTATION_HOLD) == "true", annotations
     grace = pod.spec.termination_grace_period_seconds or 0
     assert grace >= 60, f"the hold's grace period is {grace}s"
-    sb.custom().delete_namespaced_custom_object(  # as kubectl does: background propagation
-        api.GROUP, api.VERSION, namespace, api.SANDBOX_PLURAL, name)
+    sb.custom().delete_namespaced_custom_object(
+        api.GROUP, api.VERSION, namespace, api.SANDBOX_PLURAL, name,
+        body=client.V1DeleteOptions(propagation_policy=propagation))
     deleted = time.monotonic()
-    wait_until(f"pod {where.pod} gone", grace / 2,
-               lambda: kube.pod(namespace, where.pod) is None, 0.2)
+
+    def sandbox_gone() -> bool:
+        try:
+            sb.sandbox(namespace, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return True
+            raise
+        return False
+
+    def all_gone() -> bool | None:
+        pods = kube.api.list_namespaced_pod(
+            namespace, label_selector=f"{protocol.LABEL_SANDBOX}={name}").items
+        return (not pods and sandbox_gone()) or None
+
+    wait_until(f"AgentSandbox {name} and its pods gone", grace / 2, all_gone, 0.2)
     gone = sb.since(deleted)
-    print(f"sandbox deleted: its held pod gone after {gone} s (grace period {grace} s)")
+    created = [e for e in sb.events(kube, namespace, name)
+               if e["reason"] in (api.REASON_POD_CREATING, api.REASON_POD_LOST)
+               and where.pod not in (e["message"] or "")]
+    assert not created, f"a pod was created for the sandbox being deleted: {created}"
+    print(f"{propagation} delete: the sandbox and its held pod gone after {gone} s "
+          f"(grace period {grace} s)")
