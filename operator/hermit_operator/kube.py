@@ -102,8 +102,9 @@ class Kube(KubeApi):
         """Delete the pod (``grace_seconds``: its grace period instead of the pod's own; 0
         removes the object at once, whatever the kubelet still does). ``uid``: only that
         pod, not another of the same name made since (a conflict is then nothing to do)."""
+        # With a body the API server reads the options from it alone, not the query.
         body = None if uid is None else client.V1DeleteOptions(
-            preconditions=client.V1Preconditions(uid=uid))
+            grace_period_seconds=grace_seconds, preconditions=client.V1Preconditions(uid=uid))
         with contextlib.suppress(KubeNotFound, KubeConflict):
             self._call(f"deleting pod {namespace}/{name}", self._core.delete_namespaced_pod,
                        name, namespace, grace_period_seconds=grace_seconds, body=body)
