@@ -6,10 +6,12 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import jsonschema
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,3 +49,18 @@ def errors(values: Values) -> list[str]:
 def find_helm() -> str | None:
     cached = Path(os.environ.get("HERMIT_CACHE", Path.home() / ".cache" / "hermit")) / "bin"
     return shutil.which("helm") or shutil.which("helm", path=str(cached))
+
+
+def render(*sets: str) -> list[dict[str, Any]]:
+    """The chart's documents as `helm template` renders them with a bucket and a store role
+    (and ``sets``, each a ``--set`` argument); fails saying how to get helm without one."""
+    helm = find_helm()
+    if helm is None:
+        pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
+    args = [helm, "template", "hermit", str(CHART), "--namespace", "hermit-system",
+            "--set", "s3.bucket=checkpoints", "--set",
+            "s3.scopedCredentials.roleArn=arn:aws:iam::123456789012:role/hermit-store"]
+    for s in sets:
+        args += ["--set", s]
+    out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=60).stdout
+    return [d for d in yaml.safe_load_all(out) if d]

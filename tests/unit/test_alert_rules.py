@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from hermit_common import metrics
-from tests.support.chart import CHART, VALUES, WITH_BUCKET, errors, find_helm, merged
+from tests.support.chart import CHART, VALUES, WITH_BUCKET, errors, merged, render
 
 RULES = CHART / "rules" / "hermit.rules.yaml"
 RULES_TEST = CHART / "rules" / "hermit.rules.test.yaml"
@@ -144,21 +144,8 @@ def test_schema_names_a_bad_prometheus_rule_value(override: dict[str, Any], path
     assert any(e.startswith(f"{path}:") for e in found), found
 
 
-def _render(*sets: str) -> list[dict[str, Any]]:
-    helm = find_helm()
-    if helm is None:
-        pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
-    args = [helm, "template", "hermit", str(CHART), "--namespace", "hermit-system",
-            "--set", "s3.bucket=checkpoints", "--set",
-            "s3.scopedCredentials.roleArn=arn:aws:iam::123456789012:role/hermit-store"]
-    for s in sets:
-        args += ["--set", s]
-    out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=60).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
-
-
 def _rule_docs(*sets: str) -> list[dict[str, Any]]:
-    return [d for d in _render(*sets) if d["kind"] == "PrometheusRule"]
+    return [d for d in render(*sets) if d["kind"] == "PrometheusRule"]
 
 
 def test_helm_renders_the_prometheus_rule_only_when_enabled() -> None:

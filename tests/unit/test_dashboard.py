@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from typing import Any
 
-import pytest
-import yaml
-
 from hermit_common import metrics
-from tests.support.chart import CHART, find_helm
+from tests.support.chart import CHART, render
 
 DASHBOARD = CHART / "dashboards" / "hermit.json"
 _SERIES_SUFFIXES = ("_bucket", "_count", "_sum")
@@ -98,26 +94,13 @@ def test_the_code_defines_every_listed_metric() -> None:
         assert name in registered or base in registered, name
 
 
-def _render(*sets: str) -> list[dict[str, Any]]:
-    helm = find_helm()
-    if helm is None:
-        pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
-    args = [helm, "template", "hermit", str(CHART), "--namespace", "hermit-system",
-            "--set", "s3.bucket=checkpoints", "--set",
-         "s3.scopedCredentials.roleArn=arn:aws:iam::123456789012:role/hermit-store"]
-    for s in sets:
-        args += ["--set", s]
-    out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=60).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
-
-
 def test_helm_renders_the_dashboard_configmap_only_when_enabled() -> None:
-    assert not [d for d in _render() if d["kind"] == "ConfigMap"]
-    [cm] = [d for d in _render("grafana.dashboard.enabled=true") if d["kind"] == "ConfigMap"]
+    assert not [d for d in render() if d["kind"] == "ConfigMap"]
+    [cm] = [d for d in render("grafana.dashboard.enabled=true") if d["kind"] == "ConfigMap"]
     assert cm["metadata"]["namespace"] == "hermit-system"
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(cm["data"]["hermit.json"]) == json.loads(DASHBOARD.read_text())
-    [moved] = [d for d in _render("grafana.dashboard.enabled=true",
+    [moved] = [d for d in render("grafana.dashboard.enabled=true",
                                   "grafana.dashboard.namespace=monitoring",
                                   "grafana.dashboard.annotations.grafana_folder=Hermit")
                if d["kind"] == "ConfigMap"]
