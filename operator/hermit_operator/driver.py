@@ -177,8 +177,8 @@ def reconcile_checkpoint(kube: Kube, settings: OperatorSettings, ckpt: KubeObjec
     if sandbox is None or namespace is None:
         return None
     p = reconcile_sandbox(kube, settings, namespace, sandbox, post, now, inputs)
-    if p is not None or deleted:
-        return p
+    if p is not None or deleted or kube.get_sandbox(namespace, sandbox) is not None:
+        return p  # planned, or being deleted: its Checkpoints go with it
     status = orphan_status(ckpt, (now or (lambda: datetime.now(UTC)))())
     if status is not None:
         kube.patch_checkpoint_status(namespace, str(meta.get("name")), status)

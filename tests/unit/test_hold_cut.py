@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from hermit_common import api, protocol
-from hermit_operator import podspec
+from hermit_common.settings import OperatorSettings
+from hermit_operator import driver, podspec
 from tests.support.operator_driver import FakeKube, run
 from tests.support.operator_driver import sandbox as sandbox  # the fixture, re-exported
 
@@ -82,3 +83,17 @@ def test_a_live_sandboxs_held_pod_is_left_to_the_node_agent(sandbox: dict[str, A
     kube.pods = {"other-1": pod("other-1")}  # held, its sandbox lives: saved first
     run(kube, [])
     assert "delete other-1" not in kube.calls
+
+
+def test_a_pending_checkpoint_of_a_sandbox_being_deleted_is_not_called_an_orphan(
+        sandbox: dict[str, Any]) -> None:
+    """Its AgentSandbox exists, being deleted: the Checkpoint is not failed as one of a
+    sandbox that does not exist (it goes with the sandbox)."""
+    sandbox["metadata"]["deletionTimestamp"] = "2026-01-01T12:00:00Z"
+    kube, events = FakeKube(sandbox), list[Any]()
+    pending = {"apiVersion": api.API_VERSION, "kind": api.CHECKPOINT_KIND,
+               "metadata": {"name": "minimal-manual", "namespace": "ns"},
+               "spec": {"sandboxRef": {"name": "minimal"}, "reason": "Manual"}}
+    assert driver.reconcile_checkpoint(kube, OperatorSettings(), pending,  # type: ignore[arg-type]
+                                       lambda _o, e: events.append(e)) is None
+    assert kube.checkpoints == {} and events == []
