@@ -4,29 +4,14 @@ hack/install-helm builds it), and their values against the schema."""
 
 from __future__ import annotations
 
-import subprocess
 from typing import Any
 
 import pytest
-import yaml
 
 from hermit_common.health import LIVENESS_PATH, READINESS_PATH
-from tests.support.chart import CHART, WITH_BUCKET, errors, find_helm, merged
+from tests.support.chart import WITH_BUCKET, errors, merged, render
 
 Obj = dict[str, Any]
-
-
-def render(*sets: str) -> list[Obj]:
-    helm = find_helm()
-    if helm is None:
-        pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
-    argv = [helm, "template", "hermit", str(CHART), "--namespace", "hermit-system",
-            "--set", "s3.bucket=checkpoints", "--set",
-         "s3.scopedCredentials.roleArn=arn:aws:iam::123456789012:role/hermit-store"]
-    for item in sets:
-        argv += ["--set", item]
-    out = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=60).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
 
 
 def workload(docs: list[Obj], kind: str) -> Obj:
