@@ -177,10 +177,12 @@ def reconcile_checkpoint(kube: Kube, settings: OperatorSettings, ckpt: KubeObjec
     if sandbox is None or namespace is None:
         return None
     p = reconcile_sandbox(kube, settings, namespace, sandbox, post, now, inputs)
-    if p is not None or deleted or kube.get_sandbox(namespace, sandbox) is not None:
-        return p  # planned, or being deleted: its Checkpoints go with it
+    if p is not None or deleted:
+        return p
     status = orphan_status(ckpt, (now or (lambda: datetime.now(UTC)))())
-    if status is not None:
+    # Read again only for a Pending one: an AgentSandbox being deleted also plans nothing,
+    # and its Checkpoints go with it.
+    if status is not None and kube.get_sandbox(namespace, sandbox) is None:
         kube.patch_checkpoint_status(namespace, str(meta.get("name")), status)
         post(ckpt, Event("Warning", api.REASON_SANDBOX_NOT_FOUND, status["message"]))
     return None
