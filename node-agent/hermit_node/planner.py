@@ -6,6 +6,7 @@ to /proc or to the clock: callers pass ``now`` and apply what comes back.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -198,7 +199,9 @@ def stop_requests(pods: Iterable[SandboxPod], reason: str,
     longer name counts as well. The first has no tag; when every one so far Failed (the
     sandbox was left running) and the node is still going away, another is made (``-r2``,
     ``-r3``, ...) once ``stop_backoff`` has passed since the last one failed (its
-    ``completedAt``; at once when ``now`` is None), up to STOP_ATTEMPTS. With no list of
+    ``completedAt``; at once when ``now`` is None), up to STOP_ATTEMPTS. The next number
+    follows the highest one made (``request_attempt``), not their count: retention deletes
+    the oldest Failed ones, and a count would name a request that exists. With no list of
     checkpoints (the API did not answer), only first requests."""
     listed = list(checkpoints or [])
     out = []
@@ -209,12 +212,24 @@ def stop_requests(pods: Iterable[SandboxPod], reason: str,
             continue
         if any(protocol.phase_of(c) != protocol.FAILED for c in made):
             continue  # in flight or done: nothing to add
-        if len(made) >= STOP_ATTEMPTS:
+        attempts = max((request_attempt(c) for c in made), default=0)
+        if attempts >= STOP_ATTEMPTS:
             continue
-        if made and not _backed_off(max(made, key=_failed_at), len(made), now):
+        if made and not _backed_off(max(made, key=_failed_at), attempts, now):
             continue
-        out.append((sp, f"-r{len(made) + 1}" if made else ""))
+        out.append((sp, f"-r{attempts + 1}" if made else ""))
     return out
+
+
+# ``-r<n>`` ends a request's name, or comes before the secret tag of one made under the
+# longer name (hermit_node.requests.unsquatted); the sandbox part never reaches the end.
+_ATTEMPT_TAG = re.compile(r"-r([0-9]+)(?:-[0-9a-f]+)?$")
+
+
+def request_attempt(ckpt: Mapping[str, Any]) -> int:
+    """Which attempt of its pod's stopping request ``ckpt`` is: n for ``-r<n>``, else 1."""
+    found = _ATTEMPT_TAG.search(str(protocol.meta(ckpt).get("name") or ""))
+    return int(found.group(1)) if found else 1
 
 
 def _request_of(ckpt: Mapping[str, Any], sp: SandboxPod, reason: str) -> bool:

@@ -275,8 +275,8 @@ def test_hold_requests_are_made_once_and_only_for_held_pods() -> None:
     # After a failure it is asked for again, with the drain's backoff and attempts.
     failed = [request(phase=protocol.FAILED)]
     assert planner.hold_requests([sp], {sp.uid}, failed, WHEN) == [(sp, "-r2")]
-    every = [request(phase=protocol.FAILED, name=f"box-2-evict-r{i}")
-             for i in range(planner.STOP_ATTEMPTS)]
+    every = [request(phase=protocol.FAILED, name="box-2-evict" + (f"-r{i}" if i > 1 else ""))
+             for i in range(1, planner.STOP_ATTEMPTS + 1)]
     assert planner.hold_requests([sp], {sp.uid}, every, WHEN) == []
 
 

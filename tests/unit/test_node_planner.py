@@ -825,6 +825,28 @@ def test_a_failed_stopping_request_is_made_again_only_after_a_growing_backoff() 
     assert [planner.stop_backoff(n) for n in (1, 2, 3, 4, 9)] == [1.0, 2.0, 4.0, 8.0, 8.0]
 
 
+def test_the_next_stopping_request_follows_the_highest_made_when_old_ones_were_deleted(
+) -> None:
+    """Retention deletes the oldest Failed requests (keeping ``retain`` of them): after the
+    4th failed with the 1st deleted, the next is ``-r5``, not ``-r4`` again (a create of an
+    existing name answers with that Failed request, and no request was ever made again:
+    a sandbox restarted from scratch in CI)."""
+    pods = sps(pod("box-1"))
+    at = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)
+    left = [ckpt(f"box-1-preempt-r{n}", reason="Preemption", incarnation=1,
+                 status={"phase": "Failed", "completedAt": "2026-12-01T12:00:00Z"})
+            for n in (2, 3, 4)]
+    assert planner.stop_requests(pods, "Preemption", left, at + timedelta(seconds=7)) == []
+    assert [t for _, t in planner.stop_requests(
+        pods, "Preemption", left, at + timedelta(seconds=8))] == ["-r5"]
+    last = [ckpt(f"box-1-preempt-r{planner.STOP_ATTEMPTS}-0a1b2c3d", reason="Preemption",
+                 incarnation=1, status={"phase": "Failed"})]
+    assert planner.stop_requests(pods, "Preemption", last) == []
+    assert [planner.request_attempt(ckpt(n)) for n in (
+        "box-1-preempt", "box-1-preempt-0a1b2c3d", "box-r7-1-evict", "box-1-evict-r3",
+        "box-1-preempt-r12-0a1b2c3d")] == [1, 1, 1, 3, 12]
+
+
 def test_dumping_status_records_the_checkpoint_the_pod_was_restored_from() -> None:
     restored = planner.status_dumping(NODE, NOW, parent="box-1-preempt")
     assert restored == {"phase": "Dumping", "nodeName": NODE, "progress": "dumping",
