@@ -54,6 +54,8 @@ class E2EConfig:
     rebalance_cmd: str = ""
     # A node lost without any notice (the instance gone at once): no checkpoint is taken.
     lose_node_cmd: str = ""
+    # The preempt command ends its notice at once on SIGUSR1 (hack/cluster's does).
+    preempt_ends_early: bool = False
 
 
 def _e2e_config() -> E2EConfig:
@@ -70,6 +72,8 @@ def _e2e_config() -> E2EConfig:
                               f"{REPO}/hack/cluster rebalance-node {{node}}"),
         lose_node_cmd=env.get("HERMIT_E2E_LOSE_NODE_CMD",
                               f"{REPO}/hack/cluster preempt-node {{node}} --no-notice"),
+        preempt_ends_early=env.get("HERMIT_E2E_PREEMPT_ENDS_EARLY",
+                                   "0" if "HERMIT_E2E_PREEMPT_CMD" in env else "1") == "1",
     )
 
 

@@ -280,11 +280,14 @@ def ensure_spot_nodes(kube: Kube, cfg: E2EConfig, count: int) -> None:
 def preempting(cfg: E2EConfig, node: str, notice: int, grace: float = 180) -> Iterator[None]:
     """A spot notice of ``notice`` seconds on ``node``, given as the body starts; after
     the body the preempt command (it ends with the node, at most ``grace`` seconds after
-    the notice) must have succeeded."""
+    the notice) must have succeeded. The body is done with the node: the rest of the
+    notice is cut short when the command allows it (``E2EConfig.preempt_ends_early``)."""
     proc = run_cluster_command(cfg.preempt_cmd, node=node, notice=str(notice))
     try:
         yield
     finally:
+        if cfg.preempt_ends_early and proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1)
         out, _ = proc.communicate(timeout=notice + grace)
     assert proc.returncode == 0, f"preempt command failed: {out}"
 

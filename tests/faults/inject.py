@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -191,7 +192,9 @@ def preempting(kube: Kube, cfg: E2EConfig, release_ns: str, ns: str, name: str,
                where: sb.Running, notice: int) -> Iterator[CopyWatch]:
     """A spot notice of ``notice`` seconds on the sandbox's node (the node goes away at
     its end), with the live copies of sandbox ``name`` watched and the ticks of its old
-    pod followed; on the way out waits for the preempt command and checks it succeeded."""
+    pod followed; on the way out waits for the preempt command and checks it succeeded.
+    The body judges the move; once it is done the notice is cut short when the command
+    allows it (``E2EConfig.preempt_ends_early``): its rest is only waiting."""
     sb.wait_agent_ready(kube, release_ns, where.node)
     proc = run_cluster_command(cfg.preempt_cmd, node=where.node, notice=str(notice))
     frozen = FrozenTicks(kube, ns, name, where.pod)
@@ -200,5 +203,7 @@ def preempting(kube: Kube, cfg: E2EConfig, release_ns: str, ns: str, name: str,
             watch.frozen = frozen
             yield watch
     finally:
+        if cfg.preempt_ends_early and proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1)
         out, _ = proc.communicate(timeout=notice + 240)
     assert proc.returncode == 0, f"preempt command failed: {out}"
