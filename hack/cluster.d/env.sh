@@ -63,7 +63,9 @@ close_inherited_fds() {
   local fd
   for fd in /proc/"$BASHPID"/fd/*; do
     fd=${fd##*/}
-    if [ "$fd" -gt 2 ]; then exec {fd}>&- 2>/dev/null || true; fi
+    # The braces: `exec {fd}>&- 2>/dev/null` alone would send this shell's stderr, and
+    # with it the daemon's, to /dev/null for good (its log got stdout only).
+    if [ "$fd" -gt 2 ]; then { exec {fd}>&-; } 2>/dev/null || true; fi
   done
 }
 
