@@ -56,6 +56,8 @@ class E2EConfig:
     lose_node_cmd: str = ""
     # The preempt command ends its notice at once on SIGUSR1 (hack/cluster's does).
     preempt_ends_early: bool = False
+    # Starts the SIG's agent-sandbox controller and its CRDs (idempotent; test_agent_sandbox).
+    agent_sandbox_cmd: str = ""
 
 
 def _e2e_config() -> E2EConfig:
@@ -74,6 +76,8 @@ def _e2e_config() -> E2EConfig:
                               f"{REPO}/hack/cluster preempt-node {{node}} --no-notice"),
         preempt_ends_early=env.get("HERMIT_E2E_PREEMPT_ENDS_EARLY",
                                    "0" if "HERMIT_E2E_PREEMPT_CMD" in env else "1") == "1",
+        agent_sandbox_cmd=env.get("HERMIT_E2E_AGENT_SANDBOX_CMD",
+                                  f"{REPO}/hack/cluster agent-sandbox"),
     )
 
 

@@ -1,0 +1,145 @@
+"""The Kubernetes SIG's agent-sandbox (sigs.k8s.io/agent-sandbox: the ``Sandbox`` API of
+agents.x-k8s.io) on the e2e cluster, run by its own controller: the baseline Hermit is
+to serve later (issue 20). No Hermit here: a Sandbox gets a Running pod and Ready,
+``operatingMode: Suspended`` removes the pod, Running again brings a new one.
+
+The controller and its CRDs come from ``HERMIT_E2E_AGENT_SANDBOX_CMD`` (default
+``hack/cluster agent-sandbox``; docs/agent-sandbox.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from .conftest import REPO, E2EConfig, Kube, wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+Obj = dict[str, Any]
+
+# The SIG's API (k8s/crds/agents.x-k8s.io_sandboxes.yaml of v1.0.3 serves v1beta1 only).
+GROUP = "agents.x-k8s.io"
+VERSION = "v1beta1"
+PLURAL = "sandboxes"
+CONTROLLER_BINARY = "agent-sandbox-controller"
+
+
+@pytest.fixture(scope="session")
+def agent_sandbox(kube: Kube, e2e_config: E2EConfig) -> None:
+    """The SIG's controller runs and its CRDs are served (the command is idempotent; the
+    controller is left running, as the cluster is)."""
+    cmd = e2e_config.agent_sandbox_cmd
+    if cmd == f"{REPO}/hack/cluster agent-sandbox":
+        cache = Path(os.environ.get("HERMIT_CACHE", Path.home() / ".cache/hermit"))
+        if not (cache / "bin" / CONTROLLER_BINARY).exists():
+            pytest.fail(f"{cache}/bin/{CONTROLLER_BINARY} not found: run "
+                        "hack/install-agent-sandbox (hack/bootstrap builds it)")
+    proc = subprocess.run(shlex.split(cmd), capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, (
+        f"{cmd} failed ({proc.returncode}): {proc.stdout}{proc.stderr}")
+
+
+def _custom() -> client.CustomObjectsApi:
+    return client.CustomObjectsApi()
+
+
+def _sandbox(ns: str, name: str) -> Obj:
+    obj: Any = _custom().get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+    return dict(obj)
+
+
+def _condition(sandbox: Obj, kind: str) -> Obj | None:
+    for cond in (sandbox.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == kind:
+            found: Obj = cond
+            return found
+    return None
+
+
+def _set_mode(ns: str, name: str, mode: str) -> int:
+    """Sets spec.operatingMode; returns the Sandbox's new generation."""
+    obj: Any = _custom().patch_namespaced_custom_object(
+        GROUP, VERSION, ns, PLURAL, name, {"spec": {"operatingMode": mode}})
+    generation: int = obj["metadata"]["generation"]
+    return generation
+
+
+def _owned_pods(kube: Kube, ns: str, uid: str) -> list[Obj]:
+    """The pods whose controller is the Sandbox with this uid (the SIG's controller names
+    its pod after the Sandbox; ownership is what it goes by)."""
+    pods: list[Obj] = json.loads(
+        kube.api.list_namespaced_pod(ns, _preload_content=False).data)["items"]
+    return [p for p in pods
+            if any(ref.get("controller") and ref.get("uid") == uid
+                   for ref in p["metadata"].get("ownerReferences") or [])]
+
+
+def _wait_ready(kube: Kube, ns: str, name: str, uid: str, timeout: float = 120) -> Obj:
+    """Waits for the Sandbox's one pod to be Running and the Sandbox Ready (of its
+    current generation); returns the pod."""
+    def probe() -> Obj | None:
+        sandbox = _sandbox(ns, name)
+        ready = _condition(sandbox, "Ready")
+        if not ready or ready["status"] != "True" or \
+                ready.get("observedGeneration") != sandbox["metadata"]["generation"]:
+            return None
+        pods = [p for p in _owned_pods(kube, ns, uid)
+                if not p["metadata"].get("deletionTimestamp")]
+        if len(pods) == 1 and pods[0]["status"].get("phase") == "Running":
+            return pods[0]
+        return None
+
+    pod: Obj = wait_until(f"Sandbox {ns}/{name} Ready with a Running pod", timeout, probe)
+    return pod
+
+
+def test_sandbox_runs_suspends_and_resumes(kube: Kube, namespace: str, e2e_config: E2EConfig,
+                                           agent_sandbox: None) -> None:
+    name = "sig-sandbox"
+    container = {"name": "agent", "image": e2e_config.sandbox_image,
+                 "imagePullPolicy": "IfNotPresent", "command": ["sleep", "3600"]}
+    body: Any = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "Sandbox",
+                 "metadata": {"name": name},
+                 "spec": {"podTemplate": {"spec": {"containers": [container],
+                                                   "terminationGracePeriodSeconds": 1}}}}
+    created: Any = _custom().create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                             body)
+    uid: str = created["metadata"]["uid"]
+    # The CRD's default: a Sandbox runs unless told otherwise.
+    assert created["spec"]["operatingMode"] == "Running", created["spec"]
+
+    first = _wait_ready(kube, namespace, name, uid)
+    assert first["spec"]["containers"][0]["image"] == e2e_config.sandbox_image
+    assert first["status"]["podIPs"], first["status"]
+
+    generation = _set_mode(namespace, name, "Suspended")
+
+    def suspended() -> Obj | None:
+        sandbox = _sandbox(namespace, name)
+        cond = _condition(sandbox, "Suspended")
+        ready = _condition(sandbox, "Ready")
+        if _owned_pods(kube, namespace, uid) or not cond or not ready:
+            return None
+        if cond.get("observedGeneration") != generation or cond["status"] != "True":
+            return None
+        return sandbox
+
+    sandbox = wait_until(f"Sandbox {namespace}/{name} suspended, its pod gone", 120, suspended)
+    ready = _condition(sandbox, "Ready")
+    assert ready is not None and ready["status"] == "False", ready
+    assert ready["reason"] == "SandboxSuspended", ready
+    assert kube.pod(namespace, first["metadata"]["name"]) is None
+
+    _set_mode(namespace, name, "Running")
+    second = _wait_ready(kube, namespace, name, uid)
+    assert second["metadata"]["uid"] != first["metadata"]["uid"], "the suspended pod came back"
+    suspended_cond = _condition(_sandbox(namespace, name), "Suspended")
+    assert suspended_cond is not None and suspended_cond["status"] == "False", suspended_cond
