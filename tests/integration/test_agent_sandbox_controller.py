@@ -163,5 +163,8 @@ def test_a_sandbox_pod_goes_on_suspend_and_a_new_one_comes_on_resume(sig: Sig) -
     second = wait_until("a new pod", 60, lambda: _owned_pods(sig, uid) or None, 0.2)
     assert len(second) == 1
     assert second[0]["metadata"]["uid"] != first[0]["metadata"]["uid"]
-    cond = _condition(sig, name, "Suspended")
-    assert cond is not None and cond["status"] == "False", cond
+    # The controller writes the condition after it created the pod: waited for, not read
+    # at once (a read right after the pod appeared still saw True).
+    wait_until("Suspended=False", 30, lambda: (
+        (cond := _condition(sig, name, "Suspended")) is not None and cond["status"] == "False"),
+        0.2)
