@@ -286,10 +286,16 @@ def preempting(cfg: E2EConfig, node: str, notice: int, grace: float = 180) -> It
     try:
         yield
     finally:
-        if cfg.preempt_ends_early and proc.poll() is None:
-            proc.send_signal(signal.SIGUSR1)
+        end_notice(cfg, proc)
         out, _ = proc.communicate(timeout=notice + grace)
     assert proc.returncode == 0, f"preempt command failed: {out}"
+
+
+def end_notice(cfg: E2EConfig, proc: subprocess.Popen[str]) -> None:
+    """The test is done with the node: the preempt command ends the rest of its notice at
+    once when it allows that (``E2EConfig.preempt_ends_early``)."""
+    if cfg.preempt_ends_early and proc.poll() is None:
+        proc.send_signal(signal.SIGUSR1)
 
 
 def preempt_now(cfg: E2EConfig, node: str) -> None:

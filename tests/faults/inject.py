@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -203,7 +202,6 @@ def preempting(kube: Kube, cfg: E2EConfig, release_ns: str, ns: str, name: str,
             watch.frozen = frozen
             yield watch
     finally:
-        if cfg.preempt_ends_early and proc.poll() is None:
-            proc.send_signal(signal.SIGUSR1)
+        sb.end_notice(cfg, proc)
         out, _ = proc.communicate(timeout=notice + 240)
     assert proc.returncode == 0, f"preempt command failed: {out}"
