@@ -471,7 +471,7 @@ class Demo:
                 "--set", f"s3.bucket={BUCKET}", "--set", f"s3.endpoint={self.minio.endpoint}",
                 "--set", f"s3.existingSecret={SECRET}",
                 # root sandboxes: this machine's nodes lack CAP_SYS_RESOURCE, which CRIU
-                # needs to checkpoint a non-root one (tests/e2e/conftest.py)
+                # needs to checkpoint a non-root one (tests/e2e/cluster.py)
                 "--set", "operator.podPolicy.profile=baseline",
                 "--wait", "--timeout", "180s"]
         started = time.monotonic()

@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hermit_common import api, protocol
 from hermit_common.settings import TURN_AUDIENCE
-from tests.e2e.conftest import (
+from tests.e2e.cluster import (
     RELEASE,
     E2EConfig,
     Kube,

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from .conftest import REPO, E2EConfig, Kube, wait_until
+from .cluster import REPO, E2EConfig, Kube, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

@@ -52,7 +52,7 @@ from hermit_node import planner, requests
 from hermit_node.checkpoint import CheckpointResult
 from hermit_node.kube import Kube as NodeAgentKube
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import (
+from tests.e2e.cluster import (
     BUCKET,
     RELEASE_NS,
     S3,

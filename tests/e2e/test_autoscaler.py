@@ -41,7 +41,7 @@ from kubernetes.client.exceptions import ApiException
 
 from hermit_common import api, protocol
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import RELEASE_NS, E2EConfig, Kube, wait_until
+from tests.e2e.cluster import RELEASE_NS, E2EConfig, Kube, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

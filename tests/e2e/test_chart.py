@@ -15,7 +15,7 @@ from kubernetes import client
 from kubernetes.stream import stream
 
 from hermit_common.health import LIVENESS_PATH, READINESS_PATH
-from tests.e2e.conftest import REPO, Kube, helm_binary, wait_until
+from tests.e2e.cluster import REPO, Kube, helm_binary, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from . import sandboxes as sb
-from .conftest import (
+from .cluster import (
     IMDS_ANNOTATION,
     SPOT_LABEL,
     E2EConfig,

@@ -1,7 +1,7 @@
 """S3 garbage collection on the cluster: 20 checkpoints with ``retain: 3`` leave exactly
 the 3 kept checkpoints in the bucket.
 
-The e2e release runs with ``nodeAgent.gc.minAgeSeconds=0`` (conftest), so what retention
+The e2e release runs with ``nodeAgent.gc.minAgeSeconds=0`` (tests/e2e/cluster.py), so what retention
 drops is collected at once. The test takes 20 Manual checkpoints of the self-checking
 workload one after the other (the workload writes to its memory and workspace, so chunks
 change between them), waits until retention has left 3 Checkpoints, then lists the
@@ -25,7 +25,7 @@ from hermit_common.seal import sealing_from
 from hermit_common.settings import SealSettings, StoreSettings
 from hermit_common.store import CheckpointStore
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import BUCKET, RELEASE_NS, S3, E2EConfig, Kube, wait_until
+from tests.e2e.cluster import BUCKET, RELEASE_NS, S3, E2EConfig, Kube, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

@@ -21,7 +21,7 @@ import pytest
 
 from hermit_common import api, metrics, protocol
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import (
+from tests.e2e.cluster import (
     RELEASE_NS,
     E2EConfig,
     Kube,

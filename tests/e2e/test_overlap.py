@@ -24,7 +24,7 @@ from kubernetes import client
 
 from hermit_common import api, protocol
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import (
+from tests.e2e.cluster import (
     RELEASE,
     RELEASE_NS,
     REPO,

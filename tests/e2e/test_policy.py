@@ -12,7 +12,7 @@ from kubernetes.stream import stream
 
 from hermit_common import api, protocol
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import (
+from tests.e2e.cluster import (
     POD_POLICY_PROFILE,
     RELEASE_NS,
     E2EConfig,
@@ -116,7 +116,7 @@ def test_a_template_that_asks_for_nothing_runs_restricted(
     state as the default user 65532, with no token, no privilege escalation, no
     capabilities and the runtime's seccomp profile: what the restricted standard asks.
     (The e2e release uses baseline unless HERMIT_E2E_POD_POLICY_PROFILE says otherwise:
-    see conftest.py; this test takes no checkpoint, which needs CAP_SYS_RESOURCE.)"""
+    see tests/e2e/cluster.py; this test takes no checkpoint, which needs CAP_SYS_RESOURCE.)"""
     if POD_POLICY_PROFILE != "restricted":
         helm_set(e2e_config, RELEASE_NS, "operator.podPolicy.profile=restricted")
     try:

@@ -18,7 +18,7 @@ import pytest
 
 from hermit_common import protocol
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import E2EConfig, Kube, helm_set, wait_until
+from tests.e2e.cluster import E2EConfig, Kube, helm_set, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

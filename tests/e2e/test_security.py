@@ -22,7 +22,7 @@ from kubernetes.client.rest import ApiException
 
 from hermit_common import api, protocol
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import (
+from tests.e2e.cluster import (
     BUCKET,
     RELEASE_NS,
     REPO,

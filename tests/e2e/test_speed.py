@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import RELEASE_NS, E2EConfig, Kube, wait_until
+from tests.e2e.cluster import RELEASE_NS, E2EConfig, Kube, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

@@ -29,7 +29,7 @@ from hermit_common import api, protocol
 from hermit_common.settings import StoreSettings
 from hermit_common.store import CheckpointStore
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import (
+from tests.e2e.cluster import (
     BUCKET,
     RELEASE,
     RELEASE_NS,

@@ -38,7 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hermit_common import metrics, protocol, turnlimits
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import E2EConfig, Kube
+from tests.e2e.cluster import E2EConfig, Kube
 from tests.support.attacks import CONTAINED, REFUSED, Attack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.attack, pytest.mark.timeout(900)]

@@ -15,7 +15,7 @@ from hermit_common.kubeapi import KubeApi
 from hermit_common.settings import TURN_AUDIENCE
 from hermit_common.turns import TurnClient, TurnResult
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import E2EConfig, Kube, wait_until
+from tests.e2e.cluster import E2EConfig, Kube, wait_until
 from tests.support.attacks import REFUSED, Attack
 
 STRANGER = "stranger"

@@ -1,5 +1,7 @@
-"""The fault-injection suite (hack/test faults): the e2e fixtures, plus the ledger whose
-table is printed at the end of the run and written to $HERMIT_CACHE/logs/faults-table.txt."""
+"""The fault-injection suite (hack/test faults): the e2e fixtures (tests/e2e/cluster.py,
+a plugin of every session, so a run of both tiers shares one release), plus the ledger
+whose table is printed at the end of the run and written to
+$HERMIT_CACHE/logs/faults-table.txt."""
 
 from __future__ import annotations
 
@@ -8,15 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import (  # noqa: F401  (fixtures the scenarios use)
-    e2e_config,
-    hermit_release,
-    kube,
-    namespace,
-    pytest_runtest_makereport,  # a failed scenario leaves the cluster's state in a file
-    s3_for_pods,
-    tick_ledger,
-)
 from tests.faults.ledger import Ledger, Row
 
 LEDGER = Ledger()

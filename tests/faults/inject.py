@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import E2EConfig, Kube, run_cluster_command, wait_until
+from tests.e2e.cluster import E2EConfig, Kube, run_cluster_command, wait_until
 from tests.faults import verdict
 from tests.faults.ledger import Ledger, Row
 

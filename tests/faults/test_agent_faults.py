@@ -15,7 +15,7 @@ import pytest
 
 from hermit_common import protocol
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import E2EConfig, Kube, wait_until
+from tests.e2e.cluster import E2EConfig, Kube, wait_until
 from tests.faults import inject, verdict
 from tests.faults.ledger import Ledger
 

@@ -16,7 +16,7 @@ import pytest
 from kubernetes import client
 
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import REPO, S3, E2EConfig, Kube, wait_until
+from tests.e2e.cluster import REPO, S3, E2EConfig, Kube, wait_until
 from tests.faults import inject, verdict
 from tests.faults.ledger import Ledger
 

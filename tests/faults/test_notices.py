@@ -28,7 +28,7 @@ import pytest
 from hermit_common import api, protocol
 from hermit_testbed import faulty_imds as fi
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import LOCAL_CLUSTER_HOST, RELEASE_NS, REPO, E2EConfig, Kube, wait_until
+from tests.e2e.cluster import LOCAL_CLUSTER_HOST, RELEASE_NS, REPO, E2EConfig, Kube, wait_until
 from tests.faults import verdict
 from tests.faults.ledger import Ledger, Row
 

@@ -25,7 +25,7 @@ import pytest
 
 from hermit_common import protocol
 from tests.e2e import sandboxes as sb
-from tests.e2e.conftest import Kube
+from tests.e2e.cluster import Kube
 from tests.support import ledger
 
 MARKER = "HERMIT_FAULT_SANDBOX"

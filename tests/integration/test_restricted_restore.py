@@ -17,7 +17,7 @@ CAP_SYS_RESOURCE: a privileged node-agent on a real node has it. A host without 
 machine that is itself a container, like the one hack/cluster runs on: docs/cluster.md)
 cannot checkpoint a non-root sandbox at all; there the test shows that the checkpoint
 fails cleanly and the sandbox keeps running, and the e2e release uses the baseline
-profile (tests/e2e/conftest.py).
+profile (tests/e2e/cluster.py).
 """
 
 from __future__ import annotations

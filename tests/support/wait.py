@@ -1,5 +1,5 @@
 """Waiting on a condition with a deadline: the one ``wait_until`` of every test tier
-(tests/e2e/conftest.py re-exports it for the e2e and fault tests)."""
+(tests/e2e/cluster.py re-exports it for the e2e and fault tests)."""
 
 from __future__ import annotations
 

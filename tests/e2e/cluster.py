@@ -1,5 +1,9 @@
 """Fixtures for end-to-end tests against any Kubernetes cluster named by KUBECONFIG.
 
+A plugin of every session (tests/conftest.py), not a conftest of tests/e2e: the fault
+suite (tests/faults) uses the same session fixtures, and a run of both tiers
+(hack/test ci) installs the release once.
+
 Nothing here knows how the cluster was made (hack/cluster, kind, a cloud): the
 cluster is found through KUBECONFIG only. Cluster-specific actions that have no
 Kubernetes API (preempting a spot node, adding one) are commands given in
@@ -87,7 +91,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
     """A failed e2e test leaves the cluster's state at the failure (while its namespace
     still exists) in a file outside the repository, named in the report."""
     report: pytest.TestReport = yield
-    if report.failed and report.when in ("call", "setup") and \
+    cluster_tier = item.get_closest_marker("e2e") or item.get_closest_marker("faults")
+    if report.failed and report.when in ("call", "setup") and cluster_tier and \
             isinstance(item, pytest.Function) and "kube" in item.fixturenames:
         namespace = item.funcargs.get("namespace")
         path = diagnostics.dump(item.nodeid, namespace if isinstance(namespace, str)
@@ -172,8 +177,10 @@ def is_ready(node: Obj) -> bool:
 
 
 @pytest.fixture(scope="session")
-def kube(e2e_config: E2EConfig) -> Kube:
-    """The cluster in KUBECONFIG; fails (never skips) when there is none."""
+def kube(e2e_config: E2EConfig, tick_ledger: tick_ledger_mod.Collector | None) -> Kube:
+    """The cluster in KUBECONFIG; fails (never skips) when there is none. Every test of the
+    cluster tiers asks for it, so the session's tick ledger runs before their first
+    sandbox."""
     hint = "no cluster: run hack/cluster up and export KUBECONFIG=$(hack/cluster kubeconfig)"
     if not e2e_config.kubeconfig:
         pytest.fail(f"{hint} (KUBECONFIG is not set)")
@@ -264,7 +271,7 @@ LOCAL_CLUSTER_HOST = "10.213.0.1"  # hack/cluster's host bridge: pods reach it
 LEDGER_HOST = os.environ.get("HERMIT_E2E_LEDGER_HOST", LOCAL_CLUSTER_HOST)
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def tick_ledger() -> Iterator[tick_ledger_mod.Collector | None]:
     """The external tick ledger of the whole session: every sandbox the helpers create
     (tests/e2e/sandboxes.py stateful_spec) reports each tick to it."""
