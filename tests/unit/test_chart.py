@@ -507,9 +507,14 @@ def test_with_kms_the_operator_asks_aws_kms_and_no_pod_mounts_a_kek() -> None:
     [job] = [d for d in kms["docs"] if d["kind"] == "Job"]
     assert not [a for a in job["spec"]["template"]["spec"]["containers"][0]["args"]
                 if a.startswith("--sealing")]
-    endpoint = _key_service_parts("nodeAgent.sealing.kms.keyId=k",
-                                  "nodeAgent.sealing.kms.endpoint=https://kms.vpce.example")
-    assert endpoint["op_env"]["HERMIT_SEAL_KMS_ENDPOINT"] == "https://kms.vpce.example"
+    endpoint = _key_service_parts("nodeAgent.sealing.kms.keyId=k", "networkPolicy.enabled=true",
+                                  "nodeAgent.sealing.kms.endpoint=https://kms.vpce.example:8443")
+    assert endpoint["op_env"]["HERMIT_SEAL_KMS_ENDPOINT"] == "https://kms.vpce.example:8443"
+    # The operator's NetworkPolicy lets it reach KMS (443 for AWS's own endpoint).
+    [op_np] = [d for d in endpoint["docs"] if d["kind"] == "NetworkPolicy"
+               and d["metadata"]["name"] == "hermit-operator"]
+    assert {"port": 8443, "protocol": "TCP"} in [
+        p for r in op_np["spec"]["egress"] for p in r["ports"]]
     # Node-agents do not call KMS: without the key service the chart refuses.
     helm = find_helm()
     assert helm, "helm not found: run hack/install-helm"

@@ -128,7 +128,12 @@ service, unless s3.sharedNodeCredentials falls back to the shared credential. */
 {{/* hermit.s3Port: the TCP port of s3.endpoint (443 for https and for AWS S3 itself,
      80 for http without a port). */}}
 {{- define "hermit.s3Port" -}}
-{{- $url := urlParse (default "https://s3.amazonaws.com" .Values.s3.endpoint) -}}
+{{- include "hermit.urlPort" (default "https://s3.amazonaws.com" .Values.s3.endpoint) -}}
+{{- end -}}
+
+{{/* hermit.urlPort: the TCP port of a URL (443 for https, 80 for http without a port). */}}
+{{- define "hermit.urlPort" -}}
+{{- $url := urlParse . -}}
 {{- $port := regexFind ":[0-9]+$" $url.host | trimPrefix ":" -}}
 {{- if $port -}}
 {{- $port -}}
