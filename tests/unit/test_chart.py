@@ -519,7 +519,8 @@ def test_with_kms_the_operator_asks_aws_kms_and_no_pod_mounts_a_kek() -> None:
     helm = find_helm()
     assert helm, "helm not found: run hack/install-helm"
     off = subprocess.run([helm, "template", "hermit", str(CHART),
-                          "--set", "s3.bucket=checkpoints", "--set", AWS_ROLE, "--set", "nodeAgent.sealing.kms.keyId=k",
+                          "--set", "s3.bucket=checkpoints", "--set", AWS_ROLE,
+                          "--set", "nodeAgent.sealing.kms.keyId=k",
                           "--set", "nodeAgent.sealing.keyService.enabled=false"],
                          capture_output=True, text=True, timeout=60)
     assert off.returncode != 0

@@ -33,7 +33,7 @@ class Client:
         self.fail, self.usage = fail, usage
         self.calls: list[str] = []
 
-    def describe_key(self, KeyId: str) -> dict[str, Any]:  # noqa: N803 (boto3's names)
+    def describe_key(self, KeyId: str) -> dict[str, Any]:
         return {"KeyMetadata": {"KeyId": KEY, "KeyUsage": self.usage}}
 
     def __getattr__(self, name: str) -> Any:
