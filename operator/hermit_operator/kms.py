@@ -164,11 +164,12 @@ def make_kms_client(settings: KeyServiceSettings) -> Any:
     from botocore.config import Config
     from botocore.exceptions import NoRegionError
 
+    # Within the key service's 10 s per request: the node-agent tries again itself.
     try:
         return boto3.session.Session().client(
             "kms", region_name=settings.kms_region, endpoint_url=settings.kms_endpoint,
-            config=Config(retries={"mode": "standard", "max_attempts": 3},
-                          connect_timeout=5, read_timeout=10))
+            config=Config(retries={"mode": "standard", "max_attempts": 2},
+                          connect_timeout=2, read_timeout=3))
     except NoRegionError:
         raise SettingsError("HERMIT_SEAL_KMS_REGION is needed: the SDK finds no region "
                             "(AWS_REGION) for KMS") from None
