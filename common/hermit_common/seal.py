@@ -6,7 +6,8 @@ Pure functions and small classes over the ``cryptography`` library; the store
 - Each sandbox (namespace, name, uid) has a random 32-byte data key (DEK), kept on S3
   only wrapped by a key-encryption key (KEK) through a ``KeyWrapper``. The shipped
   wrapper, ``KeyringWrapper``, holds KEKs from a Kubernetes Secret (``current: <id>``
-  and ``<id>: <base64 of 32 bytes>``); a cloud KMS fits the same protocol.
+  and ``<id>: <base64 of 32 bytes>``); the operator's key service can use AWS KMS
+  instead (hermit_operator.kms).
 - A chunk is zstd-compressed, then encrypted with AES-256-GCM under the DEK. Its
   object name is HMAC(DEK, plaintext digest): the same chunk of the same sandbox is
   the same object (dedup) and names reveal nothing about the plaintext. Its nonce is
@@ -199,7 +200,8 @@ class KeyWrapper(Protocol):
     """Wraps data keys under a key-encryption key and signs manifests with it.
 
     The interface a cloud KMS implements (wrap/unwrap: KMS Encrypt/Decrypt with
-    ``context`` as encryption context; sign/verify: KMS GenerateMac/VerifyMac). Every
+    ``context`` as encryption context; sign/verify: KMS GenerateMac/VerifyMac), as
+    hermit_operator.kms.AwsKmsWrapper does. Every
     method raises ``CheckpointRefused`` naming the key id when that key is unknown.
     """
 

@@ -12,7 +12,7 @@ import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlparse
 
 from hermit_common import logformat
@@ -219,6 +219,13 @@ class KeyServiceSettings:
     store_credentials: bool = False
     store_role_arn: str | None = None
     store_credentials_seconds: int = 3600
+    # AWS KMS holds the key-encryption key instead of keys_dir (docs/security.md#a-cloud-kms):
+    # a symmetric key to wrap with, an HMAC key to sign with (id, ARN or alias), and the
+    # client's region and endpoint (None: the SDK's).
+    kms_key_id: str | None = None
+    kms_mac_key_id: str | None = None
+    kms_region: str | None = None
+    kms_endpoint: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> KeyServiceSettings:
@@ -233,13 +240,36 @@ class KeyServiceSettings:
             raise SettingsError(f"HERMIT_KEY_SERVICE_CALLERS={raw!r} must list service-account "
                                 "usernames (system:serviceaccount:NAMESPACE:NAME, comma "
                                 "separated)")
+        kms = _kms_settings(env)
         return cls(port=port,
-                   keys_dir=env.text("HERMIT_SEAL_KEYS_DIR"),
+                   keys_dir=None if kms else env.text("HERMIT_SEAL_KEYS_DIR"),
                    tls_cert_file=env.text("HERMIT_KEY_SERVICE_TLS_CERT_FILE"),
                    tls_key_file=env.text("HERMIT_KEY_SERVICE_TLS_KEY_FILE"),
                    callers=callers,
                    audience=env.text("HERMIT_KEY_SERVICE_AUDIENCE", KEY_SERVICE_AUDIENCE),
-                   **_store_credential_settings(env))
+                   **_store_credential_settings(env), **kms)
+
+
+_KMS_KEY_RE: Final = re.compile(r"^[A-Za-z0-9:/_.+=@-]{1,2048}$")
+
+
+def _kms_settings(env: Env) -> dict[str, Any]:
+    """HERMIT_SEAL_KMS_*: empty when the keys come from HERMIT_SEAL_KEYS_DIR."""
+    key = env.optional_str("HERMIT_SEAL_KMS_KEY_ID")
+    if key is None:
+        return {}
+    if env.optional_str("HERMIT_SEAL_KEYS_DIR") is not None:
+        raise SettingsError("HERMIT_SEAL_KMS_KEY_ID and HERMIT_SEAL_KEYS_DIR are both set: "
+                            "the key-encryption keys come from one of them")
+    out: dict[str, Any] = {"kms_key_id": key,
+                           "kms_mac_key_id": env.optional_str("HERMIT_SEAL_KMS_MAC_KEY_ID"),
+                           "kms_region": env.optional_str("HERMIT_SEAL_KMS_REGION"),
+                           "kms_endpoint": env.optional_url("HERMIT_SEAL_KMS_ENDPOINT")}
+    for name, value in (("HERMIT_SEAL_KMS_KEY_ID", key),
+                        ("HERMIT_SEAL_KMS_MAC_KEY_ID", out["kms_mac_key_id"])):
+        if value is not None and not _KMS_KEY_RE.match(value):
+            raise SettingsError(f"{name}={value!r:.100} is not a KMS key id, ARN or alias")
+    return out
 
 
 def _store_credential_settings(env: Env) -> dict[str, Any]:

@@ -17,8 +17,9 @@ per request, bounded heads and bodies):
 2. the node must serve that sandbox (keyaccess.decide, from the node's sandbox pods
    read now; an allowance is cached for ``ALLOW_TTL_SECONDS``): 403 otherwise, logged,
    and counted in ``hermit_operator_key_requests_total{op,result="denied"}``;
-3. the keyring answers; what it refuses (an unknown key id, a data key that does not
-   open for this context) is 422, which the client raises as ``CheckpointRefused``.
+3. the keyring (the sealing Secret, or AWS KMS: kms.py) answers; what it refuses (an
+   unknown key id, a data key that does not open for this context) is 422, which the
+   client raises as ``CheckpointRefused``; a KMS that does not answer is 503.
 
 ``POST /v1/store/credentials`` (``{"namespace", "sandbox", "reads": [...]}``) answers,
 under the same rule, temporary S3 credentials for that sandbox's prefix only
@@ -342,12 +343,19 @@ def serve(settings: KeyServiceSettings, kube: KeyKube, *, host: str = "0.0.0.0",
     """Starts the key service of ``settings`` (port > 0) in daemon threads. SettingsError
     naming the setting when the keys or the TLS files cannot be used; OSError when the
     port cannot be bound."""
-    assert settings.port and settings.keys_dir and settings.tls_cert_file \
-        and settings.tls_key_file
-    try:
-        wrapper = KeyringWrapper.from_dir(Path(settings.keys_dir))
-    except SettingsError as exc:
-        raise SettingsError(f"HERMIT_SEAL_KEYS_DIR={settings.keys_dir}: {exc}") from None
+    assert settings.port and (settings.keys_dir or settings.kms_key_id) \
+        and settings.tls_cert_file and settings.tls_key_file
+    wrapper: KeyWrapper
+    if settings.kms_key_id:
+        from hermit_operator import kms  # boto3's KMS client only when it is used
+
+        wrapper = kms.wrapper_from(settings)
+    else:
+        assert settings.keys_dir
+        try:
+            wrapper = KeyringWrapper.from_dir(Path(settings.keys_dir))
+        except SettingsError as exc:
+            raise SettingsError(f"HERMIT_SEAL_KEYS_DIR={settings.keys_dir}: {exc}") from None
     tls = TlsFiles(settings.tls_cert_file, settings.tls_key_file)
     try:
         tls.context()

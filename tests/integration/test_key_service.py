@@ -1,7 +1,8 @@
 """The key service against a real kube-apiserver (a throwaway control plane,
 tests/support/controlplane.py): real TokenRequests for node-agent pods bound to two nodes,
 real TokenReviews, the operator's real Kube adapter reading the nodes' pods, and the
-node-agent's RemoteKeyWrapper over HTTPS.
+node-agent's RemoteKeyWrapper over HTTPS; the same service with its key-encryption key
+in KMS (the real local-kms, tests/support/localkms.py).
 
 Node A's agent gets the data key of the sandbox its node runs, and of the sandbox whose
 checkpoint a fork on its node restores; it is refused the key of the sandbox on node B
@@ -11,21 +12,25 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from hermit_common.errors import CheckpointRefused
 from hermit_common.keyclient import KeyAccessDenied
 from hermit_common.seal import Context, Keyring, KeyringWrapper, new_dek
 from hermit_operator import keyservice
+from hermit_operator.kms import AwsKmsWrapper
 from hermit_operator.kube import Kube
 from tests.support.attacks import REFUSED, Attack
 from tests.support.controlplane import ControlPlane, control_plane
 from tests.support.keyworld import AGENT_SA, AUDIENCE, KeyWorld
+from tests.support.localkms import LocalKms, local_kms
 
-__all__ = ["control_plane"]
+__all__ = ["control_plane", "local_kms"]
 
 pytestmark = pytest.mark.integration
 
@@ -107,3 +112,41 @@ def test_a_node_agent_is_refused_the_keys_of_a_sandbox_on_another_node(
         outcome=REFUSED,
         evidence=f"403 KeyAccessDenied: {str(refused.value)[:140]}; 401 for the other "
                  "audience")
+
+
+def test_the_key_service_answers_from_aws_kms(world: World, local_kms: LocalKms) -> None:
+    """HERMIT_SEAL_KMS_KEY_ID: the same service and rules, the KEK in KMS."""
+    kms_client = local_kms.client()
+    key = kms_client.create_key()["KeyMetadata"]["KeyId"]
+    mac = kms_client.create_key(KeySpec="HMAC_256", KeyUsage="GENERATE_VERIFY_MAC")
+    kw = AwsKmsWrapper(kms_client, key, mac["KeyMetadata"]["KeyId"])
+    ring = world.server, world.url
+    world.start_service(keyservice.KeyService(kw, Kube(world.admin), callers=[AGENT],
+                                              audience=AUDIENCE))
+    try:
+        node_a = world.wrapper(NODES[0])
+        assert node_a.current_key_id() == key
+        ctx, dek = world.context("box-a"), new_dek()
+        wrapped = node_a.wrap(dek, ctx.sandbox_bytes())
+        assert wrapped.key_id == key
+        assert kw.unwrap(wrapped, ctx.sandbox_bytes()) == dek  # KMS wrapped it
+        assert node_a.unwrap(wrapped, ctx.sandbox_bytes()) == dek
+        # What KMS refuses is refused through the service: box-a's key for "source"
+        # (which node A may read), or a key record from the Secret's keyring.
+        with pytest.raises(CheckpointRefused, match=f"KMS key '{key}' does not open"):
+            node_a.unwrap(wrapped, world.context("source").sandbox_bytes())
+        _, ring_wrapped, _ = _stored_key(world, "box-a")
+        with pytest.raises(CheckpointRefused, match="KMS refused Decrypt with key 'k1'"):
+            node_a.unwrap(ring_wrapped, ctx.sandbox_bytes())
+        # The node rule holds before KMS is asked.
+        with pytest.raises(KeyAccessDenied, match="neither runs nor restores"):
+            world.wrapper(NODES[1]).unwrap(wrapped, ctx.sandbox_bytes())
+        signed = b"hermit/manifest/v2\0" + json.dumps(
+            {"context": {"namespace": TENANTS, "sandbox": "box-a",
+                         "sandbox_uid": ctx.sandbox_uid}}).encode()
+        signature = node_a.sign(key, signed)
+        assert node_a.verify(key, signed, signature)
+        assert not node_a.verify(key, signed + b" ", signature)
+    finally:
+        world.stop_service()
+        world.server, world.url = ring

@@ -89,6 +89,10 @@ def test_crds_only_install_needs_no_bucket() -> None:
      "operator.podPolicy.serviceAccounts.0"),
     ({"operator": {"podPolicy": {"secretNamespaces": ["team-a/x"]}}},
      "operator.podPolicy.secretNamespaces.0"),
+    ({"nodeAgent": {"sealing": {"kms": {"keyId": "alias/my key"}}}},
+     "nodeAgent.sealing.kms.keyId"),
+    ({"nodeAgent": {"sealing": {"kms": {"endpoint": "kms:443"}}}},
+     "nodeAgent.sealing.kms.endpoint"),
     ({"operatr": {}}, ""),
 ])
 def test_invalid_values_are_rejected(override: Values, where: str) -> None:
@@ -487,6 +491,40 @@ def test_with_the_key_service_only_the_operator_mounts_the_sealing_secret() -> N
     assert "sealing-keys" not in off["op_volumes"]
     assert not any("tokenreviews" in r["resources"] for r in off["op_rules"])
     assert not [d for d in off["docs"] if d["metadata"]["name"].startswith("hermit-keys")]
+
+
+def test_with_kms_the_operator_asks_aws_kms_and_no_pod_mounts_a_kek() -> None:
+    kms = _key_service_parts("nodeAgent.sealing.kms.keyId=alias/hermit",
+                             "nodeAgent.sealing.kms.macKeyId=alias/hermit-mac",
+                             "nodeAgent.sealing.kms.region=eu-west-2")
+    assert {k: v for k, v in kms["op_env"].items() if k.startswith("HERMIT_SEAL_")} == {
+        "HERMIT_SEAL_KMS_KEY_ID": "alias/hermit", "HERMIT_SEAL_KMS_MAC_KEY_ID": "alias/hermit-mac",
+        "HERMIT_SEAL_KMS_REGION": "eu-west-2"}
+    assert "sealing-keys" not in kms["op_volumes"] and "keys-tls" in kms["op_volumes"]
+    assert "sealing-keys" not in kms["agent_volumes"]
+    assert "HERMIT_SEAL_KEY_SERVICE_URL" in kms["agent_env"]
+    # No sealing Secret is generated: the hook Job makes the key service's TLS only.
+    [job] = [d for d in kms["docs"] if d["kind"] == "Job"]
+    assert not [a for a in job["spec"]["template"]["spec"]["containers"][0]["args"]
+                if a.startswith("--sealing")]
+    endpoint = _key_service_parts("nodeAgent.sealing.kms.keyId=k", "networkPolicy.enabled=true",
+                                  "nodeAgent.sealing.kms.endpoint=https://kms.vpce.example:8443")
+    assert endpoint["op_env"]["HERMIT_SEAL_KMS_ENDPOINT"] == "https://kms.vpce.example:8443"
+    # The operator's NetworkPolicy lets it reach KMS (443 for AWS's own endpoint).
+    [op_np] = [d for d in endpoint["docs"] if d["kind"] == "NetworkPolicy"
+               and d["metadata"]["name"] == "hermit-operator"]
+    assert {"port": 8443, "protocol": "TCP"} in [
+        p for r in op_np["spec"]["egress"] for p in r["ports"]]
+    # Node-agents do not call KMS: without the key service the chart refuses.
+    helm = find_helm()
+    assert helm, "helm not found: run hack/install-helm"
+    off = subprocess.run([helm, "template", "hermit", str(CHART),
+                          "--set", "s3.bucket=checkpoints", "--set", AWS_ROLE,
+                          "--set", "nodeAgent.sealing.kms.keyId=k",
+                          "--set", "nodeAgent.sealing.keyService.enabled=false"],
+                         capture_output=True, text=True, timeout=60)
+    assert off.returncode != 0
+    assert "nodeAgent.sealing.kms.keyId needs the key service" in off.stderr
 
 
 def test_with_the_key_service_node_agents_get_no_bucket_credential() -> None:

@@ -128,7 +128,12 @@ service, unless s3.sharedNodeCredentials falls back to the shared credential. */
 {{/* hermit.s3Port: the TCP port of s3.endpoint (443 for https and for AWS S3 itself,
      80 for http without a port). */}}
 {{- define "hermit.s3Port" -}}
-{{- $url := urlParse (default "https://s3.amazonaws.com" .Values.s3.endpoint) -}}
+{{- include "hermit.urlPort" (default "https://s3.amazonaws.com" .Values.s3.endpoint) -}}
+{{- end -}}
+
+{{/* hermit.urlPort: the TCP port of a URL (443 for https, 80 for http without a port). */}}
+{{- define "hermit.urlPort" -}}
+{{- $url := urlParse . -}}
 {{- $port := regexFind ":[0-9]+$" $url.host | trimPrefix ":" -}}
 {{- if $port -}}
 {{- $port -}}
@@ -164,7 +169,18 @@ asks for it, and both components are installed. */}}
 {{/* The sealing Secret is the chart's to create (by the hook Job) unless it is the user's. */}}
 {{- define "hermit.sealing.generated" -}}
 {{- $s := .Values.nodeAgent.sealing -}}
-{{- if and .Values.nodeAgent.enabled $s.enabled (not $s.existingSecret) -}}true{{- end -}}
+{{- if and .Values.nodeAgent.enabled $s.enabled (not $s.existingSecret) (not (include "hermit.sealing.kms" .)) -}}true{{- end -}}
+{{- end -}}
+
+{{/* AWS KMS holds the KEK (docs/security.md#a-cloud-kms): only through the key service. */}}
+{{- define "hermit.sealing.kms" -}}
+{{- $s := .Values.nodeAgent.sealing -}}
+{{- if and $s.enabled $s.kms.keyId -}}
+{{- if not (include "hermit.keyService.enabled" .) -}}
+{{- fail "nodeAgent.sealing.kms.keyId needs the key service (nodeAgent.sealing.keyService.enabled, with operator.enabled and nodeAgent.enabled): node-agents do not call KMS (docs/security.md#a-cloud-kms)" -}}
+{{- end -}}
+true
+{{- end -}}
 {{- end -}}
 
 {{/* hermit.notSpot: matchExpressions that exclude every provider's spot nodes (the labels
