@@ -101,6 +101,10 @@ class CheckpointStore:
         """Downloads read chunk objects from it first (chunkcache.py)."""
         return self._downloader.cache
 
+    def _cache_name(self, key: str) -> str:
+        """The chunk cache's entry name of the object at ``key`` (``Downloader.cache_name``)."""
+        return self._downloader.cache_name(key)
+
     def _s3(self, key: str, reads: tuple[str, ...] = ()) -> Any:
         """The client for a request on ``key`` (``Objects.s3``)."""
         return self._objects.s3(key, reads)

@@ -283,7 +283,8 @@ class Downloader:
 
     # -- the node-local chunk cache (chunkcache.py) ------------------------------------
 
-    def _cache_name(self, key: str) -> str:
+    def cache_name(self, key: str) -> str:
+        """The cache entry name of the object at ``key`` (its endpoint and bucket too)."""
         return chunkcache.entry_name(f"{self.objects.endpoint}\n{self.objects.settings.bucket}",
                                      key)
 
@@ -293,7 +294,7 @@ class Downloader:
         not there or fails (a failed entry is deleted: the caller fetches it from S3)."""
         if self.cache is None:
             return None
-        entry = self._cache_name(key)
+        entry = self.cache_name(key)
         compressed = self.cache.get(entry)
         if compressed is None:
             return None
@@ -310,7 +311,7 @@ class Downloader:
 
     def _cache_put(self, key: str, compressed: bytes, tally: CacheTally | None) -> bool:
         """Keeps a verified chunk object in the cache (when there is one)."""
-        if self.cache is None or not self.cache.put(self._cache_name(key), compressed):
+        if self.cache is None or not self.cache.put(self.cache_name(key), compressed):
             return False
         if tally is not None:
             tally.stored(len(compressed))
@@ -337,7 +338,7 @@ class Downloader:
                 return
             name = object_name(at.cipher, digest)
             key = self.objects.chunk_key(namespace, sandbox, name)
-            if self._cache_name(key) in cache:
+            if self.cache_name(key) in cache:
                 return
             where = f"checkpoint {namespace}/{checkpoint}: chunk {digest}"
             try:
