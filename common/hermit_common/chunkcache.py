@@ -4,7 +4,7 @@ the chunk cache").
 An entry is the stored object of one chunk, byte for byte (compressed and, in a sealed
 store, sealed), filed under a name derived from where it lives in the store (endpoint,
 bucket and object key). The cache is an optimisation only: whoever reads an entry verifies
-it exactly as a download from S3 is verified (``store._fetch_chunk``), and drops an entry
+it exactly as a download from S3 is verified (``store.download``), and drops an entry
 that fails (``discard``). Entries are written atomically (a temporary file, then a
 rename); temporary files left by an earlier run are deleted when the cache opens. The
 total size is bounded: the least recently used entries go first.

@@ -1,6 +1,25 @@
 """Turning botocore exceptions into Hermit errors with one line that says what failed.
 
-Messages name the endpoint, bucket and key, never credentials or signed URLs.
+Messages name the endpoint, bucket and key, never credentials or signed URLs. Errors are
+classed by what the failure means, as kubeapi.py classes the API server's:
+
+======================== ============================================ =====================
+error                    when                                         what a caller does
+======================== ============================================ =====================
+StoreNotFound            NoSuchKey, NotFound, 404                     the object is not
+                                                                      there
+StorePreconditionFailed  PreconditionFailed, 412,                     a conditional write
+                         ConditionalRequestConflict                   found an object
+StoreForbidden           AccessDenied, 403, bad or expired keys       credentials or policy
+StoreThrottled           SlowDown                                     retry later, slower
+StoreTransient           5xx, InternalError, RequestTimeout, ...;     retry later
+                         network errors, timeouts
+StoreUnavailable         the base class; alone for any other error
+                         (NoSuchBucket, no credentials, ...)
+======================== ============================================ =====================
+
+A missing bucket stays a plain StoreUnavailable: it is the store that is missing, not an
+object in it.
 """
 
 from __future__ import annotations
@@ -22,21 +41,46 @@ from botocore.exceptions import (
 from hermit_common.errors import CheckpointFailed, CheckpointRefused, HermitError, StoreUnavailable
 
 NOT_FOUND_CODES: Final = frozenset({"NoSuchKey", "404", "NotFound"})
+_THROTTLED_CODES: Final = frozenset({"SlowDown"})
 _DENIED_CODES: Final = frozenset({
     "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "Forbidden",
     "AllAccessDisabled", "ExpiredToken", "InvalidToken",
 })
 # Errors worth another try after botocore's own retries gave up.
-_TRANSIENT_CODES: Final = frozenset({
-    "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout",
+_TRANSIENT_CODES: Final = _THROTTLED_CODES | frozenset({
+    "ServiceUnavailable", "InternalError", "RequestTimeout",
     "RequestTimeTooSkewed", "500", "502", "503", "504", "XMinioServerNotInitialized",
 })
 
+
+# Failures on the way to or from the endpoint: transient.
+_NETWORK_ERRORS: Final = (EndpointConnectionError, ConnectionClosedError, ConnectTimeoutError,
+                          ReadTimeoutError, ConnectionError, TimeoutError)
 
 # A conditional PUT (If-None-Match) found an object: 412 on S3 and MinIO; 409 when another
 # conditional write of the same key is under way.
 _PRECONDITION_CODES: Final = frozenset({"PreconditionFailed", "412",
                                         "ConditionalRequestConflict"})
+
+
+class StoreNotFound(StoreUnavailable):
+    """The object (key) does not exist."""
+
+
+class StorePreconditionFailed(StoreUnavailable):
+    """A conditional request was refused because its condition did not hold."""
+
+
+class StoreForbidden(StoreUnavailable):
+    """The credentials are not accepted, or the policy does not allow the request."""
+
+
+class StoreTransient(StoreUnavailable):
+    """The store is unavailable for now (5xx, network, timeout): another attempt may work."""
+
+
+class StoreThrottled(StoreTransient):
+    """The store asked for fewer requests (SlowDown)."""
 
 
 class CheckpointNotFound(CheckpointRefused):
@@ -69,8 +113,7 @@ def is_transient(exc: BaseException) -> bool:
     """True for failures another attempt may fix (network, throttling, 5xx)."""
     if isinstance(exc, ClientError):
         return error_code(exc) in _TRANSIENT_CODES
-    return isinstance(exc, (EndpointConnectionError, ConnectionClosedError, ConnectTimeoutError,
-                            ReadTimeoutError, ConnectionError, TimeoutError))
+    return isinstance(exc, _NETWORK_ERRORS)
 
 
 def _root_reason(exc: BaseException) -> str:
@@ -99,11 +142,24 @@ def _root_reason(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+def _code_class(code: str) -> type[StoreUnavailable]:
+    """The error class of an S3 error code that is neither a denial nor a missing object."""
+    if code in _PRECONDITION_CODES:
+        return StorePreconditionFailed
+    if code in _THROTTLED_CODES:
+        return StoreThrottled
+    if code in _TRANSIENT_CODES:
+        return StoreTransient
+    return StoreUnavailable
+
+
 def to_hermit_error(exc: BaseException, *, endpoint: str, bucket: str, key: str,
                     action: str) -> HermitError:
     """Maps a botocore (or socket) exception to a HermitError with a one-line message.
 
-    ``action`` is a short verb phrase, e.g. "upload chunk" or "read manifest".
+    ``action`` is a short verb phrase, e.g. "upload chunk" or "read manifest". The
+    error's class says what the failure means (the table above); a HermitError passes
+    through unchanged.
     """
     if isinstance(exc, HermitError):
         return exc
@@ -114,18 +170,17 @@ def to_hermit_error(exc: BaseException, *, endpoint: str, bucket: str, key: str,
             return StoreUnavailable(
                 f"cannot {action}: bucket {bucket!r} does not exist at {endpoint}")
         if code in _DENIED_CODES:
-            return StoreUnavailable(
+            return StoreForbidden(
                 f"cannot {action} {where}: access denied by {endpoint} ({code})")
         if code in NOT_FOUND_CODES:
-            return StoreUnavailable(f"cannot {action} {where}: not found")
+            return StoreNotFound(f"cannot {action} {where}: not found")
         message = str(exc.response.get("Error", {}).get("Message") or "").splitlines()
         detail = f": {message[0]}" if message and message[0] else ""
-        return StoreUnavailable(f"cannot {action} {where}: S3 error {code}{detail}")
+        return _code_class(code)(f"cannot {action} {where}: S3 error {code}{detail}")
     if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
         return StoreUnavailable(f"cannot {action} {where}: no S3 credentials configured")
-    if isinstance(exc, (EndpointConnectionError, ConnectTimeoutError, ConnectionClosedError,
-                        ReadTimeoutError, ConnectionError, TimeoutError)):
-        return StoreUnavailable(f"cannot reach S3 endpoint {endpoint}: {_root_reason(exc)}")
+    if isinstance(exc, _NETWORK_ERRORS):
+        return StoreTransient(f"cannot reach S3 endpoint {endpoint}: {_root_reason(exc)}")
     if isinstance(exc, BotoCoreError):
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return StoreUnavailable(f"cannot {action} {where}: {first}")

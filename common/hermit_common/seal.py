@@ -1,7 +1,7 @@
 """Sealed checkpoints: client-side encryption and signing of chunks and manifests.
 
 Pure functions and small classes over the ``cryptography`` library; the store
-(store.py) decides what goes where on S3. See docs/security.md, "Sealed checkpoints".
+(the store package) decides what goes where on S3. See docs/security.md, "Sealed checkpoints".
 
 - Each sandbox (namespace, name, uid) has a random 32-byte data key (DEK), kept on S3
   only wrapped by a key-encryption key (KEK) through a ``KeyWrapper``. The shipped

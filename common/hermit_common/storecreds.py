@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from hermit_common.errors import StoreUnavailable
-from hermit_common.store import check_name
+from hermit_common.store.objects import check_name
 
 # What a node-agent does in a sandbox's prefix: upload (list, put, copy), restore and
 # prefetch (get), garbage collection (list, delete). Nothing bucket-wide.

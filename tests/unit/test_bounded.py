@@ -158,7 +158,7 @@ def test_gc_skips_an_oversize_manifest_with_a_warning_and_goes_on(
 def test_a_manifest_too_large_to_read_back_fails_its_upload() -> None:
     import inspect
 
-    from hermit_common import store as store_module
+    from hermit_common.store import upload
 
     # The upload refuses to write what no reader would accept (checked on the JSON).
-    assert "MAX_MANIFEST_BYTES" in inspect.getsource(store_module.CheckpointStore._finish)
+    assert "MAX_MANIFEST_BYTES" in inspect.getsource(upload.Uploader.finish)

@@ -33,6 +33,7 @@ OPERATOR_PURE = "the operator's decisions are pure: no kopf, no Kubernetes clien
 OPERATOR_LAYERS = "the operator's layers: entry points, servers, driver, adapters, decisions"
 COMMON_LAYERS = "hermit_common's layers: clients, formats and rules, vocabulary"
 TWO_SIDES = "the checkpoint side and the restore side share only the manifest format"
+STORE_LAYERS = "the store's layers: uploads and downloads, data keys, chunks, objects"
 
 
 def _lint(cwd: Path, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -70,7 +71,8 @@ def test_the_project_keeps_every_import_rule() -> None:
     result = _lint(REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert "0 broken" in result.stdout
-    for contract in (NODE_LAYERS, OPERATOR_LAYERS, COMMON_LAYERS, TWO_SIDES, WATCHERS):
+    for contract in (NODE_LAYERS, OPERATOR_LAYERS, COMMON_LAYERS, TWO_SIDES, WATCHERS,
+                     STORE_LAYERS):
         assert f"{contract} KEPT" in result.stdout, result.stdout[-3000:]
 
 
@@ -104,6 +106,9 @@ def test_the_project_keeps_every_import_rule() -> None:
      "hermit_operator.podspec -> hermit_operator.driver"),
     ("hermit_common/errors.py", "import hermit_common.store", COMMON_LAYERS,
      "hermit_common.errors -> hermit_common.store"),
+    # the store's S3 objects import the upload above them
+    ("hermit_common/store/objects.py", "from hermit_common.store import upload", STORE_LAYERS,
+     "hermit_common.store.objects -> hermit_common.store.upload"),
 ])
 def test_a_forbidden_import_breaks_its_rule(tmp_path: Path, module: str, injected: str,
                                             contract: str, reported: str) -> None:

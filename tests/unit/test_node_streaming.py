@@ -72,7 +72,7 @@ def test_the_streamer_stages_final_chunks_as_the_dump_writes_them(tmp_path: Path
 def test_a_failed_staged_put_is_uploaded_again_by_finish() -> None:
     """Chunk a's PUT failed after claiming its name; b (same content) took it for
     uploaded. Settling before finish forgets both, so finish uploads that content."""
-    from hermit_common.store import _settle_staged, _UploadState
+    from hermit_common.store.upload import _settle_staged, _UploadState
 
     state = _UploadState({"old": 10}, None)
     state.claimed |= {"x", "y"}

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from hermit_common.errors import StoreUnavailable
-from hermit_common.store import Deferred, _Location
+from hermit_common.store import Deferred
+from hermit_common.store.download import _Location
 
 C = 4
 
