@@ -159,12 +159,28 @@ def wait_running(kube: Kube, ns: str, name: str, *, restores: int = 0, avoid: st
     return wait_until(f"sandbox {name} Running (restores >= {restores})", timeout, probe)
 
 
+# assert_sound's default: the restore generation the workload reports equals the sandbox's
+# status.restores (a fork's process image carries its original's count: pass it).
+GEN_FROM_STATUS = -1
+# The workload's stall window (HERMIT_STALL_MS, its default) and the ticks a stall also
+# needs (STALL_TICKS in stateful.c); the memory it verifies per tick (HERMIT_WORKLOAD_VERIFY_MB).
+STALL_MS = 5000
+STALL_TICKS = 3
+VERIFY_MB = 64
+# What the workload prints on stderr that is no failure (stateful.c): everything else
+# after its "hermit-stateful: " prefix is a broken invariant or a lost child.
+_WORKLOAD_PREFIX = "hermit-stateful: "
+_WORKLOAD_FINE = ("ok ", "restore detected")
+
+
 def assert_continues(kube: Kube, ns: str, pod: str, before: int, *,
-                     exact: bool = True) -> list[int]:
+                     exact: bool = True, gen: int | None = GEN_FROM_STATUS) -> list[int]:
     """The restored pod's ticks continue the counter (not from 1), without a gap, and the
     workload's own checks hold (it answers, with its child and its database in step).
     ``exact``: its first tick follows ``before`` (a stopping checkpoint froze the tree at
-    ``before``), else it may start earlier (a routine checkpoint, then a loss)."""
+    ``before``), else it may start earlier (a routine checkpoint, then a loss). Then it is
+    still sound past the workload's stall window (``assert_sound``; ``gen``: the restore
+    generation it must report, by default the sandbox's status.restores; None: any)."""
     def enough() -> list[int] | None:
         t = ticks(kube, ns, pod)
         return t if len(t) >= 10 else None
@@ -180,7 +196,62 @@ def assert_continues(kube: Kube, ns: str, pod: str, before: int, *,
     assert int(answer.get("counter", "0")) >= seen[-1], answer
     if "db" in answer:
         assert int(answer["db"]) >= int(answer["counter"]) - 1, f"database behind: {answer}"
+    assert_sound(kube, ns, pod, seen[0], answer, gen=gen)
     return seen
+
+
+def workload_failures(log: str) -> list[str]:
+    """The lines of a workload's log that report a broken invariant."""
+    return [line for line in log.splitlines() if line.startswith(_WORKLOAD_PREFIX)
+            and not line[len(_WORKLOAD_PREFIX):].startswith(_WORKLOAD_FINE)]
+
+
+def ticks_to_be_sound(mem_mb: int) -> int:
+    """Ticks after the first restored one by which every self-check has had its chance:
+    a stall of the worker thread or the child's echo has tripped, and the whole memory
+    pattern has been verified once (the workload exits on any of them)."""
+    return -(-STALL_MS // TICK_MS) + STALL_TICKS + -(-mem_mb // VERIFY_MB) + 2
+
+
+def assert_sound(kube: Kube, ns: str, pod: str, first: int, answer: dict[str, str], *,
+                 gen: int | None = GEN_FROM_STATUS) -> None:
+    """Past the workload's stall window after its first restored tick ``first``: its
+    container still runs, never restarted, its log has no failure line, and its answer
+    shows the worker thread and the child's echo advanced since ``answer`` (the echo a
+    tick or two behind the counter) and the restore generation ``gen``
+    (GEN_FROM_STATUS: the sandbox's status.restores; None: not checked)."""
+    manifest = kube.pod(ns, pod) or {}
+    env = {e["name"]: e.get("value", "") for c in manifest.get("spec", {}).get(
+        "containers", []) for e in c.get("env") or []}
+    mem_mb = int(env.get("HERMIT_WORKLOAD_MEM_MB") or 0)
+    target = first + ticks_to_be_sound(mem_mb)
+    wait_until(f"pod {pod} past tick {target} (its stall window and a whole memory pass)",
+               60 + mem_mb / VERIFY_MB, lambda: (t := ticks(kube, ns, pod)) and t[-1] >= target)
+    log = kube.pod_log(ns, pod)
+    assert not workload_failures(log), f"the workload in {pod} failed: {workload_failures(log)}"
+    statuses = ((kube.pod(ns, pod) or {}).get("status") or {}).get("containerStatuses") or []
+    for c in statuses:
+        assert "running" in (c.get("state") or {}) and not c.get("restartCount"), (
+            f"container {c.get('name')} of {pod} is not running as it started: {c}")
+    later = ask(ns, pod)
+    counter = int(later.get("counter", "0"))
+    for key in ("threads", "seq"):
+        assert key in later and int(later[key]) > int(answer.get(key, "0")), (
+            f"{key} did not advance in {pod}: {answer} then {later}")
+    assert counter - 2 <= int(later["seq"]) <= counter, f"echo out of step: {later}"
+    if gen == GEN_FROM_STATUS:
+        name = labels_of_pod(manifest).get(protocol.LABEL_SANDBOX, "")
+        assert name, f"pod {pod} has no {protocol.LABEL_SANDBOX} label"
+        gen = int(status(ns, name).get("restores") or 0)
+    if gen is not None:
+        assert int(later.get("gen", "-1")) == gen, (
+            f"the workload counts restore generation {later.get('gen')}, expected {gen}: "
+            f"{later}")
+
+
+def labels_of_pod(pod: Obj) -> dict[str, str]:
+    labels: dict[str, str] = (pod.get("metadata") or {}).get("labels") or {}
+    return labels
 
 
 def ledger_verdict(name: str, *, after: int = 0, timeout: float = 30) -> ledger.Verdict:

@@ -102,7 +102,9 @@ def test_three_preemptions_in_a_row_then_suspend_resume_and_fork(
     sb.create_sandbox(namespace, fork, sb.stateful_spec(
         e2e_config.sandbox_image, restoreFrom=suspend["metadata"]["name"]))
     forked = sb.wait_running(kube, namespace, fork, restores=1, min_ticks=1)
-    fork_ticks = sb.assert_continues(kube, namespace, forked.pod, seen[0] - 1)
+    # The fork's process image counts its original's three restores before the Suspend
+    # checkpoint, and its own: generation 4 (its status says 1 restore, its own).
+    fork_ticks = sb.assert_continues(kube, namespace, forked.pod, seen[0] - 1, gen=4)
     assert sb.status(namespace, name)["phase"] == "Running", "the original keeps running"
     # The fork reports from the tick after the Suspend checkpoint's, under its own name
     # (its pod's hostname) or, when the restore kept the dumped hostname, the original's,
