@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -264,6 +265,7 @@ RELEASE_NS = "hermit-e2e"
 POD_POLICY_PROFILE = os.environ.get("HERMIT_E2E_POD_POLICY_PROFILE", "baseline")
 BUCKET = "hermit-e2e"
 LOCAL_CLUSTER_HOST = "10.213.0.1"  # hack/cluster's host bridge: pods reach it
+LOCAL_CLUSTER_BRIDGE = "hermit-br0"  # that bridge (hack/cluster.d/env.sh BRIDGE)
 
 
 # Where the sandboxes' pods reach this test process: the external tick ledger listens there
@@ -307,6 +309,25 @@ class S3:
             pytest.fail("this test stops S3: it needs the MinIO the tests start "
                         "(unset HERMIT_E2E_S3_ENDPOINT)")
         stop_minio(self.server)
+
+    @contextmanager
+    def black_holed(self) -> Iterator[None]:
+        """While the block runs, every packet the local cluster's nodes send to this S3
+        is dropped (an iptables rule on the host bridge): connections hang, nothing is
+        refused, as behind a network partition or a dead load balancer. The test process
+        itself still reaches it (over loopback)."""
+        if self.server is None:
+            pytest.fail("this test cuts S3 off: it needs the MinIO the tests start "
+                        "(unset HERMIT_E2E_S3_ENDPOINT)")
+        port = self.endpoint.rsplit(":", 1)[1]
+        rule = ["INPUT", "-i", LOCAL_CLUSTER_BRIDGE, "-p", "tcp", "--dport", port, "-j", "DROP"]
+        added = subprocess.run(["iptables", "-w", "-I", *rule], capture_output=True,
+                               text=True, check=False)
+        assert added.returncode == 0, f"iptables -I {' '.join(rule)}: {added.stderr}"
+        try:
+            yield
+        finally:
+            subprocess.run(["iptables", "-w", "-D", *rule], capture_output=True, check=False)
 
     def start(self) -> None:
         assert self.server is not None and self.workdir is not None

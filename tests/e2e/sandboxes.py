@@ -337,6 +337,26 @@ def ready_spot_nodes(kube: Kube) -> list[str]:
     return sorted(name_of(n) for n in kube.nodes() if is_ready(n) and is_spot(n))
 
 
+@contextmanager
+def only_schedulable_spot(kube: Kube, node: str) -> Iterator[None]:
+    """While the block runs, every other Ready spot node is cordoned, so new sandboxes
+    land on ``node``; uncordoned afterwards."""
+    others = [n for n in ready_spot_nodes(kube) if n != node]
+    body: Any = {"spec": {"unschedulable": True}}
+    try:
+        for other in others:
+            kube.api.patch_node(other, body)
+        yield
+    finally:
+        body = {"spec": {"unschedulable": False}}
+        for other in others:
+            try:
+                kube.api.patch_node(other, body)
+            except ApiException as exc:
+                if exc.status != 404:  # a node gone meanwhile has nothing to uncordon
+                    raise
+
+
 def ensure_spot_nodes(kube: Kube, cfg: E2EConfig, count: int) -> None:
     """Adds spot nodes until ``count`` are Ready (one at a time: add-node takes a lock)."""
     while len(ready_spot_nodes(kube)) < count:

@@ -53,6 +53,9 @@ def test_node_agent_killed_at_random_points_of_the_checkpoint_upload(
                         outcome, watch, f"kills at {', '.join(kills)}; moved by "
                         f"{ckpt['metadata']['name']}")
     inject.assert_row(row)
+    # The fault must have hit what it targets: a kill while a checkpoint was in flight.
+    assert any(k.endswith(tuple(f"({p})" for p in inject.IN_FLIGHT)) for k in kills), (
+        f"no kill landed while a checkpoint was dumping or uploading: {kills}")
 
 
 def _kill_during_uploads(kube: Kube, ns: str, name: str, release: str, node: str,
@@ -101,6 +104,9 @@ def test_node_agent_killed_at_random_points_of_the_restore(
                         watch, f"kills at {', '.join(kills)}; {ckpt['metadata']['name']}, "
                         f"restore attempts {attempts}")
     inject.assert_row(row)
+    # The fault must have hit what it targets: a kill while a restore was under way.
+    assert any(k.endswith(f"({protocol.RESTORING})") for k in kills), (
+        f"no kill landed while a restore was under way: {kills}")
 
 
 def _kill_during_restores(kube: Kube, ns: str, name: str, release: str, old_pod: str,

@@ -28,6 +28,7 @@ Obj = dict[str, Any]
 
 NOTICE_SECONDS = 40
 S3_OUTAGE_S = (12.0, 18.0)  # how long the store stays down during an upload (random)
+S3_BLACK_HOLE_S = (20.0, 30.0)  # how long its packets are dropped during an upload (random)
 
 
 def test_operator_killed_during_a_migration_completes_it_once(
@@ -56,6 +57,8 @@ def test_operator_killed_during_a_migration_completes_it_once(
             lease = coordination.read_namespaced_lease("hermit-operator", hermit_release)
             leader = lease.spec.holder_identity
             kube.api.delete_namespaced_pod(leader, hermit_release, grace_period_seconds=0)
+            # What the kill must land in: the move, before the sandbox runs again.
+            moved_at_kill = int(sb.status(namespace, name).get("restores") or 0)
             _, last = inject.durable_then_last_tick(namespace, name, watch,
                                                     NOTICE_SECONDS)
             outcome = verdict.judge(kube, namespace, name, last, restores=1,
@@ -67,6 +70,7 @@ def test_operator_killed_during_a_migration_completes_it_once(
                             f"leader {leader} killed +{delay:.2f}s; {new_leader} took over; "
                             f"restores {restores}")
         inject.assert_row(row)
+        assert moved_at_kill == 0, "the kill came after the sandbox was restored"
         assert new_leader != leader, "the killed operator still holds the Lease"
         assert restores == 1, "moved more than once"
     finally:
@@ -107,6 +111,34 @@ def test_s3_stopped_during_the_upload(
     row = inject.record(ledger, "S3 stopped during upload", 1, outcome, watch,
                         f"down {outage:.1f}s from {first['metadata']['name']} Uploading "
                         f"(then {at}); moved by {ckpt['metadata']['name']}")
+    inject.assert_row(row)
+
+
+def test_s3_black_holed_during_the_upload(
+    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig, s3_for_pods: S3,
+    ledger: Ledger,
+) -> None:
+    """Every packet from the nodes to S3 is dropped while the stopping checkpoint
+    uploads, for a random 20-30 s: the connections under way hang and new ones get no
+    answer, nothing is refused. The requests time out or resume once packets flow again;
+    the checkpoint is durable within the 90 s notice and the sandbox moves with nothing
+    lost. The outage must overlap the upload: it is still Uploading when the outage ends."""
+    random = inject.rng("S3 black-holed during the upload")
+    name, where = inject.start(kube, e2e_config, hermit_release, namespace, mem_mb=BIG)
+    with inject.preempting(kube, e2e_config, hermit_release, namespace, name, where, 90) as watch:
+        first = wait_until("the Preemption checkpoint uploading", 60, lambda: inject.
+                           preemption_checkpoint(namespace, name, ("Uploading",)), 0.05)
+        outage = random.uniform(*S3_BLACK_HOLE_S)
+        with s3_for_pods.black_holed():
+            time.sleep(outage)  # the outage itself
+            at = inject.phase_of(namespace, first["metadata"]["name"])
+        ckpt, last = inject.durable_then_last_tick(namespace, name, watch, 100)
+        outcome = verdict.judge(kube, namespace, name, last, restores=1,
+                                avoid=where.node, timeout=240)
+    row = inject.record(ledger, "S3 black-holed during upload", 1, outcome, watch,
+                        f"packets dropped {outage:.1f}s from {first['metadata']['name']} "
+                        f"Uploading (then {at}); moved by {ckpt['metadata']['name']}")
+    assert at == "Uploading", f"the outage missed the upload: {at} when it ended"
     inject.assert_row(row)
 
 
@@ -161,6 +193,8 @@ def test_api_server_restarted_during_a_migration(
                                                            "Completed")), 0.05)
         delay = random.uniform(0, 2.0)
         time.sleep(delay)  # the injection point itself
+        # What the restart must land in: the move, before the sandbox runs again.
+        moved_at_restart = int(sb.status(namespace, name).get("restores") or 0)
         started = time.monotonic()
         restart = subprocess.run([str(REPO / "hack/cluster"), "restart-apiserver"],
                                  capture_output=True, text=True, timeout=180,
@@ -175,6 +209,7 @@ def test_api_server_restarted_during_a_migration(
                         f"restarted +{delay:.2f}s into the checkpoint, ready again after "
                         f"{down}s; moved by {ckpt['metadata']['name']}, restores {restores}")
     inject.assert_row(row)
+    assert moved_at_restart == 0, "the restart came after the sandbox was restored"
     assert restores == 1, "moved more than once"
 
 
