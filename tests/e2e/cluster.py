@@ -329,6 +329,36 @@ class S3:
         finally:
             subprocess.run(["iptables", "-w", "-D", *rule], capture_output=True, check=False)
 
+    @contextmanager
+    def slowed_from(self, node: str, mbit: int) -> Iterator[None]:
+        """While the block runs, what ``node`` of the local cluster sends to this S3 goes
+        at most ``mbit`` Mbit/s (an HTB class for its port on the node's uplink, in the
+        node's network namespace hermit-<node>: hack/cluster's layout); the rest of its
+        traffic is untouched."""
+        if self.server is None:
+            pytest.fail("this test slows S3 down: it needs the MinIO the tests start "
+                        "(unset HERMIT_E2E_S3_ENDPOINT)")
+        port = self.endpoint.rsplit(":", 1)[1]
+        tc = ["ip", "netns", "exec", f"hermit-{node}", "tc"]
+        steps = [
+            ["qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "20"],
+            ["class", "add", "dev", "eth0", "parent", "1:", "classid", "1:10", "htb",
+             "rate", f"{mbit}mbit", "ceil", f"{mbit}mbit"],
+            ["class", "add", "dev", "eth0", "parent", "1:", "classid", "1:20", "htb",
+             "rate", "10gbit"],
+            ["filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "u32",
+             "match", "ip", "dport", port, "0xffff", "flowid", "1:10"],
+        ]
+        try:
+            for step in steps:
+                done = subprocess.run([*tc, *step], capture_output=True, text=True,
+                                      check=False)
+                assert done.returncode == 0, f"tc {' '.join(step)} on {node}: {done.stderr}"
+            yield
+        finally:
+            subprocess.run([*tc, "qdisc", "del", "dev", "eth0", "root"], capture_output=True,
+                           check=False)
+
     def start(self) -> None:
         assert self.server is not None and self.workdir is not None
         port = int(self.endpoint.rsplit(":", 1)[1])

@@ -29,6 +29,7 @@ Obj = dict[str, Any]
 NOTICE_SECONDS = 40
 S3_OUTAGE_S = (12.0, 18.0)  # how long the store stays down during an upload (random)
 S3_BLACK_HOLE_S = (20.0, 30.0)  # how long its packets are dropped during an upload (random)
+S3_SLOW_MBIT = 64  # the node's uplink to S3 under a notice: 8 MB/s, ~50 s for BIG memory
 
 
 def test_operator_killed_during_a_migration_completes_it_once(
@@ -140,6 +141,36 @@ def test_s3_black_holed_during_the_upload(
                         f"Uploading (then {at}); moved by {ckpt['metadata']['name']}")
     assert at == "Uploading", f"the outage missed the upload: {at} when it ended"
     inject.assert_row(row)
+
+
+def test_s3_slow_for_the_whole_notice(
+    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig, s3_for_pods: S3,
+    ledger: Ledger,
+) -> None:
+    """The preempted node's uploads to S3 go at 64 Mbit/s from before the notice until
+    the node is gone: the stopping checkpoint of 384 MiB of memory takes most of a 90 s
+    notice (the tree stays frozen meanwhile), no request gives up on a slow but moving
+    connection, and the sandbox moves with nothing lost."""
+    name, where = inject.start(kube, e2e_config, hermit_release, namespace, mem_mb=BIG)
+    with s3_for_pods.slowed_from(where.node, S3_SLOW_MBIT), inject.preempting(
+            kube, e2e_config, hermit_release, namespace, name, where, 90) as watch:
+        started = time.monotonic()
+        ckpt, last = inject.durable_then_last_tick(namespace, name, watch, 100)
+        durable = sb.since(started)
+        outcome = verdict.judge(kube, namespace, name, last, restores=1,
+                                avoid=where.node, timeout=240)
+    stats = ckpt["status"]
+    uploaded = int(stats.get("uploadedBytes") or 0)
+    upload_s = int(stats.get("uploadMs") or 0) / 1000
+    # The fault must have landed: at that rate, its bytes take this long at least.
+    floor_s = uploaded * 8 / (S3_SLOW_MBIT * 1e6)
+    row = inject.record(ledger, "S3 slow for the whole notice", 1, outcome, watch,
+                        f"{S3_SLOW_MBIT} Mbit/s from {where.node}: {uploaded / 2**20:.0f} MiB "
+                        f"uploaded in {upload_s:.1f}s (>= {floor_s:.1f}s at that rate), "
+                        f"durable {durable}s into the notice, moved by "
+                        f"{ckpt['metadata']['name']}")
+    inject.assert_row(row)
+    assert floor_s >= 10 and upload_s >= 0.8 * floor_s, f"the upload was not slowed: {row.note}"
 
 
 def test_s3_stopped_during_the_restore(
