@@ -467,6 +467,12 @@ class Demo:
             "AWS_ACCESS_KEY_ID": self.minio.access_key,
             "AWS_SECRET_ACCESS_KEY": self.minio.secret_key}}
         self.kube.core.create_namespaced_secret(RELEASE_NS, secret)
+        # The chart installs the CRDs; ones another release (the e2e tier's) or an older
+        # chart left would be refused without this release's ownership.
+        adopted = subprocess.run([str(REPO / "hack" / "adopt-crds"), RELEASE, RELEASE_NS],
+                                 capture_output=True, text=True, check=False)
+        if adopted.returncode != 0:
+            raise DemoError(f"hack/adopt-crds failed: {adopted.stdout}{adopted.stderr}")
         argv = [HELM, "install", RELEASE, str(REPO / "charts/hermit"), "-n", RELEASE_NS,
                 "--set", f"s3.bucket={BUCKET}", "--set", f"s3.endpoint={self.minio.endpoint}",
                 "--set", f"s3.existingSecret={SECRET}",

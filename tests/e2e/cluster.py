@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
@@ -34,6 +33,7 @@ from hermit_testbed.errors import TestbedError
 from hermit_testbed.minio import MinioServer, start_minio, stop_minio
 from tests.support import diagnostics
 from tests.support import ledger as tick_ledger_mod
+from tests.support.crds import CRD_NAMES, adopt_crds
 from tests.support.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -420,23 +420,19 @@ def _apply_secret(kube: Kube, s3: S3) -> None:
         kube.api.replace_namespaced_secret("hermit-s3", RELEASE_NS, secret)
 
 
-def _apply_crds() -> None:
-    """This worktree's CRDs (the API of record): Helm installs a chart's crds/ only when
-    they do not exist yet and never upgrades them, so a cluster that another branch's
-    tests installed would keep its schema (and prune the status fields it lacks)."""
+def _adopt_crds() -> None:
+    """The chart installs and upgrades this worktree's CRDs (templates/crds/, made from
+    crds/), and keeps them on uninstall. CRDs left by another release, by an older chart's
+    crds/ folder or by an older harness that applied them itself carry no ownership of
+    this release, and `helm install` would refuse them: adopt them (hack/adopt-crds)."""
+    adopted = adopt_crds(client.ApiextensionsV1Api(), RELEASE, RELEASE_NS)
+    if adopted:
+        print(f"adopted CRDs into release {RELEASE}: {', '.join(adopted)}")
+
+
+def _wait_crds_established() -> None:
     ext = client.ApiextensionsV1Api()
-    for path in sorted((REPO / "crds").glob("*.yaml")):
-        body: Any = yaml.safe_load(path.read_text())
-        name = body["metadata"]["name"]
-        try:
-            current = ext.read_custom_resource_definition(name)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
-            ext.create_custom_resource_definition(body)
-        else:
-            body["metadata"]["resourceVersion"] = current.metadata.resource_version
-            ext.replace_custom_resource_definition(name, body)
+    for name in CRD_NAMES:
         wait_until(f"CRD {name} Established", 60, lambda n=name: any(
             c.type == "Established" and c.status == "True"
             for c in ext.read_custom_resource_definition(n).status.conditions or []))
@@ -444,13 +440,14 @@ def _apply_crds() -> None:
 
 @pytest.fixture(scope="session")
 def hermit_release(kube: Kube, s3_for_pods: S3, e2e_config: E2EConfig) -> Iterator[str]:
-    """The chart installed with S3 credentials in a Secret, and this worktree's CRDs; the
-    operator on an on-demand node (a spot preemption would restart it); removed afterwards."""
+    """The chart installed with S3 credentials in a Secret, and with it this worktree's CRDs
+    (adopted first when they exist); the operator on an on-demand node (a spot preemption
+    would restart it); removed afterwards (the CRDs stay: crds.keep)."""
     helm = helm_binary()
     env = {**os.environ, "KUBECONFIG": e2e_config.kubeconfig}
     subprocess.run([helm, "uninstall", RELEASE, "-n", RELEASE_NS, "--wait"], env=env,
                    capture_output=True, check=False)
-    _apply_crds()
+    _adopt_crds()
     try:
         body: Any = {"metadata": {"name": RELEASE_NS}}
         kube.api.create_namespace(body)
@@ -479,6 +476,7 @@ def hermit_release(kube: Kube, s3_for_pods: S3, e2e_config: E2EConfig) -> Iterat
          "--wait", "--timeout", "180s"],
         env=env, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, f"helm install failed: {proc.stdout}{proc.stderr}"
+    _wait_crds_established()
     try:
         yield RELEASE_NS
     finally:

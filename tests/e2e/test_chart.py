@@ -1,8 +1,9 @@
 """What the chart promises about its own pods, on a real cluster: both become Ready
 through their readiness probes and answer their liveness probes (a standby operator
 too), the node-agent's root filesystem is read-only while /tmp is writable, and the
-optional NetworkPolicies are accepted by the API server. (That the read-only node-agent
-still checkpoints and restores is what every move test in test_moves.py shows.)"""
+optional NetworkPolicies are accepted by the API server, and the CRDs served are the
+worktree's, owned and kept by the release. (That the read-only node-agent still
+checkpoints and restores is what every move test in test_moves.py shows.)"""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from kubernetes import client
 from kubernetes.stream import stream
 
 from hermit_common.health import LIVENESS_PATH, READINESS_PATH
-from tests.e2e.cluster import REPO, Kube, helm_binary, wait_until
+from tests.e2e.cluster import RELEASE, REPO, Kube, helm_binary, wait_until
+from tests.support.crds import CRDS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -156,3 +158,29 @@ def test_the_network_policies_are_valid_for_the_api_server(
         assert created.spec.pod_selector.match_labels[
             "app.kubernetes.io/component"] == policy["metadata"]["labels"][
             "app.kubernetes.io/component"]
+
+
+def test_the_release_installs_this_worktrees_crds_owns_them_and_keeps_them(
+    kube: Kube, hermit_release: str,
+) -> None:
+    """crds.enabled and crds.keep (docs/operations.md#the-crds): the CRDs served are this
+    worktree's crds/ (the harness adopted any it found, and the chart upgraded them),
+    owned by the release and annotated to outlive `helm uninstall`."""
+    ext = client.ApiextensionsV1Api()
+    for crd in CRDS.values():
+        name = crd["metadata"]["name"]
+        live = ext.read_custom_resource_definition(name)
+        labels, annotations = live.metadata.labels or {}, live.metadata.annotations or {}
+        assert labels.get("app.kubernetes.io/managed-by") == "Helm", name
+        assert annotations.get("meta.helm.sh/release-name") == RELEASE, name
+        assert annotations.get("meta.helm.sh/release-namespace") == hermit_release, name
+        assert annotations.get("helm.sh/resource-policy") == "keep", name
+        for record in crd["spec"]["versions"]:
+            (version,) = [v for v in live.spec.versions if v.name == record["name"]]
+            assert [c.name for c in version.additional_printer_columns or []] == [
+                c["name"] for c in record.get("additionalPrinterColumns", [])], name
+            schema = record["schema"]["openAPIV3Schema"]["properties"]
+            served = version.schema.open_apiv3_schema.properties
+            for part in ("spec", "status"):
+                assert sorted(served[part].properties or {}) == sorted(
+                    schema[part].get("properties", {})), (name, part)

@@ -1,5 +1,6 @@
-"""The CRDs of record (crds/) for the tests: loading them, their schemas, and
-``schema_errors`` (does an object fit its CRD's schema, as the API server judges it)."""
+"""The CRDs of record (crds/) for the tests: loading them, their schemas,
+``schema_errors`` (does an object fit its CRD's schema, as the API server judges it), and
+``adopt_crds`` (hack/adopt-crds through the Kubernetes client, for the e2e release)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 
 import jsonschema
 import yaml
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 from hermit_common import api
 
@@ -43,6 +46,37 @@ def schema_of(crd: Doc) -> Schema:
 
 
 CRDS = load_crds()
+
+CRD_NAMES = sorted(crd["metadata"]["name"] for crd in CRDS.values())
+
+# What Helm checks before it takes an existing object into a release (hack/adopt-crds).
+HELM_MANAGED_BY = ("app.kubernetes.io/managed-by", "Helm")
+HELM_RELEASE_NAME = "meta.helm.sh/release-name"
+HELM_RELEASE_NAMESPACE = "meta.helm.sh/release-namespace"
+
+
+def adopt_crds(ext: client.ApiextensionsV1Api, release: str, namespace: str) -> list[str]:
+    """hack/adopt-crds RELEASE NAMESPACE through ``ext`` (an ApiextensionsV1Api): Helm's
+    ownership on each of Hermit's CRDs that exists, so that `helm install` or `upgrade`
+    of the chart takes it over (and applies its schema) instead of refusing it. Returns
+    the names it changed; idempotent."""
+    changed = []
+    for name in CRD_NAMES:
+        try:
+            meta = ext.read_custom_resource_definition(name).metadata
+        except ApiException as exc:
+            if exc.status == 404:
+                continue  # the chart creates it
+            raise
+        key, value = HELM_MANAGED_BY
+        owner = {HELM_RELEASE_NAME: release, HELM_RELEASE_NAMESPACE: namespace}
+        labels, annotations = (meta.labels or {}, meta.annotations or {}) if meta else ({}, {})
+        if labels.get(key) == value and all(annotations.get(k) == v for k, v in owner.items()):
+            continue
+        ext.patch_custom_resource_definition(
+            name, {"metadata": {"labels": {key: value}, "annotations": owner}})
+        changed.append(name)
+    return changed
 
 KIND_TO_PLURAL = {crd["spec"]["names"]["kind"]: plural for plural, crd in CRDS.items()}
 

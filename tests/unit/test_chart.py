@@ -140,18 +140,64 @@ def test_every_value_is_commented() -> None:
     assert uncommented == []
 
 
-def test_chart_crds_are_byte_identical_copies() -> None:
-    source = {p.name: p.read_bytes() for p in (ROOT / "crds").glob("*.yaml")}
-    copies = {p.name: p.read_bytes() for p in (CHART / "crds").glob("*.yaml")}
-    assert sorted(copies) == sorted(source), "run hack/verify --fix"
-    stale = [name for name in source if copies[name] != source[name]]
-    assert stale == [], "run hack/verify --fix"
+def test_the_chart_has_a_crd_template_for_each_crd_of_record_and_no_crds_folder() -> None:
+    """crds/ is the API of record; hack/verify --fix makes templates/crds/ from it. A
+    crds/ folder in the chart would be installed unowned and never upgraded by Helm."""
+    source = sorted(p.name for p in (ROOT / "crds").glob("*.yaml"))
+    templates = sorted(p.name for p in (CHART / "templates" / "crds").glob("*.yaml"))
+    assert templates == source, "run hack/verify --fix"
+    assert not (CHART / "crds").exists(), "run hack/verify --fix"
+
+
+KEEP = {"helm.sh/resource-policy": "keep"}
+
+
+def _crds(*sets: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in _render(*sets)
+            if d["kind"] == "CustomResourceDefinition"}
+
+
+def _of_record() -> dict[str, dict[str, Any]]:
+    docs = [yaml.safe_load(p.read_text()) for p in sorted((ROOT / "crds").glob("*.yaml"))]
+    return {d["metadata"]["name"]: d for d in docs}
+
+
+def test_the_crds_are_rendered_by_default_as_of_record_and_kept() -> None:
+    """`helm upgrade` updates them (Helm never upgrades a chart's crds/ folder), and
+    `helm uninstall` keeps them: deleting one deletes every AgentSandbox or Checkpoint."""
+    rendered, record = _crds(), _of_record()
+    assert sorted(rendered) == sorted(record) == ["agentsandboxes.hermit.dev",
+                                                  "checkpoints.hermit.dev"]
+    for name, crd in rendered.items():
+        assert crd["metadata"].pop("annotations") == KEEP, name
+        assert crd["spec"] == record[name]["spec"], name
+        assert crd == record[name], name  # nothing else added or lost either
+
+
+def test_crds_keep_false_renders_them_without_the_keep_annotation() -> None:
+    assert _crds("crds.keep=false") == _of_record()
+
+
+def test_crds_enabled_false_renders_no_crd() -> None:
+    assert _crds("crds.enabled=false") == {}
+    assert _crds("crds.enabled=false", "crds.keep=false") == {}
+    assert errors(merged(WITH_BUCKET, {"crds": {"enabled": "yes"}}))
+    assert errors(merged(WITH_BUCKET, {"crds": {"keep": None}}))
+
+
+def test_without_crds_values_the_crds_are_rendered_and_kept() -> None:
+    """`helm upgrade --reuse-values` from a release of an older chart reuses that chart's
+    values, which have no crds: the CRDs are still upgraded and kept."""
+    rendered = _crds("crds=null")
+    assert sorted(rendered) == sorted(_of_record())
+    assert all(c["metadata"]["annotations"] == KEEP for c in rendered.values())
 
 
 # Variables the chart sets that no settings class reads: identity from the downward API
 # and the operator's leader election (its settings are not in hermit_common yet).
 def test_chart_env_names_are_read_by_the_settings() -> None:
-    templates = "\n".join(p.read_text() for p in (CHART / "templates").iterdir())
+    templates = "\n".join(p.read_text() for p in (CHART / "templates").rglob("*")
+                          if p.is_file())
     in_chart = set(re.findall(r"name: (HERMIT_[A-Z0-9_]+)", templates))
     in_settings = set(re.findall(r'"(HERMIT_[A-Z0-9_]+)"', SETTINGS_PY.read_text()))
     assert in_chart <= in_settings, sorted(in_chart - in_settings)
@@ -181,6 +227,8 @@ def test_helm_template_renders() -> None:
         "ServiceAccount", "ServiceAccount", "ServiceMonitor", "ServiceMonitor",
         # the node-agent's node, pod and checkpoint scopes; the operator's verified mark
         *["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"] * 4,
+        # AgentSandbox and Checkpoint (crds.enabled)
+        "CustomResourceDefinition", "CustomResourceDefinition",
     ])
     missing = subprocess.run(
         [helm, "template", "hermit", str(CHART)], capture_output=True, text=True, timeout=60)

@@ -218,3 +218,15 @@ affinity:
             {{- include "hermit.notSpot" . | nindent 12 }}
 {{- end }}
 {{- end -}}
+
+{{/* crds.enabled and crds.keep, "true" or "false"; true when absent: `helm upgrade
+     --reuse-values` from a release of a chart without them keeps that chart's values. */}}
+{{- define "hermit.crds.enabled" -}}
+{{- $crds := .Values.crds | default dict -}}
+{{- ternary "true" "false" (or (not (hasKey $crds "enabled")) (eq $crds.enabled true)) -}}
+{{- end -}}
+
+{{- define "hermit.crds.keep" -}}
+{{- $crds := .Values.crds | default dict -}}
+{{- ternary "true" "false" (or (not (hasKey $crds "keep")) (eq $crds.keep true)) -}}
+{{- end -}}
