@@ -25,8 +25,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from hermit_common import api, logformat, protocol
 from hermit_common import health as http_health
-from hermit_common import logformat, protocol
 from hermit_common import metrics as hermit_metrics
 from hermit_common.bandwidth import UploadLimiter
 from hermit_common.chunkcache import CacheTally, ChunkCache
@@ -79,9 +79,6 @@ WORKERS = 4
 FREEZING = 2
 STATUS_ATTEMPTS = 5
 CLAIM_ATTEMPTS = 3  # claims of one Checkpoint per loop (each 409 re-reads it)
-EVENT_CHECKPOINT_FAILED = "CheckpointFailed"
-# A pod asked for a restore the node-agent refuses to start (planner.restore_authority).
-EVENT_RESTORE_REFUSED = "RestoreRefused"
 # How often the loop looks at a checkpoint in flight on another node that a pod here waits
 # for: a restore starts at most this long after it is Completed.
 REMOTE_POLL_SECONDS = 0.25
@@ -990,7 +987,7 @@ class NodeAgent:
 
     def _event(self, ckpt: KubeObject, message: str) -> None:
         try:
-            self._kube.checkpoint_event(ckpt, "Warning", EVENT_CHECKPOINT_FAILED, message)
+            self._kube.checkpoint_event(ckpt, "Warning", api.REASON_CHECKPOINT_FAILED, message)
         except KubeError as exc:
             log.warning("%s", exc)
 
@@ -1060,7 +1057,7 @@ class NodeAgent:
             protocol.RESTORE_FAILED, verdict.message, retryable=verdict.retryable))
         try:
             self._kube.pod_event(sp.namespace, sp.pod, sp.uid, "Warning",
-                                 EVENT_RESTORE_REFUSED, protocol.one_line(verdict.message))
+                                 api.REASON_RESTORE_REFUSED, protocol.one_line(verdict.message))
         except KubeError as exc:
             log.warning("%s", exc)
         return False
