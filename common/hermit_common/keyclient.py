@@ -38,6 +38,7 @@ from typing import Any, Final
 import requests
 
 from hermit_common.errors import CheckpointRefused, HermitError
+from hermit_common.protocol import one_line
 from hermit_common.seal import KEY_BYTES, Wrapped, b64, unb64
 from hermit_common.settings import KEY_SERVICE_AUDIENCE
 from hermit_common.storecreds import Credentials, StoreCredentialsUnavailable
@@ -246,4 +247,4 @@ def _message(resp: requests.Response) -> str:
         body = None
     text = str(body.get("error")) if isinstance(body, dict) and body.get("error") else \
         resp.reason or ""
-    return " ".join(text.split())[:300]
+    return one_line(text, 300, mark="")

@@ -41,14 +41,14 @@ from kubernetes.config.config_exception import ConfigException
 from hermit_common import api
 from hermit_common.errors import HermitError
 from hermit_common.kubeclient import (
+    DETAIL_LIMIT,
     MERGE_PATCH,
     REQUEST_TIMEOUT,
     KubeUnavailable,
     api_message,
     load_configuration,
-    one_line,
 )
-from hermit_common.protocol import KubeObject
+from hermit_common.protocol import KubeObject, one_line
 
 # Failures on the way to or from the API server (urllib3 wraps most of them in
 # MaxRetryError; sockets and TLS raise OSError; a cut response, HTTPException).
@@ -118,10 +118,11 @@ def api_error(what: str, exc: BaseException) -> KubeApiError:
             return error_class(exc.status)(f"{what} failed: {detail}", status=exc.status,
                                            detail=detail)
         # The client's own ApiException(status=0): a TLS failure, no response at all.
-        detail = one_line(exc)
+        detail = one_line(exc, DETAIL_LIMIT, mark="")
         return KubeTransient(f"{what} failed: {detail}", detail=detail)
     cause = getattr(exc, "reason", None)  # urllib3's MaxRetryError wraps the real one
-    detail = one_line(cause if isinstance(cause, BaseException) else exc)
+    detail = one_line(cause if isinstance(cause, BaseException) else exc, DETAIL_LIMIT,
+                      mark="")
     return KubeTransient(f"{what} failed: {detail}", detail=detail)
 
 
@@ -153,8 +154,9 @@ class KubeApi:
                 f"the Kubernetes API at {self.host} refused us: {api_message(exc)}") from None
         except Exception as exc:  # urllib3 / socket errors: many types, one meaning
             cause = getattr(exc, "reason", None) or exc  # urllib3's MaxRetryError wraps it
+            detail = one_line(cause, DETAIL_LIMIT, mark="")
             raise KubeUnavailable(
-                f"cannot reach the Kubernetes API at {self.host}: {one_line(cause)}") from None
+                f"cannot reach the Kubernetes API at {self.host}: {detail}") from None
         return str(info.git_version)
 
     # -- plumbing -------------------------------------------------------------------

@@ -15,9 +15,11 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
 from hermit_common.errors import HermitError
+from hermit_common.protocol import one_line
 
 REQUEST_TIMEOUT = (5.0, 30.0)  # connect, read seconds
 MERGE_PATCH = "application/merge-patch+json"
+DETAIL_LIMIT = 300  # the cause of an API error, inside a longer message
 
 
 class KubeUnavailable(HermitError):
@@ -39,12 +41,8 @@ def load_configuration() -> client.Configuration:
     except (ConfigException, OSError) as exc:
         raise KubeUnavailable(
             f"no Kubernetes credentials: not in a pod with a service account, and no usable "
-            f"kubeconfig at {path} ({one_line(exc)})") from None
+            f"kubeconfig at {path} ({one_line(exc, DETAIL_LIMIT, mark='')})") from None
     return cfg
-
-
-def one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:300] or type(exc).__name__
 
 
 def api_message(exc: ApiException) -> str:

@@ -235,7 +235,11 @@ def parse_time(value: object) -> datetime | None:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
-def one_line(message: str, limit: int = MESSAGE_LIMIT) -> str:
-    """A message for a status field or an annotation: one line, at most ``limit`` chars."""
-    text = " ".join(message.split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+def one_line(message: object, limit: int = MESSAGE_LIMIT, *, mark: str = "...") -> str:
+    """A message for a status field, an annotation, an Event or an error: one line, at
+    most ``limit`` chars, a longer one cut to end with ``mark``. An exception without
+    text reads as its type's name. The one helper for this in both components."""
+    text = " ".join(str(message).split())
+    if not text and isinstance(message, BaseException):
+        return type(message).__name__
+    return text if len(text) <= limit else text[:limit - len(mark)] + mark

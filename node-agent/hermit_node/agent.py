@@ -25,8 +25,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from hermit_common import api, logformat, protocol
 from hermit_common import health as http_health
-from hermit_common import logformat, protocol
 from hermit_common import metrics as hermit_metrics
 from hermit_common.bandwidth import UploadLimiter
 from hermit_common.chunkcache import CacheTally, ChunkCache
@@ -58,7 +58,7 @@ from hermit_node.collect import Collector
 from hermit_node.fence import Fence
 from hermit_node.informer import WatchedNode
 from hermit_node.kube import Kube, KubeConflict, KubeError, KubeTransient
-from hermit_node.planner import SandboxPod
+from hermit_node.planner import CheckpointView, SandboxPod
 from hermit_node.restore import RestoreResult, RestoreTarget
 from hermit_node.storage import Location, StorageError
 from hermit_node.watchers import Notice
@@ -79,9 +79,6 @@ WORKERS = 4
 FREEZING = 2
 STATUS_ATTEMPTS = 5
 CLAIM_ATTEMPTS = 3  # claims of one Checkpoint per loop (each 409 re-reads it)
-EVENT_CHECKPOINT_FAILED = "CheckpointFailed"
-# A pod asked for a restore the node-agent refuses to start (planner.restore_authority).
-EVENT_RESTORE_REFUSED = "RestoreRefused"
 # How often the loop looks at a checkpoint in flight on another node that a pod here waits
 # for: a restore starts at most this long after it is Completed.
 REMOTE_POLL_SECONDS = 0.25
@@ -550,16 +547,16 @@ class NodeAgent:
             ckpt = self._read(functools.partial(self._kube.get_checkpoint, namespace, name))
             if ckpt is not None:
                 read.append(ckpt)
-        self._remote_wait = any(protocol.phase_of(c) in protocol.IN_FLIGHT for c in read)
+        self._remote_wait = any(CheckpointView.from_object(c).phase in protocol.IN_FLIGHT
+                                for c in read)
         return [*checkpoints, *read]
 
     def _serve(self, checkpoints: list[KubeObject], pods: list[SandboxPod]) -> None:
         """Queue a job for each request to serve now (stopping ones first)."""
         for ckpt, sp in planner.checkpoints_to_serve(checkpoints, pods, self._held_now()):
-            uid = str((ckpt.get("metadata") or {}).get("uid") or "")
-            urgent = protocol.is_stopping(protocol.reason_of(ckpt))
-            self._start(uid, sp.key, functools.partial(self.run_checkpoint, ckpt, sp),
-                        priority=URGENT if urgent else ROUTINE, freezes=True)
+            view = CheckpointView.from_object(ckpt)
+            self._start(view.uid, sp.key, functools.partial(self.run_checkpoint, ckpt, sp),
+                        priority=URGENT if view.stopping else ROUTINE, freezes=True)
 
     # -- prefetch ---------------------------------------------------------------------
 
@@ -742,9 +739,8 @@ class NodeAgent:
 
     def _finish_stale_checkpoint(self, ckpt: KubeObject) -> bool:
         """Completed when its manifest is durable, else Failed; False when undecided."""
-        meta = ckpt.get("metadata") or {}
-        namespace, name = str(meta.get("namespace")), str(meta.get("name"))
-        sandbox = protocol.sandbox_of(ckpt) or ""
+        view = CheckpointView.from_object(ckpt)
+        namespace, name, sandbox = view.namespace, view.name, view.sandbox
         if self._stores is not None and sandbox:
             try:
                 # Where it was being written (status.storage), with its sandbox's credentials.
@@ -799,14 +795,14 @@ class NodeAgent:
     # -- checkpoint -------------------------------------------------------------------
 
     def run_checkpoint(self, ckpt: KubeObject, sp: SandboxPod) -> None:
-        namespace, name = str(protocol.meta(ckpt).get("namespace")), protocol.name_of(ckpt)
-        stop = protocol.is_stopping(protocol.reason_of(ckpt))
+        view = CheckpointView.from_object(ckpt)
+        namespace, name, stop = view.namespace, view.name, view.stopping
         began = time.monotonic()
         started, store = self._begin_checkpoint(ckpt, sp)
         if not started:
             return
         log.info("checkpoint %s/%s of %s (%s, stop=%s) started%s", namespace, name, sp.pod,
-                 protocol.reason_of(ckpt), stop, self._time_left())
+                 view.reason, stop, self._time_left())
         recorded = threading.Event()
 
         def record(result: CheckpointResult) -> None:
@@ -831,7 +827,7 @@ class NodeAgent:
                 self._checkpoint_failed(ckpt, exc, time.monotonic() - began)
             return
         metrics.record_checkpoint(
-            reason=protocol.reason_of(ckpt), frozen_ms=result.frozen_ms,
+            reason=view.reason, frozen_ms=result.frozen_ms,
             dump_ms=result.dump_ms, capture_ms=result.capture_ms, upload_ms=result.upload_ms,
             total_seconds=time.monotonic() - began,
             image_bytes=result.image_bytes, uploaded_bytes=result.uploaded_bytes,
@@ -851,12 +847,13 @@ class NodeAgent:
         """Decide where the checkpoint goes and record Dumping with that location. (False,
         None) when it did not start: an API hiccup (the next loop retries) or a storage
         that cannot be used (the checkpoint is Failed, with why, and the sandbox runs on)."""
-        namespace, name = str(protocol.meta(ckpt).get("namespace")), protocol.name_of(ckpt)
+        view = CheckpointView.from_object(ckpt)
+        namespace, name = view.namespace, view.name
         try:
             store, location = self._store_for(sp)
         except KubeTransient as exc:
             log.warning("%s", exc)
-            self._release(str(protocol.meta(ckpt).get("uid") or ""))
+            self._release(view.uid)
             return False, None
         except HermitError as exc:
             self._checkpoint_failed(ckpt, CheckpointFailed(
@@ -870,7 +867,7 @@ class NodeAgent:
             log.warning("%s", exc)
             claimed = False
         if not claimed:
-            self._release(str(protocol.meta(ckpt).get("uid") or ""))
+            self._release(view.uid)
             return False, None
         return True, store
 
@@ -879,7 +876,8 @@ class NodeAgent:
         so two node-agents never both take it. A 409 means it changed: read it again and
         claim that version while it is still Pending (the operator adopting it changes its
         metadata); False once someone else took it (or it is gone)."""
-        namespace, name = str(protocol.meta(ckpt).get("namespace")), protocol.name_of(ckpt)
+        view = CheckpointView.from_object(ckpt)
+        namespace, name = view.namespace, view.name
         current: KubeObject | None = ckpt
         for _ in range(CLAIM_ATTEMPTS):
             if current is None or not planner.claimable(current):
@@ -909,7 +907,8 @@ class NodeAgent:
               record: Callable[[CheckpointResult], None],
               store: CheckpointStore | None) -> CheckpointResult:
         """Run the engine on the pod's container."""
-        namespace, name = str(protocol.meta(ckpt).get("namespace")), protocol.name_of(ckpt)
+        view = CheckpointView.from_object(ckpt)
+        namespace, name = view.namespace, view.name
         if sp.container_id is None:
             raise HermitError(f"pod {sp.namespace}/{sp.pod} has no container id")
         pid = locate.find_init_pid(sp.container_id, self._proc_root)
@@ -920,18 +919,19 @@ class NodeAgent:
             checkpoint=name, init_pid=pid, workspace_path=sp.workspace_path,
             image_digest=sp.image_digest, parent=sp.restore_from or ""), stop=stop,
             deadline=planner.upload_deadline(self._deadline(), time.monotonic(),
-                                             protocol.reason_of(ckpt), self._routine_upload),
+                                             view.reason, self._routine_upload),
             on_uploading=progress.uploading, on_progress=progress, on_durable=record,
-            store=store, urgent=planner.upload_is_urgent(protocol.reason_of(ckpt)))
+            store=store, urgent=planner.upload_is_urgent(view.reason))
 
     def _checkpoint_failed(self, ckpt: KubeObject, exc: Exception, seconds: float) -> None:
         """Failed, with why, on the Checkpoint and in an Event (the sandbox runs on)."""
-        namespace, name = str(protocol.meta(ckpt).get("namespace")), protocol.name_of(ckpt)
+        view = CheckpointView.from_object(ckpt)
+        namespace, name = view.namespace, view.name
         message = str(exc) if isinstance(exc, HermitError) else \
             f"unexpected {type(exc).__name__}: {exc}"
         if not isinstance(exc, HermitError):
             log.exception("checkpoint %s/%s", namespace, name)
-        metrics.record_checkpoint_failure(seconds, reason=protocol.reason_of(ckpt), exc=exc)
+        metrics.record_checkpoint_failure(seconds, reason=view.reason, exc=exc)
         log.error("checkpoint %s/%s failed: %s", namespace, name, protocol.one_line(message))
         self._write_status(namespace, name,
                            planner.status_failed(message, self._clock(), self.node))
@@ -987,7 +987,7 @@ class NodeAgent:
 
     def _event(self, ckpt: KubeObject, message: str) -> None:
         try:
-            self._kube.checkpoint_event(ckpt, "Warning", EVENT_CHECKPOINT_FAILED, message)
+            self._kube.checkpoint_event(ckpt, "Warning", api.REASON_CHECKPOINT_FAILED, message)
         except KubeError as exc:
             log.warning("%s", exc)
 
@@ -1057,7 +1057,7 @@ class NodeAgent:
             protocol.RESTORE_FAILED, verdict.message, retryable=verdict.retryable))
         try:
             self._kube.pod_event(sp.namespace, sp.pod, sp.uid, "Warning",
-                                 EVENT_RESTORE_REFUSED, protocol.one_line(verdict.message))
+                                 api.REASON_RESTORE_REFUSED, protocol.one_line(verdict.message))
         except KubeError as exc:
             log.warning("%s", exc)
         return False

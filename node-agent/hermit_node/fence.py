@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from hermit_common import api
+from hermit_common.protocol import KubeObject
 from hermit_node import planner
 from hermit_node.planner import SandboxPod
 
@@ -46,7 +47,7 @@ def older_alive(pods: Iterable[Mapping[str, Any]], sp: SandboxPod) -> list[str]:
 
 
 class PodLister(Protocol):
-    def list_sandbox_pods(self, namespace: str, sandbox: str) -> list[dict[str, Any]]: ...
+    def list_sandbox_pods(self, namespace: str, sandbox: str) -> list[KubeObject]: ...
 
 
 class Fence:

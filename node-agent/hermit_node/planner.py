@@ -111,6 +111,31 @@ def sandbox_pod(pod: Mapping[str, Any]) -> SandboxPod | None:
     )
 
 
+@dataclass(frozen=True)
+class CheckpointView:
+    """A Checkpoint as the node-agent's jobs read it (read-only). What writes or resolves
+    the Checkpoint (its status, its Events, its store) still takes the object itself."""
+
+    namespace: str
+    name: str
+    uid: str
+    reason: str  # spec.reason
+    sandbox: str  # spec.sandboxRef.name; "" when absent
+    phase: str  # status.phase; an empty status is Pending
+
+    @classmethod
+    def from_object(cls, obj: Mapping[str, Any]) -> CheckpointView:
+        meta = protocol.meta(obj)
+        return cls(namespace=str(meta.get("namespace")), name=protocol.name_of(obj),
+                   uid=str(meta.get("uid") or ""), reason=protocol.reason_of(obj),
+                   sandbox=protocol.sandbox_of(obj) or "", phase=protocol.phase_of(obj))
+
+    @property
+    def stopping(self) -> bool:
+        """A Preemption or Eviction checkpoint: its tree ends once it is durable."""
+        return protocol.is_stopping(self.reason)
+
+
 def _first_container_status(pod: Mapping[str, Any]) -> Mapping[str, Any]:
     """The status of the pod's first container (statuses are sorted by name, not spec order)."""
     statuses = (pod.get("status") or {}).get("containerStatuses") or []

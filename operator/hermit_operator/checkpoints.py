@@ -150,7 +150,8 @@ def active(ckpts: Sequence[KubeObject]) -> KubeObject | None:
 
 
 def failure_message(ckpt: KubeObject) -> str:
-    message = " ".join(str((ckpt.get("status") or {}).get("message") or "").split())[:512]
+    message = protocol.one_line(str((ckpt.get("status") or {}).get("message") or ""), 512,
+                                mark="")
     head = f"checkpoint {name_of(ckpt)} failed"
     return f"{head}: {message}" if message else head
 

@@ -31,6 +31,7 @@ from typing import Any, cast
 import kopf
 
 from hermit_common import api, protocol
+from hermit_common.protocol import KubeObject
 from hermit_common.settings import OperatorSettings
 from hermit_operator import driver, kopfconfig, metrics, resync
 from hermit_operator.kube import Kube, KubeError, KubeTransient
@@ -41,7 +42,7 @@ from hermit_operator.wakeups import Wakeups
 log = logging.getLogger("hermit.operator")
 
 
-def _post(sandbox: dict[str, Any], event: Event) -> None:
+def _post(sandbox: KubeObject, event: Event) -> None:
     try:
         kopf.event(cast(kopf.Body, sandbox), type=event.type, reason=event.reason,
                    message=event.message)
@@ -90,7 +91,7 @@ def _reconcile_coalesced(memo: Any, namespace: str, name: str, what: str) -> Non
 
 
 def _reconcile_quietly(memo: Any, namespace: str, name: str, what: str,
-                       ckpt: dict[str, Any] | None = None, deleted: bool = False) -> None:
+                       ckpt: KubeObject | None = None, deleted: bool = False) -> None:
     """For events, timers and wakeups (nobody retries them): a failure schedules a wakeup.
     With ``ckpt``: a Checkpoint's event (a Pending one of a missing sandbox is failed)."""
     try:

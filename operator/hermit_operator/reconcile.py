@@ -225,7 +225,7 @@ def container_message(pod: KubeObject) -> str:
 def _join(head: str, reason: str | None, message: str | None) -> str:
     parts = [head + (f" ({reason})" if reason else "")]
     if message:
-        parts.append(" ".join(str(message).split())[:512])
+        parts.append(protocol.one_line(str(message), 512, mark=""))
     return ": ".join(parts)
 
 

@@ -14,6 +14,7 @@ from kubernetes.config.config_exception import ConfigException
 
 import hermit_node.kube
 import hermit_operator.kube
+from hermit_common import protocol
 from hermit_common.errors import HermitError
 from hermit_common.kubeapi import (
     KubeApi,
@@ -25,7 +26,7 @@ from hermit_common.kubeapi import (
     KubeTransient,
     api_error,
 )
-from hermit_common.kubeclient import REQUEST_TIMEOUT
+from hermit_common.kubeclient import DETAIL_LIMIT, REQUEST_TIMEOUT
 
 WHAT = "reading AgentSandbox ns/box"
 
@@ -291,3 +292,14 @@ def test_the_node_agent_creates_checkpoints_in_the_pods_namespace() -> None:
     assert [c["metadata"]["name"] for c in kube.list_checkpoints()] == ["c1"]  # cluster-wide
     with pytest.raises(hermit_node.kube.KubeError):  # the node-agent wants 404 to raise
         kube.patch_checkpoint_status("ns", "gone", {"phase": "Dumping"})
+
+
+def test_one_line_keeps_each_former_helper_s_behaviour() -> None:
+    # protocol.one_line is the one message folder: statuses and annotations end a cut
+    # message with "..."; API error details are cut at DETAIL_LIMIT, with no mark.
+    assert protocol.one_line("a\n  b\tc") == "a b c"
+    assert protocol.one_line("x" * 2000) == "x" * (protocol.MESSAGE_LIMIT - 3) + "..."
+    assert protocol.one_line("y" * 400, DETAIL_LIMIT, mark="") == "y" * DETAIL_LIMIT
+    assert protocol.one_line(TimeoutError()) == "TimeoutError"
+    assert protocol.one_line(OSError("disk\nfull")) == "disk full"
+    assert protocol.one_line("") == ""

@@ -64,6 +64,17 @@ def test_sandbox_pod_binding_identity() -> None:
     assert sp.key == ("agents", "box")
 
 
+def test_checkpoint_view_reads_what_the_agent_reads() -> None:
+    view = planner.CheckpointView.from_object(ckpt("c1", reason=protocol.PREEMPTION,
+                                                   status={"phase": protocol.DUMPING}))
+    assert (view.namespace, view.name, view.uid, view.reason, view.sandbox, view.phase) == (
+        "agents", "c1", "uid-c1", protocol.PREEMPTION, "box", protocol.DUMPING)
+    assert view.stopping
+    bare = planner.CheckpointView.from_object({"metadata": {"namespace": "agents"}})
+    assert (bare.name, bare.uid, bare.reason, bare.sandbox, bare.phase, bare.stopping) == (
+        "", "", "", "", protocol.PENDING, False)
+
+
 def test_workspace_path_defaults() -> None:
     sp = planner.sandbox_pod(pod())
     assert sp is not None and sp.workspace_path == "/workspace"
