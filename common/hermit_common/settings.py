@@ -586,8 +586,7 @@ class OperatorSettings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> OperatorSettings:
         env = Env(environ)
-        raw_ns = env.optional_str("HERMIT_WATCH_NAMESPACE") or ""
-        namespaces = tuple(dict.fromkeys(n.strip() for n in raw_ns.split(",") if n.strip()))
+        namespaces = _watch_namespaces(env.optional_str("HERMIT_WATCH_NAMESPACE"))
         init_path = env.text("HERMIT_INIT_PATH", "/usr/local/bin/hermit-init")
         if not init_path.startswith("/"):
             raise SettingsError(f"HERMIT_INIT_PATH={init_path!r} is not an absolute path")
@@ -615,6 +614,17 @@ class OperatorSettings:
             require_ready_node_agent=env.flag("HERMIT_REQUIRE_READY_NODE_AGENT", True),
             **_leader_settings(env),
         )
+
+
+def _watch_namespaces(raw: str | None) -> tuple[str, ...]:
+    """HERMIT_WATCH_NAMESPACE: comma-separated namespace names, in order, once each; the
+    chart grants the operator's namespaced rights in these only (operator.watchNamespaces)."""
+    names = tuple(dict.fromkeys(n.strip() for n in (raw or "").split(",") if n.strip()))
+    bad = [n for n in names if not _DNS_LABEL.fullmatch(n)]
+    if bad:
+        raise SettingsError(f"HERMIT_WATCH_NAMESPACE: {', '.join(map(repr, bad))} not "
+                            "namespace names (DNS-1123 labels: a-z, 0-9 and '-', at most 63)")
+    return names
 
 
 def _leader_settings(env: Env) -> dict[str, Any]:

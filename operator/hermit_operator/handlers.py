@@ -118,7 +118,7 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     if "settings" not in memo:  # started by `kopf run`, not hermit-operator
         memo.settings = OperatorSettings.from_env(os.environ)
     if "kube" not in memo:
-        memo.kube = Kube.connect()
+        memo.kube = Kube.connect(memo.settings.watch_namespaces)
     memo.inputs = resync.Inputs()
     memo.kopf_context = {}
     memo.wakeups = Wakeups(lambda ns, name: _in_kopf_context(memo, ns, name),

@@ -100,7 +100,7 @@ class KeyKube(Protocol):
     """The API calls the key service makes (``hermit_operator.kube.Kube``)."""
 
     def review_token(self, token: str, audiences: list[str]) -> KubeObject: ...
-    def list_node_sandbox_pods(self, node: str) -> list[KubeObject]: ...
+    def list_node_sandbox_pods(self, node: str, namespace: str) -> list[KubeObject]: ...
     def get_checkpoint(self, namespace: str, name: str) -> KubeObject | None: ...
     def get_sandbox(self, namespace: str, name: str) -> KubeObject | None: ...
 
@@ -279,8 +279,8 @@ class KeyService:
             if allowed is not None and allowed[0] > now:
                 return allowed[1]
         try:
-            access = keyaccess.decide(caller.node, want,
-                                      self._kube.list_node_sandbox_pods(caller.node),
+            pods = self._kube.list_node_sandbox_pods(caller.node, want.namespace)
+            access = keyaccess.decide(caller.node, want, pods,
                                       sandbox_of=self._kube.get_sandbox,
                                       checkpoint_of=self._kube.get_checkpoint)
         except keyaccess.Denied as exc:

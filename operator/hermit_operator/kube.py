@@ -46,9 +46,11 @@ class Kube(KubeApi):
     """get/create/delete pods, get sandboxes and patch their status, list/create/patch/delete
     Checkpoints (and fail orphaned ones), create/delete sandboxes' PodDisruptionBudgets."""
 
-    def __init__(self, api_client: client.ApiClient) -> None:
+    def __init__(self, api_client: client.ApiClient, namespaces: tuple[str, ...] = ()) -> None:
+        """``namespaces``: the watched ones (HERMIT_WATCH_NAMESPACE); empty: every one."""
         super().__init__(api_client)
         self._policy = client.PolicyV1Api(api_client)
+        self._namespaces = namespaces
 
     # -- pods -----------------------------------------------------------------------
 
@@ -57,11 +59,15 @@ class Kube(KubeApi):
                                 self._core.read_namespaced_pod, name, namespace)
         return None if out is None else self._dict(out)
 
-    def list_node_sandbox_pods(self, node: str) -> list[KubeObject]:
-        """Every sandbox pod (labelled ``hermit.dev/sandbox``) bound to ``node``, in every
-        namespace, read now (the key service's authorisation: keyaccess.py)."""
-        out = self._call(f"listing the sandbox pods of node {node}",
-                         self._core.list_pod_for_all_namespaces,
+    def list_node_sandbox_pods(self, node: str, namespace: str) -> list[KubeObject]:
+        """Every sandbox pod (labelled ``hermit.dev/sandbox``) bound to ``node`` in
+        ``namespace``, read now (the key service's authorisation: keyaccess.py, which looks
+        at that namespace only). None outside the watched namespaces: no sandbox there is
+        the operator's, and it may not read their pods (operator.watchNamespaces)."""
+        if self._namespaces and namespace not in self._namespaces:
+            return []
+        out = self._call(f"listing the sandbox pods of node {node} in {namespace}",
+                         self._core.list_namespaced_pod, namespace,
                          field_selector=f"spec.nodeName={node}",
                          label_selector=protocol.LABEL_SANDBOX)
         return [self._dict(p) for p in out.items or []]

@@ -51,7 +51,7 @@ def main() -> None:
     from hermit_operator.kube import Kube
 
     try:
-        kube = Kube.connect()
+        kube = Kube.connect(settings.watch_namespaces)
         version = kube.check()
     except HermitError as exc:
         _fail(str(exc), 1)

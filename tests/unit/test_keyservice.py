@@ -222,9 +222,10 @@ class FakeKube:
         assert audiences == [AUDIENCE]
         return self.tokens.get(token, {"authenticated": False})
 
-    def list_node_sandbox_pods(self, node: str) -> list[dict[str, Any]]:
+    def list_node_sandbox_pods(self, node: str, namespace: str) -> list[dict[str, Any]]:
         self.lists += 1
-        return [p for p in self.pods if p["spec"]["nodeName"] == node]
+        return [p for p in self.pods if p["spec"]["nodeName"] == node
+                and p["metadata"]["namespace"] == namespace]
 
     def get_checkpoint(self, namespace: str, name: str) -> dict[str, Any] | None:
         return CHECKPOINTS.get(name)

@@ -166,9 +166,14 @@ class FakeCore:
         self.calls.append("delete")
         raise ApiException(status=404)
 
+    def list_namespaced_pod(self, namespace: str, **kwargs: Any) -> Any:
+        self.calls.append(f"list {namespace} {kwargs['field_selector']} "
+                          f"{kwargs['label_selector']}")
+        return client.V1PodList(items=[])
 
-def kube_with_core(core: FakeCore) -> Kube:
-    kube = Kube(client.ApiClient(client.Configuration()))
+
+def kube_with_core(core: FakeCore, namespaces: tuple[str, ...] = ()) -> Kube:
+    kube = Kube(client.ApiClient(client.Configuration()), namespaces)
     kube._core = core  # type: ignore[assignment]
     return kube
 
@@ -206,3 +211,20 @@ def test_a_missing_pod_is_none_and_deleting_it_is_done() -> None:
     kube = kube_with_core(FakeCore())
     assert kube.get_pod("ns", "box-1") is None
     kube.delete_pod("ns", "box-1")
+
+
+def test_the_key_service_reads_a_node_s_pods_in_the_sandbox_s_namespace_only() -> None:
+    core = FakeCore()
+    assert kube_with_core(core).list_node_sandbox_pods("node-a", "team-a") == []
+    assert core.calls == ["list team-a spec.nodeName=node-a hermit.dev/sandbox"]
+
+
+def test_outside_the_watched_namespaces_no_pod_is_read() -> None:
+    """operator.watchNamespaces: the operator may not list pods elsewhere, and no sandbox
+    there is its own (the key service then refuses, 403)."""
+    core = FakeCore()
+    kube = kube_with_core(core, ("team-a", "team-b"))
+    assert kube.list_node_sandbox_pods("node-a", "team-c") == []
+    assert core.calls == []
+    kube.list_node_sandbox_pods("node-a", "team-b")
+    assert core.calls == ["list team-b spec.nodeName=node-a hermit.dev/sandbox"]

@@ -34,6 +34,14 @@ def test_values_from_the_environment() -> None:
     assert not OperatorSettings.from_env({"HERMIT_OVERLAP_MOVES": "false"}).overlap_moves
 
 
+def test_watch_namespaces_blank_is_every_namespace() -> None:
+    for raw in ("", " ", " , ,"):
+        s = OperatorSettings.from_env({"HERMIT_WATCH_NAMESPACE": raw})
+        assert s.watch_namespaces == () and s.clusterwide
+    s = OperatorSettings.from_env({"HERMIT_WATCH_NAMESPACE": "team-a," + "n" * 63})
+    assert s.watch_namespaces == ("team-a", "n" * 63) and not s.clusterwide
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [
@@ -42,6 +50,10 @@ def test_values_from_the_environment() -> None:
         ({"HERMIT_OVERLAP_MOVES": "sometimes"}, "HERMIT_OVERLAP_MOVES='sometimes' is not a"),
         ({"HERMIT_INIT_PATH": "bin/init"}, "HERMIT_INIT_PATH='bin/init' is not an absolute"),
         ({"HERMIT_S3_BUCKET": "b", "HERMIT_S3_ACCESS_KEY_ID": "a"}, "must be set together"),
+        ({"HERMIT_WATCH_NAMESPACE": "team-a,Team_B"},
+         r"^HERMIT_WATCH_NAMESPACE: 'Team_B' not namespace names \(DNS-1123 labels"),
+        ({"HERMIT_WATCH_NAMESPACE": "-a, team-a/x," + "n" * 64},
+         r"^HERMIT_WATCH_NAMESPACE: '-a', 'team-a/x', 'n{64}' not namespace names"),
     ],
 )
 def test_errors_name_the_variable(env: dict[str, str], message: str) -> None:
