@@ -74,6 +74,10 @@ def test_crds_only_install_needs_no_bucket() -> None:
     ({"nodeAgent": {"uploadBandwidthBytesPerSecond": "1Gbit"}},
      "nodeAgent.uploadBandwidthBytesPerSecond"),
     ({"nodeAgent": {"hostPaths": {"workDir": "var/lib/hermit"}}}, "nodeAgent.hostPaths.workDir"),
+    ({"operator": {"watchNamespaces": ["Team_A"]}}, "operator.watchNamespaces.0"),
+    ({"operator": {"watchNamespaces": ["team-a", "team-a"]}}, "operator.watchNamespaces"),
+    ({"operator": {"watchNamespaces": ["n" * 64]}}, "operator.watchNamespaces.0"),
+    ({"operator": {"watchNamespaces": "team-a"}}, "operator.watchNamespaces"),
     ({"metrics": {"port": 70000}}, "metrics.port"),
     ({"metrics": {"serviceMonitor": {"enabled": "yes"}}}, "metrics.serviceMonitor.enabled"),
     ({"s3": {"bucket": "Not_A_Bucket"}}, "s3.bucket"),
@@ -368,6 +372,61 @@ def _operator_env(*sets: str) -> dict[str, str]:
     [deploy] = [d for d in _render(*sets) if d["kind"] == "Deployment"]
     return {e["name"]: e.get("value", "") for e in
             deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def _operator_rbac(*sets: str) -> tuple[list[dict[str, Any]],
+                                         dict[tuple[str, str], list[Any]]]:
+    """The operator ClusterRole's rules, and the rules of each Role bound to the operator
+    by (namespace, name) (its Lease Role included), rendered with ``sets``."""
+    docs = _render(*sets)
+    [cluster_role] = [d for d in docs if d["kind"] == "ClusterRole"
+                      and d["metadata"]["name"] == "hermit-operator"]
+    bound = {(d["metadata"]["namespace"], d["roleRef"]["name"]) for d in docs
+             if d["kind"] == "RoleBinding" and d["subjects"] == [
+                 {"kind": "ServiceAccount", "name": "hermit-operator", "namespace": "default"}]}
+    roles = {(d["metadata"]["namespace"], d["metadata"]["name"]): d["rules"] for d in docs
+             if d["kind"] == "Role"
+             and (d["metadata"]["namespace"], d["metadata"]["name"]) in bound}
+    return cluster_role["rules"], roles
+
+
+LEASES = [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+           "verbs": ["get", "create", "update"]}]
+LEASE_ROLE = ("default", "hermit-operator")
+CLUSTER_SCOPED = {"tokenreviews", "customresourcedefinitions", "namespaces"}
+
+
+def test_the_operator_watches_every_namespace_by_default() -> None:
+    rules, roles = _operator_rbac()
+    assert {r for rule in rules for r in rule["resources"]} == CLUSTER_SCOPED | {
+        "agentsandboxes", "checkpoints", "agentsandboxes/status", "checkpoints/status",
+        "agentsandboxes/finalizers", "pods", "poddisruptionbudgets", "events"}
+    assert roles == {LEASE_ROLE: LEASES}
+    assert "HERMIT_WATCH_NAMESPACE" not in _operator_env()
+    assert not [d for d in _render() if d["metadata"]["name"].endswith("-watch")]
+
+
+def test_watch_namespaces_move_the_namespaced_rules_to_a_role_in_each() -> None:
+    """operator.watchNamespaces (issue 21): the same rules, the namespaced ones granted
+    in each watched namespace only; the ClusterRole keeps the cluster-scoped ones."""
+    everywhere, _ = _operator_rbac()
+    watch = "operator.watchNamespaces={team-a,team-b}"
+    rules, roles = _operator_rbac(watch)
+    assert {r for rule in rules for r in rule["resources"]} == CLUSTER_SCOPED
+    namespaced = [r for r in everywhere if r not in rules]
+    assert namespaced + rules == everywhere
+    assert roles == {LEASE_ROLE: LEASES, ("team-a", "hermit-operator-watch"): namespaced,
+                     ("team-b", "hermit-operator-watch"): namespaced}
+    assert _operator_env(watch)["HERMIT_WATCH_NAMESPACE"] == "team-a,team-b"
+    # The release namespace may be one of them: its Lease Role keeps its own name.
+    assert _operator_rbac("operator.watchNamespaces={default}")[1] == {
+        LEASE_ROLE: LEASES, ("default", "hermit-operator-watch"): namespaced}
+    # Without the key service the ClusterRole still lets kopf discover CRDs and namespaces.
+    rules, _ = _operator_rbac(watch, "nodeAgent.sealing.keyService.enabled=false")
+    assert {r for rule in rules for r in rule["resources"]} == {
+        "customresourcedefinitions", "namespaces"}
+    # The node-agent is not confined: it must see every sandbox pod on its node.
+    assert _node_agent_parts(watch)[0] == _node_agent_parts()[0]
 
 
 def test_the_pod_policy_is_restricted_by_default_and_each_exemption_is_a_value() -> None:
