@@ -52,6 +52,10 @@ class Kube(KubeApi):
         self._policy = client.PolicyV1Api(api_client)
         self._namespaces = namespaces
 
+    def _outside(self, namespace: str) -> bool:
+        """Outside the watched namespaces (operator.watchNamespaces); never when all are."""
+        return bool(self._namespaces) and namespace not in self._namespaces
+
     # -- pods -----------------------------------------------------------------------
 
     def get_pod(self, namespace: str, name: str) -> KubeObject | None:
@@ -64,7 +68,7 @@ class Kube(KubeApi):
         ``namespace``, read now (the key service's authorisation: keyaccess.py, which looks
         at that namespace only). None outside the watched namespaces: no sandbox there is
         the operator's, and it may not read their pods (operator.watchNamespaces)."""
-        if self._namespaces and namespace not in self._namespaces:
+        if self._outside(namespace):
             return []
         out = self._call(f"listing the sandbox pods of node {node} in {namespace}",
                          self._core.list_namespaced_pod, namespace,
@@ -116,6 +120,11 @@ class Kube(KubeApi):
                        name, namespace, grace_period_seconds=grace_seconds, body=body)
 
     # -- AgentSandboxes -------------------------------------------------------------
+
+    def get_sandbox(self, namespace: str, name: str) -> KubeObject | None:
+        """None outside the watched namespaces (no sandbox there is the operator's, and it
+        may not read them): the key service refuses such a sandbox's keys (403)."""
+        return None if self._outside(namespace) else super().get_sandbox(namespace, name)
 
     def patch_sandbox_status(self, namespace: str, name: str, status: KubeObject) -> None:
         """A JSON merge patch of .status (None values remove fields); a sandbox that is

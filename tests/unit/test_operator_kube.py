@@ -228,3 +228,5 @@ def test_outside_the_watched_namespaces_no_pod_is_read() -> None:
     assert core.calls == []
     kube.list_node_sandbox_pods("node-a", "team-b")
     assert core.calls == ["list team-b spec.nodeName=node-a hermit.dev/sandbox"]
+    kube._custom = None  # type: ignore[assignment]  # no sandbox is read either
+    assert kube.get_sandbox("team-c", "box") is None
