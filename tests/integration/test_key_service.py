@@ -150,3 +150,25 @@ def test_the_key_service_answers_from_aws_kms(world: World, local_kms: LocalKms)
     finally:
         world.stop_service()
         world.server, world.url = ring
+
+
+def test_outside_the_watched_namespaces_no_key_is_given(world: World) -> None:
+    """operator.watchNamespaces: the operator serves no sandbox elsewhere (and may not
+    read its pods there), so a node running box-a gets its key only while its namespace
+    is watched."""
+    ring = world.server, world.url
+    ctx, wrapped, dek = _stored_key(world, "box-a")
+    for watched, served in (((TENANTS, "other-tenants"), True), (("other-tenants",), False)):
+        world.start_service(keyservice.KeyService(world.ring, Kube(world.admin, watched),
+                                                  callers=[AGENT], audience=AUDIENCE))
+        try:
+            node_a = world.wrapper(NODES[0])
+            if served:
+                assert node_a.unwrap(wrapped, ctx.sandbox_bytes()) == dek
+            else:
+                with pytest.raises(KeyAccessDenied, match=f"node {NODES[0]} neither runs "
+                                                          f"nor restores sandbox {TENANTS}/box-a"):
+                    node_a.unwrap(wrapped, ctx.sandbox_bytes())
+        finally:
+            world.stop_service()
+            world.server, world.url = ring
