@@ -224,7 +224,9 @@ def assert_sound(kube: Kube, ns: str, pod: str, first: int, answer: dict[str, st
     env = {e["name"]: e.get("value", "") for c in manifest.get("spec", {}).get(
         "containers", []) for e in c.get("env") or []}
     mem_mb = int(env.get("HERMIT_WORKLOAD_MEM_MB") or 0)
-    target = first + ticks_to_be_sound(mem_mb)
+    # Past the stall window and a memory pass, and at least three ticks past the first
+    # answer, so the thread and the echo must have moved since (the echo lags 0-2 ticks).
+    target = max(first + ticks_to_be_sound(mem_mb), int(answer.get("counter", "0")) + 3)
     wait_until(f"pod {pod} past tick {target} (its stall window and a whole memory pass)",
                60 + mem_mb / VERIFY_MB, lambda: (t := ticks(kube, ns, pod)) and t[-1] >= target)
     log = kube.pod_log(ns, pod)
