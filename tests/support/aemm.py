@@ -10,7 +10,6 @@ Built by hack/install-aemm into $HERMIT_CACHE/bin; a missing binary fails the te
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -20,19 +19,14 @@ from pathlib import Path
 import pytest
 import requests
 
+from tests.support.binaries import cached_binary
+
 INSTALL_HINT = "amazon-ec2-metadata-mock not found: run hack/install-aemm"
 READY_TIMEOUT_SECONDS = 15.0
 
 
 def aemm_binary() -> str:
-    cache = Path(os.environ.get("HERMIT_CACHE", Path.home() / ".cache" / "hermit"))
-    candidate = cache / "bin" / "ec2-metadata-mock"
-    if candidate.is_file() and os.access(candidate, os.X_OK):
-        return str(candidate)
-    found = shutil.which("ec2-metadata-mock")
-    if found is None:
-        pytest.fail(INSTALL_HINT)
-    return found
+    return cached_binary("ec2-metadata-mock", INSTALL_HINT)
 
 
 def free_port() -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -23,6 +22,8 @@ import boto3
 import pytest
 from botocore.config import Config
 
+from tests.support.binaries import cached_binary
+
 INSTALL_HINT = "local-kms not found: run hack/install-local-kms"
 READY_TIMEOUT_SECONDS = 15.0
 REGION = "eu-west-2"
@@ -30,14 +31,7 @@ _STARTED = re.compile(r"Local KMS started on [0-9.]+:(\d+)")
 
 
 def local_kms_binary() -> str:
-    cache = Path(os.environ.get("HERMIT_CACHE", Path.home() / ".cache" / "hermit"))
-    candidate = cache / "bin" / "local-kms"
-    if candidate.is_file() and os.access(candidate, os.X_OK):
-        return str(candidate)
-    found = shutil.which("local-kms")
-    if found is None:
-        pytest.fail(INSTALL_HINT)
-    return found
+    return cached_binary("local-kms", INSTALL_HINT)
 
 
 class LocalKms:
