@@ -406,8 +406,10 @@ def _fill_in_background(streamed: lazypages.Streamed, target: RestoreTarget, loc
                 streamed.arrivals.fail("the lazy-pages daemon ended")
             streamed.fetcher.join()
             if filled.ok:
-                log.info("lazy restore of %s/%s: every page in after %.0f ms",
-                         target.namespace, target.checkpoint, filled.seconds * 1000)
+                # The wall clock of the last page too: what ran before it ran lazily.
+                log.info("lazy restore of %s/%s: every page in after %.0f ms (unix time %.3f)",
+                         target.namespace, target.checkpoint, filled.seconds * 1000,
+                         time.time() - (time.monotonic() - filled.ended_at))
                 shutil.rmtree(local, ignore_errors=True)
             else:
                 staging.discard(local, local / SECTION_IMAGES / lazypages.LOG_FILE)

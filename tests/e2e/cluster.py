@@ -63,6 +63,8 @@ class E2EConfig:
     preempt_ends_early: bool = False
     # Starts the SIG's agent-sandbox controller and its CRDs (idempotent; test_agent_sandbox).
     agent_sandbox_cmd: str = ""
+    # Stops kube-apiserver and starts it again, returning once it is ready (a fault).
+    restart_apiserver_cmd: str = ""
 
 
 def _e2e_config() -> E2EConfig:
@@ -83,6 +85,8 @@ def _e2e_config() -> E2EConfig:
                                    "0" if "HERMIT_E2E_PREEMPT_CMD" in env else "1") == "1",
         agent_sandbox_cmd=env.get("HERMIT_E2E_AGENT_SANDBOX_CMD",
                                   f"{REPO}/hack/cluster agent-sandbox"),
+        restart_apiserver_cmd=env.get("HERMIT_E2E_RESTART_APISERVER_CMD",
+                                      f"{REPO}/hack/cluster restart-apiserver"),
     )
 
 

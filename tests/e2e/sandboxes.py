@@ -38,6 +38,7 @@ from hermit_common import api, protocol
 from hermit_common.settings import TURN_AUDIENCE
 from tests.e2e.cluster import (
     RELEASE,
+    REPO,
     E2EConfig,
     Kube,
     is_ready,
@@ -55,20 +56,25 @@ TICK_MS = 200
 WORKLOAD_PORT = 7000
 WORKLOAD_MEM_MB = 24  # spans several 4 MiB store chunks
 STATE_DIR = "/tmp/state"  # in the writable layer, writable by a non-root user
+AGENT_SANDBOX_BINARY = "agent-sandbox-controller"  # hack/install-agent-sandbox builds it
 
 
 def custom() -> client.CustomObjectsApi:
     return client.CustomObjectsApi()
 
 
-def stateful_spec(image: str, *, mem_mb: int = WORKLOAD_MEM_MB, **spec: Any) -> Obj:
-    """An AgentSandbox spec running the self-checking workload; ``spec`` adds fields."""
+def stateful_spec(image: str, *, mem_mb: int = WORKLOAD_MEM_MB, verify_mb: int | None = None,
+                  **spec: Any) -> Obj:
+    """An AgentSandbox spec running the self-checking workload; ``spec`` adds fields.
+    ``verify_mb``: the memory it verifies (so touches) per tick, when not its default."""
     # The sandbox runs under the restricted pod policy's default user (65532, the image
     # has no USER): its writable-layer state goes under /tmp (mode 1777), not /state.
     env = {"HERMIT_TICK_MS": str(TICK_MS), "PORT": str(WORKLOAD_PORT),
            "HERMIT_STATE_DIR": STATE_DIR, "HERMIT_TICK_LOG": "/workspace/ticks.log",
            "HERMIT_DB_PATH": "/workspace/agent.db", "HERMIT_DELETE_PATH": "",
            "HERMIT_WORKLOAD_MEM_MB": str(mem_mb)}
+    if verify_mb is not None:
+        env["HERMIT_WORKLOAD_VERIFY_MB"] = str(verify_mb)
     collector = ledger.current()
     if collector is not None:  # the session's external tick ledger
         env[ledger.ENV] = collector.address
@@ -206,11 +212,11 @@ def workload_failures(log: str) -> list[str]:
             and not line[len(_WORKLOAD_PREFIX):].startswith(_WORKLOAD_FINE)]
 
 
-def ticks_to_be_sound(mem_mb: int) -> int:
+def ticks_to_be_sound(mem_mb: int, verify_mb: int = VERIFY_MB) -> int:
     """Ticks after the first restored one by which every self-check has had its chance:
     a stall of the worker thread or the child's echo has tripped, and the whole memory
     pattern has been verified once (the workload exits on any of them)."""
-    return -(-STALL_MS // TICK_MS) + STALL_TICKS + -(-mem_mb // VERIFY_MB) + 2
+    return -(-STALL_MS // TICK_MS) + STALL_TICKS + -(-mem_mb // verify_mb) + 2
 
 
 def assert_sound(kube: Kube, ns: str, pod: str, first: int, answer: dict[str, str], *,
@@ -224,11 +230,14 @@ def assert_sound(kube: Kube, ns: str, pod: str, first: int, answer: dict[str, st
     env = {e["name"]: e.get("value", "") for c in manifest.get("spec", {}).get(
         "containers", []) for e in c.get("env") or []}
     mem_mb = int(env.get("HERMIT_WORKLOAD_MEM_MB") or 0)
+    verify_mb = int(env.get("HERMIT_WORKLOAD_VERIFY_MB") or VERIFY_MB)
     # Past the stall window and a memory pass, and at least three ticks past the first
     # answer, so the thread and the echo must have moved since (the echo lags 0-2 ticks).
-    target = max(first + ticks_to_be_sound(mem_mb), int(answer.get("counter", "0")) + 3)
+    target = max(first + ticks_to_be_sound(mem_mb, verify_mb),
+                 int(answer.get("counter", "0")) + 3)
     wait_until(f"pod {pod} past tick {target} (its stall window and a whole memory pass)",
-               60 + mem_mb / VERIFY_MB, lambda: (t := ticks(kube, ns, pod)) and t[-1] >= target)
+               60 + mem_mb / verify_mb,
+               lambda: (t := ticks(kube, ns, pod)) and t[-1] >= target)
     log = kube.pod_log(ns, pod)
     assert not workload_failures(log), f"the workload in {pod} failed: {workload_failures(log)}"
     statuses = ((kube.pod(ns, pod) or {}).get("status") or {}).get("containerStatuses") or []
@@ -339,24 +348,29 @@ def ready_spot_nodes(kube: Kube) -> list[str]:
     return sorted(name_of(n) for n in kube.nodes() if is_ready(n) and is_spot(n))
 
 
+def set_unschedulable(kube: Kube, node: str, unschedulable: bool = True) -> None:
+    """Cordon (or uncordon) ``node`` as ``kubectl cordon`` does; a node gone meanwhile has
+    nothing to uncordon."""
+    body: Any = {"spec": {"unschedulable": unschedulable}}
+    try:
+        kube.api.patch_node(node, body)
+    except ApiException as exc:
+        if unschedulable or exc.status != 404:
+            raise
+
+
 @contextmanager
 def only_schedulable_spot(kube: Kube, node: str) -> Iterator[None]:
     """While the block runs, every other Ready spot node is cordoned, so new sandboxes
     land on ``node``; uncordoned afterwards."""
     others = [n for n in ready_spot_nodes(kube) if n != node]
-    body: Any = {"spec": {"unschedulable": True}}
     try:
         for other in others:
-            kube.api.patch_node(other, body)
+            set_unschedulable(kube, other)
         yield
     finally:
-        body = {"spec": {"unschedulable": False}}
         for other in others:
-            try:
-                kube.api.patch_node(other, body)
-            except ApiException as exc:
-                if exc.status != 404:  # a node gone meanwhile has nothing to uncordon
-                    raise
+            set_unschedulable(kube, other, False)
 
 
 def ensure_spot_nodes(kube: Kube, cfg: E2EConfig, count: int) -> None:
@@ -409,6 +423,25 @@ def lose_node(cfg: E2EConfig, node: str, timeout: float = 180) -> None:
     proc = run_cluster_command(cfg.lose_node_cmd, node=node)
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, f"losing {node} failed: {out}"
+
+
+def start_agent_sandbox(cfg: E2EConfig, timeout: float = 300) -> None:
+    """The SIG's agent-sandbox controller running and its CRDs served (idempotent)."""
+    if cfg.agent_sandbox_cmd == f"{REPO}/hack/cluster agent-sandbox":
+        cache = Path(os.environ.get("HERMIT_CACHE", Path.home() / ".cache/hermit"))
+        if not (cache / "bin" / AGENT_SANDBOX_BINARY).exists():
+            pytest.fail(f"{cache}/bin/{AGENT_SANDBOX_BINARY} not found: run "
+                        "hack/install-agent-sandbox (hack/bootstrap builds it)")
+    proc = run_cluster_command(cfg.agent_sandbox_cmd)
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"{cfg.agent_sandbox_cmd} failed ({proc.returncode}): {out}"
+
+
+def restart_apiserver(cfg: E2EConfig, timeout: float = 180) -> None:
+    """kube-apiserver stopped and started again; returns once it answers."""
+    proc = run_cluster_command(cfg.restart_apiserver_cmd)
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"restarting the API server failed: {out}"
 
 
 def add_spot_node(cfg: E2EConfig, timeout: float = 300) -> None:

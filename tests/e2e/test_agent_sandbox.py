@@ -9,16 +9,14 @@ The controller and its CRDs come from ``HERMIT_E2E_AGENT_SANDBOX_CMD`` (default
 from __future__ import annotations
 
 import json
-import os
-import shlex
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
 from kubernetes import client
 
-from .cluster import REPO, E2EConfig, Kube, wait_until
+from tests.e2e import sandboxes as sb
+
+from .cluster import E2EConfig, Kube, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -28,23 +26,13 @@ Obj = dict[str, Any]
 GROUP = "agents.x-k8s.io"
 VERSION = "v1beta1"
 PLURAL = "sandboxes"
-CONTROLLER_BINARY = "agent-sandbox-controller"
 
 
 @pytest.fixture(scope="session")
 def agent_sandbox(kube: Kube, e2e_config: E2EConfig) -> None:
     """The SIG's controller runs and its CRDs are served (the command is idempotent; the
     controller is left running, as the cluster is)."""
-    cmd = e2e_config.agent_sandbox_cmd
-    if cmd == f"{REPO}/hack/cluster agent-sandbox":
-        cache = Path(os.environ.get("HERMIT_CACHE", Path.home() / ".cache/hermit"))
-        if not (cache / "bin" / CONTROLLER_BINARY).exists():
-            pytest.fail(f"{cache}/bin/{CONTROLLER_BINARY} not found: run "
-                        "hack/install-agent-sandbox (hack/bootstrap builds it)")
-    proc = subprocess.run(shlex.split(cmd), capture_output=True, text=True, timeout=300,
-                          check=False)
-    assert proc.returncode == 0, (
-        f"{cmd} failed ({proc.returncode}): {proc.stdout}{proc.stderr}")
+    sb.start_agent_sandbox(e2e_config)
 
 
 def _custom() -> client.CustomObjectsApi:

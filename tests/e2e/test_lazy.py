@@ -1,8 +1,14 @@
 """Lazy restore on the cluster: a sandbox moved by a drain runs on its new node while its
-memory streams in from S3 (nodeAgent.lazyRestore; docs/criu.md#lazy-restore)."""
+memory streams in from S3 (nodeAgent.lazyRestore; docs/criu.md#lazy-restore).
+
+The proof that it ran before its memory was in: the workload holds far more patterned
+memory than it touches per tick, and its first tick on the new node reached the
+external tick ledger (on the host) before the node-agent's lazy-pages daemon copied in
+its last page. An eager restore (every page in before the tree runs) fails that."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 
@@ -10,6 +16,12 @@ import pytest
 
 from tests.e2e import sandboxes as sb
 from tests.e2e.cluster import E2EConfig, Kube, helm_set, wait_until
+from tests.support import ledger
+
+# Much more memory than the workload touches per tick (it verifies 2 MiB a tick, a pass
+# every 96 ticks): a lazy restore runs long before the rest comes in.
+LAZY_MEM_MB = 192
+LAZY_VERIFY_MB = 2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -24,10 +36,22 @@ def lazy_release(hermit_release: str, e2e_config: E2EConfig) -> Iterator[str]:
         helm_set(e2e_config, hermit_release, "nodeAgent.lazyRestore=false")
 
 
+def _first_tick_after_restore(name: str) -> tuple[int, float]:
+    """The first tick the restored copy (restore generation 1) reported to the ledger, and
+    when it arrived, in unix time."""
+    collector = ledger.current()
+    assert collector is not None, "no tick ledger (HERMIT_E2E_LEDGER_HOST)"
+    restored = [r for r in collector.reports(name) if r.gen >= 1]
+    assert restored, f"the ledger has no report of {name}'s restored copy"
+    first = min(restored, key=lambda r: r.received)
+    return first.tick, first.received + (time.time() - time.monotonic())
+
+
 def test_a_drained_sandbox_runs_on_its_new_node_while_its_memory_streams_in(
     kube: Kube, namespace: str, lazy_release: str, e2e_config: E2EConfig,
 ) -> None:
-    name, where = sb.start_on_spot(kube, e2e_config, lazy_release, namespace)
+    name, where = sb.start_on_spot(kube, e2e_config, lazy_release, namespace,
+                                   mem_mb=LAZY_MEM_MB, verify_mb=LAZY_VERIFY_MB)
     started = time.monotonic()
     with sb.draining(e2e_config, where.node) as drain:
         old = sb.LastTick(kube, namespace, where.pod)
@@ -39,13 +63,23 @@ def test_a_drained_sandbox_runs_on_its_new_node_while_its_memory_streams_in(
         after = sb.wait_running(kube, namespace, name, restores=1, avoid=where.node,
                                 min_ticks=1)
         running = sb.since(started)
-        filled = f"lazy restore of {namespace}/{ckpt['metadata']['name']}: every page in"
-        wait_until("the new node's lazy restore to have every page in", 120,
-                   lambda: filled in sb.node_agent_log(kube, lazy_release, after.node), 0.5)
+        filled = re.compile(
+            rf"lazy restore of {re.escape(namespace)}/{re.escape(ckpt['metadata']['name'])}: "
+            r"every page in after (\d+) ms \(unix time (\d+\.\d+)\)")
+        line = wait_until("the new node's lazy restore to have every page in", 120,
+                          lambda: filled.search(sb.node_agent_log(kube, lazy_release,
+                                                                  after.node)), 0.5)
         log = sb.node_agent_log(kube, lazy_release, after.node)
         assert "cannot restore lazily" not in log, log[-3000:]
-        # The workload checks its patterned memory every tick and exits if it is wrong.
+        # The workload checks its patterned memory and exits if any of it is wrong.
         sb.assert_continues(kube, namespace, after.pod, last, exact=True)
-        line = next(ln for ln in log.splitlines() if filled in ln)
+        first_tick, first_at = _first_tick_after_restore(name)
+        all_in_at = float(line.group(2))
+        assert first_tick == last + 1, (first_tick, last)
+        assert first_at < all_in_at, (
+            f"the restored copy's first tick (tick {first_tick}) reached the ledger "
+            f"{first_at - all_in_at:.3f} s after the last page was in: the restore was "
+            "not lazy")
         print(f"drain of {where.node}: sandbox running on {after.node} {running} s after "
-              f"the drain began; {line.split('every page in', 1)[1].strip()}")
+              f"the drain began; its first tick there {all_in_at - first_at:.3f} s before "
+              f"every page of its {LAZY_MEM_MB} MiB was in ({line.group(1)} ms of fill)")

@@ -43,11 +43,6 @@ def _label(kube: Kube, node: str, labels: dict[str, str | None]) -> None:
     kube.api.patch_node(node, body)
 
 
-def _cordon(kube: Kube, node: str, unschedulable: bool) -> None:
-    body: Any = {"spec": {"unschedulable": unschedulable}}
-    kube.api.patch_node(node, body)
-
-
 def _ready(ns: str, name: str) -> Obj:
     for c in sb.status(ns, name).get("conditions") or []:
         if c["type"] == api.COND_READY:
@@ -179,7 +174,7 @@ def test_without_spare_spot_capacity_it_falls_back_to_on_demand_then_returns_to_
     t: dict[str, float] = {}
     try:
         for node in cordoned:
-            _cordon(kube, node, True)
+            sb.set_unschedulable(kube, node, True)
         print(f"sandbox {name} on {where.node} ({spot_conventions(kube.node(where.node) or {})})"
               f"; cordoned spot nodes {cordoned}; on-demand nodes {on_demand}")
         where = _fall_back(kube, e2e_config, namespace, name, where, on_demand, t)
@@ -199,7 +194,7 @@ def test_without_spare_spot_capacity_it_falls_back_to_on_demand_then_returns_to_
     finally:
         for node in cordoned:
             if kube.node(node) is not None:
-                _cordon(kube, node, False)
+                sb.set_unschedulable(kube, node, False)
 
 
 

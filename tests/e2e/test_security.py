@@ -137,7 +137,7 @@ def _refused(why: str | None, says: str) -> None:
     print(f"  refused: {why[:200]}")
 
 
-def _cordon(kube: Kube, node: str) -> dict[str, Any]:
+def _interruption_patch(kube: Kube, node: str) -> dict[str, Any]:
     """The merge patch a node-agent makes on a notice (planner.node_taint_patch): the
     interruption taint added to the node's own taints, and the cordon."""
     taints = [t for t in (kube.node(node) or {}).get("spec", {}).get("taints") or []
@@ -152,8 +152,8 @@ def test_a_node_agent_token_is_refused_on_another_nodes_objects(
         node_agent: tuple[NodeAgentToken, str, str], attack: Attack) -> None:
     agent, mine, other = node_agent
     print(f"\nnode-agent of {mine}:")
-    assert agent.attempt(agent.core.patch_node, mine, _cordon(kube, mine)) is None
-    _refused(agent.attempt(agent.core.patch_node, other, _cordon(kube, other)),
+    assert agent.attempt(agent.core.patch_node, mine, _interruption_patch(kube, mine)) is None
+    _refused(agent.attempt(agent.core.patch_node, other, _interruption_patch(kube, other)),
              f"may change only its own node ({mine})")
 
     for name, node in (("here", mine), ("there", other)):
@@ -212,7 +212,7 @@ def test_a_node_agent_token_changes_only_the_interruption_taint_and_cordon_of_it
     around it, nor change any other taint (say, to pull workloads onto its node)."""
     agent, mine, _ = node_agent
     print(f"\nnode-agent of {mine}:")
-    assert agent.attempt(agent.core.patch_node, mine, _cordon(kube, mine)) is None
+    assert agent.attempt(agent.core.patch_node, mine, _interruption_patch(kube, mine)) is None
     assert agent.attempt(agent.core.patch_node, mine, {"spec": {"unschedulable": True}}) is None
     # Its readiness label, that value only (the agent has set it already: a no-op here).
     ready = {protocol.LABEL_NODE_AGENT: protocol.NODE_AGENT_READY}

@@ -1,6 +1,7 @@
 """Turn boundaries on the cluster (docs/turns.md): a sandbox with ``onTurn: true`` driven
 through turns by ``TurnClient`` is checkpointed only on the turns that changed something,
-and a node lost without notice loses nothing of its last completed turn."""
+and a node lost without notice loses nothing of its last completed turn: its files and
+processes (an idle agent), and the memory of the self-checking workload."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from hermit_common.settings import TURN_AUDIENCE
 from hermit_common.turns import TurnClient, TurnResult
 from tests.e2e import sandboxes as sb
 from tests.e2e.cluster import E2EConfig, Kube, wait_until
+from tests.support import ledger
 from tests.support.attacks import REFUSED, Attack
 
 STRANGER = "stranger"
@@ -110,3 +112,49 @@ def test_turns_checkpoint_only_changes_and_a_loss_keeps_the_last_turn(
     print(f"turns: {decisions}; checkpoints {sorted(made)}; node {node} lost without "
           f"notice, restored from {last} on {new_node} {sb.since(lost_at)} s later with "
           "every file and process of turn 6")
+
+
+def test_a_turn_checkpoint_carries_the_workloads_memory_across_a_loss(
+    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
+) -> None:
+    """The self-checking workload, checkpointed at two turn ends, then its node lost: the
+    copy on the new node resumes from the state the last turn froze (its first tick
+    follows a tick made during that turn's end, told by the external ledger), with every
+    self-check passing, and redoes only what ran after that turn."""
+    name, where = sb.start_on_spot(kube, e2e_config, hermit_release, namespace,
+                                   checkpoint={"onTurn": True})
+    turns = TurnClient(token=sb.turn_harness_token(namespace), kube=KubeApi(client.ApiClient()))
+    collector = ledger.current()
+    assert collector is not None, "no tick ledger (HERMIT_E2E_LEDGER_HOST)"
+    ended: list[tuple[TurnResult, int, int]] = []
+    for number in (1, 2):
+        before = collector.last_tick(name)
+        result = turns.turn_ended(namespace, name, number, wait_seconds=120)
+        ended.append((result, before, collector.last_tick(name)))
+    decisions = [r.decision for r, _, _ in ended]
+    # its memory changes every tick: each turn is a full checkpoint
+    assert decisions == ["full", "full"], ended
+    assert all(r.phase == protocol.COMPLETED for r, _, _ in ended), ended
+    last, before, after = ended[-1]
+    # Run on past the turn: that is the work the loss takes, and redone.
+    ran_on = wait_until("ten ticks past the last turn", 30,
+                        lambda: (t := collector.last_tick(name)) >= after + 10 and t)
+    sb.lose_node(e2e_config, where.node, timeout=120)
+    moved = sb.wait_running(kube, namespace, name, restores=1, avoid=where.node,
+                            timeout=240, min_ticks=1)
+    restored = sb.status(namespace, name).get("restoredFrom") or {}
+    assert restored.get("name") == last.checkpoint, (
+        f"expected a restore of the last turn's {last.checkpoint}: {restored}")
+    seen = sb.assert_continues(kube, namespace, moved.pod, after, exact=False)
+    old_last = max(c.last_tick for c in sb.ledger_verdict(name, after=seen[-1]).copies
+                   if c.gen == 0)
+    v = sb.assert_ledger(name, after=old_last, allow_replay=True,
+                         timeout=30 + (old_last - seen[-1]) * sb.TICK_MS / 1000)
+    new_first = min(c.first_tick for c in v.copies if c.gen > 0)
+    # the state restored is the one frozen while turn 2 ended, not an older or a newer one
+    assert before < new_first <= after + 1, (before, new_first, after, v.summary())
+    assert old_last >= ran_on, v.summary()
+    assert v.replayed == tuple(range(new_first, old_last + 1)), v.summary()
+    print(f"turns with the stateful workload: {decisions}; turn 2 ended between ticks "
+          f"{before} and {after}, restored from {last.checkpoint} on {moved.node} at tick "
+          f"{new_first}; ticks {new_first}..{old_last} redone after the loss")

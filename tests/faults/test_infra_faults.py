@@ -8,7 +8,6 @@ live copy at any sample (docs/faults.md).
 
 from __future__ import annotations
 
-import subprocess
 import time
 from typing import Any
 
@@ -16,7 +15,7 @@ import pytest
 from kubernetes import client
 
 from tests.e2e import sandboxes as sb
-from tests.e2e.cluster import REPO, S3, E2EConfig, Kube, wait_until
+from tests.e2e.cluster import S3, E2EConfig, Kube, wait_until
 from tests.faults import inject, verdict
 from tests.faults.ledger import Ledger
 
@@ -227,11 +226,8 @@ def test_api_server_restarted_during_a_migration(
         # What the restart must land in: the move, before the sandbox runs again.
         moved_at_restart = int(sb.status(namespace, name).get("restores") or 0)
         started = time.monotonic()
-        restart = subprocess.run([str(REPO / "hack/cluster"), "restart-apiserver"],
-                                 capture_output=True, text=True, timeout=180,
-                                 check=False)
+        sb.restart_apiserver(e2e_config)
         down = sb.since(started)
-        assert restart.returncode == 0, restart.stdout + restart.stderr
         ckpt, last = inject.durable_then_last_tick(namespace, name, watch, 60)
         outcome = verdict.judge(kube, namespace, name, last, restores=1,
                                 avoid=where.node, timeout=240)

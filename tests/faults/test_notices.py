@@ -28,7 +28,7 @@ import pytest
 from hermit_common import api, protocol
 from hermit_testbed import faulty_imds as fi
 from tests.e2e import sandboxes as sb
-from tests.e2e.cluster import LOCAL_CLUSTER_HOST, RELEASE_NS, REPO, E2EConfig, Kube, wait_until
+from tests.e2e.cluster import LOCAL_CLUSTER_HOST, RELEASE_NS, E2EConfig, Kube, wait_until
 from tests.faults import verdict
 from tests.faults.ledger import Ledger, Row
 
@@ -104,11 +104,9 @@ def _notice(imds: fi.FaultyImds, seconds: int = NOTICE_SECONDS) -> datetime:
     return when
 
 
-def _terminate(node: str) -> None:
+def _terminate(cfg: E2EConfig, node: str) -> None:
     """What the cloud does at the deadline: the node goes (and its AEMM with it)."""
-    proc = subprocess.run([str(REPO / "hack/cluster"), "preempt-node", node, "--no-notice"],
-                          capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, f"preempt-node {node} failed: {proc.stdout}{proc.stderr}"
+    sb.lose_node(cfg, node, timeout=300)
 
 
 # -- what the scenarios look at -----------------------------------------------------------
@@ -214,7 +212,7 @@ def _errors_then_notice(kube: Kube, cfg: E2EConfig, ns: str, ledger: Ledger, sce
             outcome, _ = _moved(kube, ns, name, where)
         once = _settled_once(ns, name, where)
     finally:
-        _terminate(where.node)
+        _terminate(cfg, where.node)
     note = "; ".join(x for x in (changed and f"during the faults: {changed}", once,
                                  f"notice acted on in {acted_s} s", outcome.detail) if x)
     ledger.record(Row(scenario, faults, 1, outcome.lost, outcome.duplicated, note,
@@ -254,7 +252,7 @@ def test_a_withdrawn_notice_still_moves_the_sandbox_exactly_once(
             outcome, _ = _moved(kube, namespace, name, where)
         once = _settled_once(namespace, name, where)
     finally:
-        _terminate(where.node)
+        _terminate(e2e_config, where.node)
     ledger.record(Row("notice withdrawn (404 again)", 1, 1, outcome.lost, outcome.duplicated,
                       "; ".join(x for x in (once, f"{withdrawn} answers withdrawn",
                                             outcome.detail) if x),
@@ -283,7 +281,7 @@ def test_two_notices_for_one_node_make_one_move(
                 again.result(timeout=120)
         once = _settled_once(namespace, name, where)
     finally:
-        _terminate(where.node)
+        _terminate(e2e_config, where.node)
     ledger.record(Row("notice seen twice, then another time", 2, 1, outcome.lost,
                       outcome.duplicated, "; ".join(x for x in (once, outcome.detail) if x),
                       outcome.ledger_lost, outcome.ledger_duplicated))
@@ -322,7 +320,7 @@ def test_a_manual_checkpoint_racing_a_notice_ends_and_the_sandbox_moves_once(
             ended = _finished(namespace, manual)
         once = _settled_once(namespace, name, where)
     finally:
-        _terminate(where.node)
+        _terminate(e2e_config, where.node)
     phase, message = ended.get("phase"), ended.get("message") or ""
     ledger.record(Row("manual checkpoint racing a notice", 1, 1, outcome.lost,
                       outcome.duplicated, "; ".join(x for x in (

@@ -54,14 +54,7 @@ def cgroup(request: pytest.FixtureRequest) -> Iterator[Path]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
         freezer.thaw(path)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                path.rmdir()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, f"cannot remove {path}"
-                time.sleep(0.05)
+        wait_until(f"{path} removable", 10, lambda: _removed(path), 0.05)
 
 
 def _size(path: Path) -> int:
@@ -162,3 +155,11 @@ def test_what_a_restore_cut_short_left_is_read_from_real_processes(
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def _removed(path: Path) -> bool:
+    try:
+        path.rmdir()
+    except OSError:
+        return False
+    return True

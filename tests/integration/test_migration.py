@@ -48,6 +48,7 @@ from tests.support.containerd import (
     two_nodes,
 )
 from tests.support.minio import MinioServer
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -237,10 +238,7 @@ def _wait_for_every_page(staged: Path, timeout: float = 120.0) -> None:
     """A lazy restore's staging dir (``staged``) goes once its daemon has copied every page
     in (a failed daemon leaves its log beside it)."""
     assert staged.parent.is_dir(), f"no restore staged under {staged.parent}"
-    deadline = time.monotonic() + timeout
-    while staged.exists():
-        assert time.monotonic() < deadline, "the lazy-pages daemon never finished"
-        time.sleep(0.01)
+    wait_until("the lazy-pages daemon to finish", timeout, lambda: not staged.exists(), 0.01)
     kept = staged.with_name(f"{staged.name}.lazy-pages.log")
     assert not kept.exists(), kept.read_text()[-2000:]
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from kubernetes.client.rest import ApiException
 
 from hermit_common import api, protocol
 from tests.support.controlplane import ControlPlane, control_plane, install_crds
+from tests.support.wait import wait_until
 
 __all__ = ["control_plane"]
 
@@ -110,7 +110,7 @@ def plane(control_plane: ControlPlane) -> Iterator[ControlPlane]:
         admin.core.create_namespaced_pod(NS, {
             "metadata": {"name": pod, "labels": {"app": "x"}, "annotations": {"team": "a"}},
             "spec": {"nodeName": node, "containers": [{"name": "c", "image": "busybox"}]}})
-    _wait("the Checkpoint CRD served", lambda: _served(admin))
+    wait_until("the Checkpoint CRD served", 30, lambda: _served(admin), 0.1)
     for name, node in (("mine-1-preempt", "node-a"), ("theirs-1-preempt", "node-b")):
         admin.custom.create_namespaced_custom_object(G, V, NS, P, _ckpt(name, node))
     regs = client.AdmissionregistrationV1Api(admin.client)
@@ -128,13 +128,6 @@ def _served(admin: Caller) -> bool:
         return True
     except ApiException:
         return False
-
-
-def _wait(what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +153,7 @@ def agent(plane: ControlPlane) -> Caller:
                   **{protocol.ANNOTATION_NODE_VERIFIED: "true"})),
     }
     for what, refused in probes.items():  # dry runs: nothing is written
-        _wait(f"the {what} policy in force", lambda r=refused: r() is not None, 120.0)
+        wait_until(f"the {what} policy in force", 120, lambda r=refused: r() is not None, 0.1)
     return caller
 
 

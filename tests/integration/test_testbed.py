@@ -17,6 +17,7 @@ from hermit_testbed.image import build_image, image_digest
 from hermit_testbed.proc import pid_alive
 from hermit_testbed.procfs import parse_mountinfo
 from tests.support.containerd import BUSYBOX_REF, require_containerd
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -36,14 +37,6 @@ def _wait_tcp(ip: str, port: int, timeout: float) -> bytes:
             last = exc
             time.sleep(0.05)
     raise AssertionError(f"{ip}:{port} did not answer within {timeout}s: {last}")
-
-
-def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def test_image_build_is_deterministic_and_matches_containerd(
@@ -95,11 +88,12 @@ def test_container_like_kubelet_makes_it(
 
         upper = container.upperdir()
         assert upper.is_dir() and str(containerd_daemon.base_dir) in str(upper)
-        _wait(lambda: (upper / "tmp" / "written-by-container").exists(), 10, "upperdir file")
+        written = upper / "tmp" / "written-by-container"
+        wait_until("upperdir file", 10, written.exists, 0.05)
         assert (upper / "tmp" / "written-by-container").read_text() == "layer\n"
         assert (container.rootfs() / "tmp" / "written-by-container").read_text() == "layer\n"
 
-        _wait(lambda: (workspace / "output.txt").exists(), 10, "workspace file")
+        wait_until("workspace file", 10, lambda: (workspace / "output.txt").exists(), 0.05)
         assert (workspace / "output.txt").read_text() == "from-host\n"
 
         cgroups = container.cgroup_paths()

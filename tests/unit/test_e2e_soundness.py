@@ -29,6 +29,8 @@ def test_a_restored_copy_runs_past_its_stall_window_and_a_whole_memory_pass() ->
     # 1 GiB verified 64 MiB per tick: 16 ticks more than an empty block
     assert sb.ticks_to_be_sound(1024) - sb.ticks_to_be_sound(0) == 1024 // sb.VERIFY_MB
     assert sb.ticks_to_be_sound(sb.WORKLOAD_MEM_MB) > stall_ticks
+    # a workload that verifies 2 MiB per tick needs a tick per 2 MiB for its pass
+    assert sb.ticks_to_be_sound(192, 2) - sb.ticks_to_be_sound(0, 2) == 96
 
 
 def test_the_windows_are_the_workloads_own_defaults() -> None:
