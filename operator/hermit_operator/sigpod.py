@@ -168,10 +168,15 @@ def _without_injected_token(pod_spec: KubeObject) -> KubeObject:
     return out
 
 
-def mutate(pod: KubeObject, settings: OperatorSettings) -> KubeObject:
+def mutate(pod: KubeObject, settings: OperatorSettings, *, hold: bool = False) -> KubeObject:
     """The pod Hermit admits in place of ``pod`` (which ``applies_to``): InvalidSpec, with
     a message naming the template's field, when its pod spec breaks the pod policy or
-    cannot run under hermit-init."""
+    cannot run under hermit-init.
+
+    ``hold``: add the termination hold (a preStop sleep for the grace period) when the
+    Sandbox saves on a drain. Off until Hermit checkpoints Sandbox pods (issue 20, points
+    3 and 4): today nothing would take the checkpoint or cut the sleep short, so every
+    suspend, drain and delete of an opted-in Sandbox would only wait its grace period."""
     meta = pod.get("metadata") or {}
     spec = as_agent_sandbox_spec(pod)
     pod_spec = _without_injected_token(pod.get("spec") or {})
@@ -191,11 +196,11 @@ def mutate(pod: KubeObject, settings: OperatorSettings) -> KubeObject:
     saves = podspec.on_preemption({"spec": spec})
     if not saves:
         annotations[protocol.ANNOTATION_ON_PREEMPTION] = "false"
-    if pod_spec.get("terminationGracePeriodSeconds") == API_DEFAULT_GRACE_SECONDS:
-        pod_spec.pop("terminationGracePeriodSeconds")
+    if hold and pod_spec.get("terminationGracePeriodSeconds") == API_DEFAULT_GRACE_SECONDS:
+        pod_spec.pop("terminationGracePeriodSeconds")  # the hold's grace period instead
     podspec.add_hermit_init(pod_spec, annotations, settings, size=size,
                             mount_path=mount_path, restore_from=None, overlap=False,
-                            saves=saves)
+                            saves=saves and hold)
     pod_spec = podpolicy.secure_defaults(pod_spec, settings.pod_policy)
 
     labels = {**(meta.get("labels") or {}),

@@ -145,12 +145,13 @@ def test_an_opted_in_sandbox_gets_its_pod_under_hermit_init(sig: Sig) -> None:
     # The API server's token volume went with Hermit's automountServiceAccountToken: false.
     assert not [n for n in volumes if n.startswith(sigpod.TOKEN_VOLUME_PREFIX)], volumes
     assert spec["automountServiceAccountToken"] is False
-    assert spec["terminationGracePeriodSeconds"] == 120
-    assert main["lifecycle"]["preStop"] == {"sleep": {"seconds": 120}}
+    # No termination hold until Hermit checkpoints Sandbox pods (sigpod.mutate).
+    assert spec["terminationGracePeriodSeconds"] == 30
+    assert "lifecycle" not in main
     assert spec["securityContext"]["runAsNonRoot"] is True
     assert meta["labels"][sigpod.LABEL_SIG_SANDBOX] == "saved"
     assert meta["annotations"][protocol.ANNOTATION_WORKSPACE_PATH] == "/work"
-    assert meta["annotations"][protocol.ANNOTATION_HOLD] == "true"
+    assert protocol.ANNOTATION_HOLD not in meta["annotations"]
     # The SIG controller's own labels, name and ownership are kept.
     assert meta["labels"]["agents.x-k8s.io/sandbox-name-hash"], meta["labels"]
     assert meta["name"] == "saved"

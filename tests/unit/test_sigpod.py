@@ -64,10 +64,9 @@ def test_an_opted_in_sandbox_pod_runs_under_hermit_init_with_a_workspace() -> No
     assert [v["name"] for v in spec["volumes"]] == [podspec.INIT_VOLUME,
                                                      podspec.WORKSPACE_VOLUME]
     assert spec["volumes"][1]["emptyDir"] == {"sizeLimit": "1Gi"}
-    # The API server's default grace (30) is taken as unset: Hermit's hold period.
-    assert spec["terminationGracePeriodSeconds"] == SETTINGS.termination_grace_seconds
-    assert main["lifecycle"]["preStop"] == {
-        "sleep": {"seconds": SETTINGS.termination_grace_seconds}}
+    # No termination hold yet: nothing would checkpoint the pod or cut the sleep short.
+    assert spec["terminationGracePeriodSeconds"] == 30
+    assert "lifecycle" not in main
     assert spec["automountServiceAccountToken"] is False
     # The restricted profile's defaults, as for an AgentSandbox's pod.
     assert spec["securityContext"]["runAsNonRoot"] is True
@@ -81,9 +80,22 @@ def test_an_opted_in_sandbox_pod_runs_under_hermit_init_with_a_workspace() -> No
     assert meta["labels"]["agents.x-k8s.io/sandbox-name-hash"] == "1a2b"
     assert protocol.LABEL_SANDBOX not in meta["labels"]
     assert meta["annotations"][protocol.ANNOTATION_WORKSPACE_PATH] == "/workspace"
-    assert meta["annotations"][protocol.ANNOTATION_HOLD] == "true"
-    assert meta["annotations"][protocol.ANNOTATION_SAFE_TO_EVICT] == "true"
+    assert protocol.ANNOTATION_HOLD not in meta["annotations"]
     assert pod == sig_pod(), "the input is not changed"
+
+
+def test_with_the_hold_the_pod_waits_for_its_checkpoint_as_an_agentsandbox_pod_does() -> None:
+    out = sigpod.mutate(sig_pod(), SETTINGS, hold=True)
+    spec, annotations = out["spec"], out["metadata"]["annotations"]
+    # The API server's default grace (30) is taken as unset: Hermit's hold period.
+    assert spec["terminationGracePeriodSeconds"] == SETTINGS.termination_grace_seconds
+    assert spec["containers"][0]["lifecycle"]["preStop"] == {
+        "sleep": {"seconds": SETTINGS.termination_grace_seconds}}
+    assert annotations[protocol.ANNOTATION_HOLD] == "true"
+    assert annotations[protocol.ANNOTATION_SAFE_TO_EVICT] == "true"
+    # A Sandbox that saves nothing on a drain gets no hold.
+    quiet = sig_pod(annotations={sigpod.ANNOTATION_CHECKPOINT: '{"onPreemption": false}'})
+    assert "lifecycle" not in sigpod.mutate(quiet, SETTINGS, hold=True)["spec"]["containers"][0]
 
 
 def test_the_settings_annotations_shape_the_pod_as_an_agentsandbox_spec_would() -> None:
@@ -105,7 +117,8 @@ def test_the_settings_annotations_shape_the_pod_as_an_agentsandbox_spec_would() 
 
 
 def test_a_grace_period_the_template_chose_is_kept() -> None:
-    out = sigpod.mutate(sig_pod(spec={"terminationGracePeriodSeconds": 45}), SETTINGS)
+    out = sigpod.mutate(sig_pod(spec={"terminationGracePeriodSeconds": 45}), SETTINGS,
+                        hold=True)
     assert out["spec"]["terminationGracePeriodSeconds"] == 45
 
 
