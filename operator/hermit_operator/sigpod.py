@@ -70,11 +70,14 @@ def opted_in(pod: KubeObject) -> bool:
 
 def applies_to(pod: KubeObject) -> bool:
     """Whether Hermit changes this pod: opted in, and made for a SIG Sandbox. A pod with
-    the label that is an AgentSandbox's (Hermit built it) or no Sandbox's is let through
-    as it is."""
-    labels = (pod.get("metadata") or {}).get("labels") or {}
-    return (opted_in(pod) and sig_sandbox_owner(pod) is not None
-            and protocol.LABEL_SANDBOX not in labels)
+    the label that is no Sandbox's is let through as it is."""
+    return opted_in(pod) and sig_sandbox_owner(pod) is not None
+
+
+# The labels by which the operator and the node-agent know an AgentSandbox's pods: a SIG
+# Sandbox's template may not bring them (its pod would pass for an AgentSandbox's).
+RESERVED_LABELS = (protocol.LABEL_SANDBOX, protocol.LABEL_INCARNATION, protocol.LABEL_NODE,
+                   protocol.LABEL_CAPACITY)
 
 
 def _json_annotation(annotations: dict[str, str], key: str, fields: set[str]
@@ -178,6 +181,10 @@ def mutate(pod: KubeObject, settings: OperatorSettings, *, hold: bool = False) -
     3 and 4): today nothing would take the checkpoint or cut the sleep short, so every
     suspend, drain and delete of an opted-in Sandbox would only wait its grace period."""
     meta = pod.get("metadata") or {}
+    taken = sorted(set(meta.get("labels") or {}) & set(RESERVED_LABELS))
+    if taken:
+        raise InvalidSpec(f"{TEMPLATE}.metadata.labels: {', '.join(taken)} "
+                          f"{'is' if len(taken) == 1 else 'are'} Hermit's own")
     spec = as_agent_sandbox_spec(pod)
     pod_spec = _without_injected_token(pod.get("spec") or {})
     problems = podpolicy.violations(pod_spec, settings.pod_policy,

@@ -165,8 +165,12 @@ def test_only_opted_in_pods_of_a_sig_sandbox_are_changed() -> None:
     other = sig_pod()
     other["metadata"]["ownerReferences"][0]["apiVersion"] = "example.com/v1"
     assert not sigpod.applies_to(other)
-    # An AgentSandbox's pod, built by Hermit already.
-    assert not sigpod.applies_to(sig_pod(labels={protocol.LABEL_SANDBOX: "box"}))
+
+
+def test_a_template_may_not_bring_the_labels_of_an_agentsandbox_pod() -> None:
+    with pytest.raises(InvalidSpec, match=r"spec\.podTemplate\.metadata\.labels: "
+                                          r"hermit\.dev/sandbox is Hermit's own"):
+        sigpod.mutate(sig_pod(labels={protocol.LABEL_SANDBOX: "other"}), SETTINGS)
 
 
 def _review(pod: Obj, operation: str = "CREATE") -> Obj:
@@ -186,6 +190,19 @@ def _apply(pod: Obj, ops: list[Obj]) -> Obj:
             target = target[part]
         target[last] = op["value"]
     return out
+
+
+def test_the_ca_bundle_patch_sets_only_what_differs() -> None:
+    pem = b"-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n"
+    bundle = base64.b64encode(pem).decode()
+    config = {"webhooks": [{"clientConfig": {"service": {}}},
+                           {"clientConfig": {"caBundle": bundle}},
+                           {"clientConfig": {"caBundle": "b2xk"}}]}
+    assert sigwebhook.ca_bundle_patch(config, pem) == [
+        {"op": "add", "path": "/webhooks/0/clientConfig/caBundle", "value": bundle},
+        {"op": "add", "path": "/webhooks/2/clientConfig/caBundle", "value": bundle}]
+    assert sigwebhook.ca_bundle_patch({"webhooks": [{"clientConfig": {
+        "caBundle": bundle}}]}, pem) == []
 
 
 def test_the_review_patches_an_opted_in_pod_to_the_mutated_one() -> None:
