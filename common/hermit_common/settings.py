@@ -250,6 +250,32 @@ class KeyServiceSettings:
                    **_store_credential_settings(env), **kms)
 
 
+@dataclass(frozen=True)
+class SigWebhookSettings:
+    """The mutating admission webhook for opted-in SIG Sandbox pods (docs/agent-sandbox.md,
+    "Opting a Sandbox in"), served over TLS by every operator replica."""
+
+    port: int = 0  # 0: off
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    # The MutatingWebhookConfiguration whose caBundle the operator keeps equal to ca_file
+    # (the chart's self-signed CA); None: someone else sets it (cert-manager's cainjector).
+    configuration: str | None = None
+    ca_file: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> SigWebhookSettings:
+        env = Env(environ)
+        port = env.integer("HERMIT_SIG_WEBHOOK_PORT", 0, minimum=0, maximum=65535)
+        if not port:
+            return cls()
+        configuration = env.optional_str("HERMIT_SIG_WEBHOOK_CONFIGURATION")
+        return cls(port=port, tls_cert_file=env.text("HERMIT_SIG_WEBHOOK_TLS_CERT_FILE"),
+                   tls_key_file=env.text("HERMIT_SIG_WEBHOOK_TLS_KEY_FILE"),
+                   configuration=configuration,
+                   ca_file=env.text("HERMIT_SIG_WEBHOOK_CA_FILE") if configuration else None)
+
+
 _KMS_KEY_RE: Final = re.compile(r"^[A-Za-z0-9:/_.+=@-]{1,2048}$")
 
 
@@ -566,6 +592,7 @@ class OperatorSettings:
     # whose inputs did not change since it was last reconciled costs nothing.
     resync_seconds: float = 600.0
     key_service: KeyServiceSettings = KeyServiceSettings()
+    sig_webhook: SigWebhookSettings = SigWebhookSettings()
     # Evictions (drains, autoscalers) are allowed; each sandbox container gets a preStop
     # hook that sleeps for the pod's grace period (termination_grace_seconds unless the
     # template sets one), holding its termination while the node-agent takes its Eviction
@@ -607,6 +634,7 @@ class OperatorSettings:
             resync_seconds=env.number("HERMIT_RESYNC_SECONDS", 600.0, minimum=10.0,
                                       maximum=86400.0),
             key_service=KeyServiceSettings.from_env(environ),
+            sig_webhook=SigWebhookSettings.from_env(environ),
             termination_hold=env.flag("HERMIT_TERMINATION_HOLD", True),
             termination_grace_seconds=env.integer(
                 "HERMIT_TERMINATION_GRACE_SECONDS", 120, minimum=1, maximum=3600),

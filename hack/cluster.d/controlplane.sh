@@ -44,6 +44,9 @@ apiserver_ready() {
 }
 
 # apiserver_up: starts kube-apiserver (a no-op when it runs) and waits for /readyz.
+# --enable-aggregator-routing: the API server calls a webhook's Service (the SIG Sandbox
+# pod webhook, docs/agent-sandbox.md) at its endpoints' pod IPs, which the host routes to
+# the nodes; ClusterIPs exist only inside the nodes (their kube-proxy).
 apiserver_up() {
   local logs="$CLUSTER_DIR/logs"
   start_daemon kube-apiserver "$logs/kube-apiserver.log" "$HERMIT_BIN/kube-apiserver" \
@@ -58,6 +61,7 @@ apiserver_up() {
     --service-account-issuer https://kubernetes.default.svc.cluster.local \
     --service-cluster-ip-range "$SERVICE_CIDR" \
     --authorization-mode Node,RBAC --enable-admission-plugins NodeRestriction \
+    --enable-aggregator-routing=true \
     --allow-privileged=true --profiling=false --v=1
   wait_for "kube-apiserver /readyz" 90 apiserver_ready
 }

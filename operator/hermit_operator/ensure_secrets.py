@@ -11,7 +11,10 @@ made every sealed checkpoint unreadable.
 - the key service's serving Secret (``--serving``, ``kubernetes.io/tls``: its own CA
   and a certificate for the Service's DNS names) and the CA alone (``--trust``), what
   node-agents mount. The CA Secret is made to match the serving Secret's CA (it holds no
-  secret), so deleting the serving Secret rotates both.
+  secret), so deleting the serving Secret rotates both;
+- the SIG Sandbox pod webhook's serving Secret (``--webhook-serving``, for the Service
+  ``--webhook-service``), with its own CA in ``ca.crt`` (the operator copies it into the
+  MutatingWebhookConfiguration's caBundle).
 
 Two runs at once are safe: a create that meets AlreadyExists reads the winner's Secret.
 Exit codes: 0 done, 1 the API refused (message on stderr), 2 bad arguments.
@@ -98,7 +101,8 @@ def ensure(secrets: Secrets, name: str, make: Callable[[], dict[str, bytes]],
 
 def ensure_all(secrets: Secrets, *, sealing: str | None, serving: str | None,
                trust: str | None, service: str | None,
-               labels: Mapping[str, str]) -> None:
+               labels: Mapping[str, str], webhook_serving: str | None = None,
+               webhook_service: str | None = None) -> None:
     if sealing:
         # Not Helm's object: an uninstall leaves it (losing it loses every sealed checkpoint).
         ensure(secrets, sealing, secretgen.new_sealing_keys, "Opaque", labels)
@@ -112,6 +116,13 @@ def ensure_all(secrets: Secrets, *, sealing: str | None, serving: str | None,
             log.info("Secret %s/%s: CA replaced by the serving Secret's", secrets.namespace,
                      trust)
             secrets.replace_data(trust, bundle)
+    if webhook_serving and webhook_service:
+        # The SIG Sandbox pod webhook's: its own CA (ca.crt, which the operator puts in the
+        # MutatingWebhookConfiguration's caBundle), for its own Service.
+        ensure(secrets, webhook_serving, lambda: secretgen.new_serving_tls(
+            f"{webhook_service}-ca",
+            secretgen.service_dns_names(webhook_service, secrets.namespace)),
+            "kubernetes.io/tls", labels)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -122,13 +133,19 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--serving", help="the key service's serving (TLS) Secret's name")
     p.add_argument("--trust", help="the key service's CA Secret's name (node-agents mount it)")
     p.add_argument("--service", help="the key service's Service name (the certificate's DNS names)")
+    p.add_argument("--webhook-serving", help="the SIG Sandbox pod webhook's serving (TLS) "
+                   "Secret's name")
+    p.add_argument("--webhook-service", help="the SIG Sandbox pod webhook's Service name")
     p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
                    help="a label for the Secrets made (repeatable)")
     args = p.parse_args(argv)
     if bool(args.serving) != bool(args.trust) or bool(args.serving) != bool(args.service):
         p.error("--serving, --trust and --service go together")
-    if not (args.sealing or args.serving):
-        p.error("nothing to do: name --sealing and/or --serving/--trust/--service")
+    if bool(args.webhook_serving) != bool(args.webhook_service):
+        p.error("--webhook-serving and --webhook-service go together")
+    if not (args.sealing or args.serving or args.webhook_serving):
+        p.error("nothing to do: name --sealing, --serving/--trust/--service and/or "
+                "--webhook-serving/--webhook-service")
     for item in args.label:
         if "=" not in item:
             p.error(f"--label {item!r}: expected KEY=VALUE")
@@ -142,7 +159,9 @@ def main(argv: list[str] | None = None) -> None:
     api = client.CoreV1Api(client.ApiClient(load_configuration()))
     try:
         ensure_all(Secrets(api, args.namespace), sealing=args.sealing, serving=args.serving,
-                   trust=args.trust, service=args.service, labels=labels)
+                   trust=args.trust, service=args.service, labels=labels,
+                   webhook_serving=args.webhook_serving,
+                   webhook_service=args.webhook_service)
     except ApiException as exc:
         print(f"ensure-secrets: {api_message(exc)}", file=sys.stderr)
         sys.exit(1)

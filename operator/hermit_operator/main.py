@@ -3,7 +3,8 @@
 HERMIT_METRICS_PORT serves the metrics, ``/healthz`` and ``/readyz`` from the start, so a
 standby that waits for the leadership Lease answers its probes too (operator.health);
 HERMIT_KEY_SERVICE_PORT, when set, serves the key service (keyservice.py) on every
-replica from the start too.
+replica from the start too, and HERMIT_SIG_WEBHOOK_PORT the SIG Sandbox pods' admission
+webhook (sigwebhook.py).
 
 Exit codes: 2 for a bad setting, 1 when the Kubernetes API cannot be used; each with a
 one-line message on stderr.
@@ -68,6 +69,8 @@ def main() -> None:
         _fail(f"cannot serve metrics on port {settings.metrics_port}: {exc.strerror}", 1)
     if settings.key_service.port:
         _serve_keys(settings, kube)
+    if settings.sig_webhook.port:
+        _serve_sig_webhook(settings)
     elector = _lead(settings, health) if settings.leader_election else None
     health.leading()
     kopf.configure(verbose=settings.log_level == "DEBUG", log_format=(
@@ -101,6 +104,33 @@ def _serve_keys(settings: OperatorSettings, kube: Kube) -> None:
     log.info("key service on port %d (callers: %s; scoped store credentials: %s)",
              settings.key_service.port, ", ".join(settings.key_service.callers),
              "on" if settings.key_service.store_credentials else "off")
+
+
+def _serve_sig_webhook(settings: OperatorSettings) -> None:
+    """The SIG Sandbox pods' admission webhook (sigwebhook.py), on every replica: the API
+    server calls whichever one its Service picks."""
+    from hermit_operator import sigwebhook
+
+    try:
+        sigwebhook.serve(settings)
+    except SettingsError as exc:
+        _fail(str(exc), 2)
+    except OSError as exc:
+        _fail(f"cannot serve the SIG Sandbox webhook on port {settings.sig_webhook.port}: "
+              f"{exc.strerror}", 1)
+    log.info("SIG Sandbox pod webhook on port %d", settings.sig_webhook.port)
+    hook = settings.sig_webhook
+    if hook.configuration and hook.ca_file:
+        import threading
+
+        from kubernetes import client
+
+        from hermit_common.kubeclient import load_configuration
+
+        api = client.AdmissionregistrationV1Api(client.ApiClient(load_configuration()))
+        threading.Thread(target=sigwebhook.keep_ca_bundle,
+                         args=(api, hook.configuration, hook.ca_file, threading.Event()),
+                         name="hermit-webhook-ca", daemon=True).start()
 
 
 def _lead(settings: OperatorSettings, health: OperatorHealth) -> LeaseElector:

@@ -86,25 +86,8 @@ def validate(sandbox: KubeObject, policy: PodPolicySettings = STRICT_POD_POLICY)
         placement=spec.get("placement") or {})
     if problems:
         raise InvalidSpec(podpolicy.describe(problems))
-    containers = pod_spec.get("containers") or []
-    if not containers:
-        raise InvalidSpec("spec.podTemplate.spec.containers needs at least one container")
-    command = containers[0].get("command")
-    if not command or not isinstance(command, list):
-        raise InvalidSpec(
-            "spec.podTemplate.spec.containers[0].command is required: "
-            "Hermit runs it under its init")
-    init_names = {c.get("name") for c in pod_spec.get("initContainers") or []}
-    if INIT_CONTAINER in init_names:
-        raise InvalidSpec(f"spec.podTemplate.spec.initContainers: the name {INIT_CONTAINER!r} "
-                          "is reserved for Hermit")
+    check_main_container(pod_spec, workspace(spec)[1], "spec.podTemplate.spec")
     spot_node_selector_terms(spec)  # refuses a required node affinity too big to combine
-    mount_path = _workspace(spec)[1]
-    for mount in containers[0].get("volumeMounts") or []:
-        if mount.get("mountPath") in (INIT_DIR, mount_path):
-            raise InvalidSpec(
-                f"spec.podTemplate.spec.containers[0].volumeMounts: {mount.get('mountPath')} "
-                "is reserved for Hermit's init and workspace")
 
 
 tolerates_interruption = podpolicy.tolerates_interruption
@@ -132,22 +115,11 @@ def build_sandbox_pod(sandbox: KubeObject, settings: OperatorSettings, incarnati
     capacity = pod_capacity(spec, on_demand)
     if capacity is not None:
         labels[protocol.LABEL_CAPACITY] = capacity
-    size, mount_path = _workspace(spec)
+    size, mount_path = workspace(spec)
     annotations = _pod_annotations(sandbox, tmeta, mount_path, restore_from)
 
-    _wrap_main_container(pod_spec["containers"][0], mount_path, restore_from, overlap)
-    pod_spec.setdefault("terminationGracePeriodSeconds",
-                        settings.termination_grace_seconds if settings.termination_hold
-                        else TERMINATION_GRACE_SECONDS)
-    if _add_hold(pod_spec["containers"][0], settings, int(
-            pod_spec["terminationGracePeriodSeconds"] or 0), on_preemption(sandbox)):
-        annotations[protocol.ANNOTATION_HOLD] = "true"
-        # The cluster autoscaler skips nodes with emptyDir pods (or pods of a controller
-        # it does not know) without this; the workspace moves with the checkpoint.
-        annotations.setdefault(protocol.ANNOTATION_SAFE_TO_EVICT, "true")
-    pod_spec["initContainers"] = [_init_container(settings),
-                                  *(pod_spec.get("initContainers") or [])]
-    pod_spec["volumes"] = [*(pod_spec.get("volumes") or []), *_hermit_volumes(size)]
+    add_hermit_init(pod_spec, annotations, settings, size=size, mount_path=mount_path,
+                    restore_from=restore_from, overlap=overlap, saves=on_preemption(sandbox))
     pod_spec["restartPolicy"] = "Never"
     pod_spec.setdefault("hostname", meta["name"])
     _apply_placement(pod_spec, spec, on_demand=capacity == api.CAPACITY_ON_DEMAND)
@@ -157,6 +129,56 @@ def build_sandbox_pod(sandbox: KubeObject, settings: OperatorSettings, incarnati
 
     pod_meta = _pod_metadata(sandbox, incarnation, labels, annotations)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": pod_meta, "spec": pod_spec}
+
+
+def add_hermit_init(pod_spec: KubeObject, annotations: dict[str, str],
+                    settings: OperatorSettings, *, size: str, mount_path: str,
+                    restore_from: str | None, overlap: bool, saves: bool) -> None:
+    """What every pod Hermit saves needs, applied in place to a pod spec already checked
+    (``validate``, or sigpod.py for a SIG Sandbox's pod): the first container under
+    hermit-init with the init dir and the workspace mounted, the init container that copies
+    hermit-init, their emptyDirs, the termination grace period when unset, and the
+    termination hold (its annotations into ``annotations``) when ``saves`` (onPreemption).
+    Placement, restartPolicy and the secure defaults stay the caller's."""
+    _wrap_main_container(pod_spec["containers"][0], mount_path, restore_from, overlap)
+    pod_spec.setdefault("terminationGracePeriodSeconds",
+                        settings.termination_grace_seconds if settings.termination_hold
+                        else TERMINATION_GRACE_SECONDS)
+    if _add_hold(pod_spec["containers"][0], settings, int(
+            pod_spec["terminationGracePeriodSeconds"] or 0), saves):
+        annotations[protocol.ANNOTATION_HOLD] = "true"
+        # The cluster autoscaler skips nodes with emptyDir pods (or pods of a controller
+        # it does not know) without this; the workspace moves with the checkpoint.
+        annotations.setdefault(protocol.ANNOTATION_SAFE_TO_EVICT, "true")
+    pod_spec["initContainers"] = [_init_container(settings),
+                                  *(pod_spec.get("initContainers") or [])]
+    pod_spec["volumes"] = [*(pod_spec.get("volumes") or []), *_hermit_volumes(size)]
+
+
+def check_main_container(pod_spec: KubeObject, mount_path: str, where: str) -> None:
+    """InvalidSpec unless Hermit can wrap the pod's first container: it has a command, no
+    init container takes Hermit's name, and no mount takes the init dir or the workspace
+    (``where``: the pod spec's path in the user's object, for the messages)."""
+    containers = pod_spec.get("containers") or []
+    if not containers:
+        raise InvalidSpec(f"{where}.containers needs at least one container")
+    command = containers[0].get("command")
+    if not command or not isinstance(command, list):
+        raise InvalidSpec(
+            f"{where}.containers[0].command is required: Hermit runs it under its init")
+    init_names = {c.get("name") for c in pod_spec.get("initContainers") or []}
+    if INIT_CONTAINER in init_names:
+        raise InvalidSpec(f"{where}.initContainers: the name {INIT_CONTAINER!r} "
+                          "is reserved for Hermit")
+    for mount in containers[0].get("volumeMounts") or []:
+        if mount.get("mountPath") in (INIT_DIR, mount_path):
+            raise InvalidSpec(
+                f"{where}.containers[0].volumeMounts: {mount.get('mountPath')} "
+                "is reserved for Hermit's init and workspace")
+    names = {v.get("name") for v in pod_spec.get("volumes") or []}
+    for reserved in (INIT_VOLUME, WORKSPACE_VOLUME):
+        if reserved in names:
+            raise InvalidSpec(f"{where}.volumes: the name {reserved!r} is reserved for Hermit")
 
 
 def _pod_annotations(sandbox: KubeObject, template_meta: KubeObject, mount_path: str,
@@ -312,7 +334,7 @@ def disruption_budget(sandbox: KubeObject) -> KubeObject | None:
     }
 
 
-def _workspace(spec: KubeObject) -> tuple[str, str]:
+def workspace(spec: KubeObject) -> tuple[str, str]:
     ws = spec.get("workspace") or {}
     return str(ws.get("size", DEFAULT_WORKSPACE_SIZE)), ws.get("mountPath", DEFAULT_WORKSPACE_PATH)
 

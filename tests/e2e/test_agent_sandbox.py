@@ -1,7 +1,9 @@
 """The Kubernetes SIG's agent-sandbox (sigs.k8s.io/agent-sandbox: the ``Sandbox`` API of
 agents.x-k8s.io) on the e2e cluster, run by its own controller: the baseline Hermit is
-to serve later (issue 20). No Hermit here: a Sandbox gets a Running pod and Ready,
-``operatingMode: Suspended`` removes the pod, Running again brings a new one.
+to serve (issue 20). Without opting in: a Sandbox gets a Running pod and Ready,
+``operatingMode: Suspended`` removes the pod, Running again brings a new one. Opted in
+(agentSandbox.webhook on; docs/agent-sandbox.md#opting-a-sandbox-in): the pod runs
+under hermit-init, and one the pod policy refuses is not created, the Sandbox saying why.
 
 The controller and its CRDs come from ``HERMIT_E2E_AGENT_SANDBOX_CMD`` (default
 ``hack/cluster agent-sandbox``; docs/agent-sandbox.md)."""
@@ -9,6 +11,7 @@ The controller and its CRDs come from ``HERMIT_E2E_AGENT_SANDBOX_CMD`` (default
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,7 +19,7 @@ from kubernetes import client
 
 from tests.e2e import sandboxes as sb
 
-from .cluster import E2EConfig, Kube, wait_until
+from .cluster import RELEASE, E2EConfig, Kube, helm_set, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -131,3 +134,71 @@ def test_sandbox_runs_suspends_and_resumes(kube: Kube, namespace: str, e2e_confi
     assert second["metadata"]["uid"] != first["metadata"]["uid"], "the suspended pod came back"
     suspended_cond = _condition(_sandbox(namespace, name), "Suspended")
     assert suspended_cond is not None and suspended_cond["status"] == "False", suspended_cond
+
+
+@pytest.fixture
+def sig_webhook(hermit_release: str, e2e_config: E2EConfig, agent_sandbox: None
+                ) -> Iterator[None]:
+    """The release with the SIG Sandbox pod webhook on, its caBundle set by the operator,
+    for this test only."""
+    helm_set(e2e_config, hermit_release, "agentSandbox.webhook.enabled=true")
+    try:
+        admission = client.AdmissionregistrationV1Api()
+        name = f"{RELEASE}-sig-webhook"
+
+        def injected() -> bool:
+            raw: Any = admission.read_mutating_webhook_configuration(
+                name, _preload_content=False)
+            config = json.loads(raw.data)
+            return all(h["clientConfig"].get("caBundle") for h in config["webhooks"])
+
+        wait_until(f"the caBundle of {name} set by the operator", 120, injected)
+        yield
+    finally:
+        helm_set(e2e_config, hermit_release, "agentSandbox.webhook.enabled=false")
+
+
+def _opted_in(name: str, container: Obj) -> Obj:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "Sandbox", "metadata": {"name": name},
+            "spec": {"podTemplate": {
+                "metadata": {"labels": {"hermit.dev/checkpoint": "enabled"},
+                             "annotations": {"hermit.dev/workspace": '{"size": "256Mi"}'}},
+                "spec": {"containers": [container]}}}}
+
+
+def test_an_opted_in_sandbox_runs_under_hermit_init(
+        kube: Kube, namespace: str, e2e_config: E2EConfig, sig_webhook: None) -> None:
+    name = "sig-opted-in"
+    container = {"name": "agent", "image": e2e_config.sandbox_image,
+                 "imagePullPolicy": "IfNotPresent", "command": ["sleep", "3600"]}
+    created: Any = _custom().create_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, _opted_in(name, container))
+    pod = _wait_ready(kube, namespace, name, created["metadata"]["uid"])
+    main = pod["spec"]["containers"][0]
+    assert main["command"] == ["/.hermit/hermit-init", "--", "sleep", "3600"], main
+    assert {"name": "workspace", "mountPath": "/workspace"} in main["volumeMounts"]
+    [init] = pod["status"]["initContainerStatuses"]
+    assert init["name"] == "hermit-init", init
+    assert init["state"]["terminated"]["exitCode"] == 0, init
+    assert pod["metadata"]["labels"]["hermit.dev/sig-sandbox"] == name
+    assert pod["metadata"]["annotations"]["hermit.dev/workspace-path"] == "/workspace"
+
+
+def test_an_opted_in_sandbox_the_policy_refuses_gets_no_pod_and_says_why(
+        kube: Kube, namespace: str, e2e_config: E2EConfig, sig_webhook: None) -> None:
+    name = "sig-refused"
+    container = {"name": "agent", "image": e2e_config.sandbox_image,
+                 "imagePullPolicy": "IfNotPresent", "command": ["sleep", "3600"],
+                 "securityContext": {"privileged": True}}
+    created: Any = _custom().create_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, _opted_in(name, container))
+
+    def refused() -> Obj | None:
+        ready = _condition(_sandbox(namespace, name), "Ready")
+        return ready if ready and "Hermit refuses the pod" in (
+            ready.get("message") or "") else None
+
+    ready = wait_until(f"Sandbox {namespace}/{name}'s Ready naming the refusal", 120, refused)
+    assert "securityContext.privileged: privileged containers are not allowed" in ready[
+        "message"], ready
+    assert _owned_pods(kube, namespace, created["metadata"]["uid"]) == []

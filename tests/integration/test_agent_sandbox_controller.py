@@ -7,119 +7,41 @@ that command waits for, and it drives a Sandbox's pod: created, deleted on
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client
 
-from hermit_testbed.controlplane import Processes
-from hermit_testbed.minio import free_port
+from tests.support.agent_sandbox import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    Sig,
+    condition,
+    owned_pods,
+    sig_controller,
+)
 from tests.support.controlplane import ControlPlane, control_plane
 from tests.support.wait import wait_until
 
 __all__ = ["control_plane"]
 
-REPO = Path(__file__).resolve().parents[2]
-CACHE = Path(os.environ.get("HERMIT_CACHE", Path.home() / ".cache/hermit"))
-BINARY = CACHE / "bin" / "agent-sandbox-controller"
-GROUP, VERSION, PLURAL = "agents.x-k8s.io", "v1beta1", "sandboxes"
 NS = "sig"
-Obj = dict[str, Any]
-
-
-@dataclass
-class Sig:
-    core: client.CoreV1Api
-    custom: Any
-    log: Path
-
-
-def _kubectl(plane: ControlPlane, *args: str) -> str:
-    kubectl = CACHE / "bin" / "kubectl"
-    if not kubectl.exists():
-        pytest.fail(f"{kubectl} not found: run hack/install-k8s", pytrace=False)
-    proc = subprocess.run([str(kubectl), "--kubeconfig", str(plane.kubeconfig), *args],
-                          capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, f"kubectl {' '.join(args)}: {proc.stdout}{proc.stderr}"
-    return proc.stdout
-
-
-def _probe_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
 def sig(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
         ) -> Iterator[Sig]:
-    if not BINARY.exists():
-        pytest.fail(f"{BINARY} not found: run hack/install-agent-sandbox (hack/bootstrap "
-                    "builds it)", pytrace=False)
-    # The CRDs of the pinned version (a warm run of the script only prints their place).
-    crds = subprocess.run([str(REPO / "hack/install-agent-sandbox"), "crds"],
-                          capture_output=True, text=True, timeout=60, check=True
-                          ).stdout.strip()
-    _kubectl(control_plane, "apply", "--server-side", "-f", crds)
-    _kubectl(control_plane, "wait", "--for", "condition=Established", "--timeout", "60s",
-             "-f", crds)
-    procs = Processes(tmp_path_factory.mktemp("agent-sandbox"))
-    probe = free_port()
-    # hack/cluster.d/agent-sandbox.sh's flags, on free ports.
-    procs.start("agent-sandbox-controller", [
-        str(BINARY), "--kubeconfig", str(control_plane.kubeconfig),
-        "--leader-elect=false", "--extensions=true",
-        "--metrics-bind-address", f"127.0.0.1:{free_port()}",
-        "--health-probe-bind-address", f"127.0.0.1:{probe}"])
-    log = procs.dir / "agent-sandbox-controller.log"
-    try:
-        def up() -> bool:
-            procs.check()
-            return _probe_ok(f"http://127.0.0.1:{probe}/readyz")
-
-        wait_until("agent-sandbox-controller /readyz", 60, up, 0.2)
-        api_client = client.ApiClient(_configuration(control_plane))
-        core = client.CoreV1Api(api_client)
-        core.create_namespace({"metadata": {"name": NS}})
-        # No controller-manager runs: the pods' ServiceAccount is made here.
-        core.create_namespaced_service_account(NS, {"metadata": {"name": "default"}})
-        yield Sig(core, client.CustomObjectsApi(api_client), log)
-    finally:
-        procs.stop()
+    with sig_controller(control_plane, tmp_path_factory.mktemp("agent-sandbox"), NS) as it:
+        yield it
 
 
-def _configuration(plane: ControlPlane) -> client.Configuration:
-    from hermit_common.kubeclient import load_configuration
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KUBECONFIG", str(plane.kubeconfig))
-        return load_configuration()
+def _owned_pods(sig: Sig, uid: str) -> list[dict[str, Any]]:
+    return owned_pods(sig, uid)
 
 
-def _owned_pods(sig: Sig, uid: str) -> list[Obj]:
-    pods: list[Obj] = json.loads(
-        sig.core.list_namespaced_pod(NS, _preload_content=False).data)["items"]
-    return [p for p in pods
-            if any(ref.get("controller") and ref.get("uid") == uid
-                   for ref in p["metadata"].get("ownerReferences") or [])]
-
-
-def _condition(sig: Sig, name: str, kind: str) -> Obj | None:
-    obj: Any = sig.custom.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, name)
-    for cond in (obj.get("status") or {}).get("conditions") or []:
-        if cond.get("type") == kind:
-            found: Obj = cond
-            return found
-    return None
+def _condition(sig: Sig, name: str, kind: str) -> dict[str, Any] | None:
+    return condition(sig, name, kind)
 
 
 def test_the_controller_logs_what_hack_cluster_waits_for(sig: Sig) -> None:

@@ -108,3 +108,32 @@ def test_two_hooks_at_once_agree_on_one_key(control_plane: ControlPlane) -> None
     assert not errors, errors
     made = _data(core, ns)
     assert made[NAMES["trust"]]["ca.crt"] == made[NAMES["serving"]]["ca.crt"]
+
+
+def test_the_sig_webhook_certificate_is_made_once_for_its_service(
+        control_plane: ControlPlane) -> None:
+    from cryptography import x509
+
+    core = _core(control_plane)
+    ns = _namespace(core, "ensure-webhook")
+    args = [sys.executable, "-m", "hermit_operator.ensure_secrets", f"--namespace={ns}",
+            "--webhook-serving=hermit-sig-webhook-serving",
+            "--webhook-service=hermit-sig-webhook"]
+    env = {"KUBECONFIG": str(control_plane.kubeconfig), "PATH": "/usr/bin:/bin"}
+
+    def run() -> client.V1Secret:
+        proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120,
+                              check=False)
+        assert proc.returncode == 0, proc.stderr
+        return core.read_namespaced_secret("hermit-sig-webhook-serving", ns)
+
+    secret = run()
+    data = dict(secret.data)
+    assert dict(run().data) == data  # the second run keeps what the first made
+    assert secret.type == "kubernetes.io/tls" and set(data) == {"tls.crt", "tls.key", "ca.crt"}
+    cert = x509.load_pem_x509_certificate(base64.b64decode(data["tls.crt"]))
+    names = cert.extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert f"hermit-sig-webhook.{ns}.svc" in names
+    assert [s.metadata.name for s in core.list_namespaced_secret(ns).items] == [
+        "hermit-sig-webhook-serving"]

@@ -230,3 +230,23 @@ affinity:
 {{- $crds := .Values.crds | default dict -}}
 {{- ternary "true" "false" (or (not (hasKey $crds "keep")) (eq $crds.keep true)) -}}
 {{- end -}}
+
+{{/* The SIG Sandbox pod webhook (docs/agent-sandbox.md#opting-a-sandbox-in): served by
+     the operator, opt-in. */}}
+{{- define "hermit.sigWebhook.enabled" -}}
+{{- if and .Values.operator.enabled .Values.agentSandbox.webhook.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{- define "hermit.sigWebhook.name" -}}
+{{- printf "%s-sig-webhook" (include "hermit.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Its serving certificate (tls.crt, tls.key and ca.crt): made by the ensure-secrets hook
+     Job, or by cert-manager with agentSandbox.webhook.certManager.enabled. */}}
+{{- define "hermit.sigWebhook.servingSecret" -}}
+{{- printf "%s-sig-webhook-serving" (include "hermit.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "hermit.sigWebhook.generated" -}}
+{{- if and (include "hermit.sigWebhook.enabled" .) (not .Values.agentSandbox.webhook.certManager.enabled) -}}true{{- end -}}
+{{- end -}}
