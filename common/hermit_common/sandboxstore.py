@@ -181,7 +181,9 @@ def recorded_location(ckpt: Mapping[str, Any]) -> Location | None:
     if not isinstance(raw, Mapping) or not isinstance(raw.get("bucket"), str) \
             or not raw["bucket"] or not isinstance(raw.get("prefix"), str) \
             or not isinstance(raw.get("region"), str) \
-            or not isinstance(raw.get("endpoint", ""), str):
+            or not isinstance(raw.get("endpoint", ""), str) \
+            or any(len(str(raw.get(k) or "")) > MAX_FIELD
+                   for k in ("bucket", "prefix", "region", "endpoint")):
         raise CheckpointRefused(f"{name} records an unreadable status.storage: {raw!r:.300}")
     endpoint = raw.get("endpoint")
     return Location(bucket=raw["bucket"], prefix=raw["prefix"], region=raw["region"],

@@ -19,7 +19,7 @@ from hermit_common.sandboxstore import Location, StorageError, parse_credentials
 from hermit_common.settings import KeyServiceSettings, StoreSettings
 from hermit_common.storecreds import session_policy
 from hermit_operator import keyservice, storevend
-from tests.unit.test_keyservice import AGENT, AUDIENCE, FORK, SANDBOXES, A, B, _local, _pod
+from tests.unit.test_keyservice import AGENT, AUDIENCE, FORK, SANDBOXES, _local, _pod
 from tests.unit.test_keyservice import FakeKube as BaseKube
 
 DEFAULTS = StoreSettings(bucket="shared", prefix="hermit", endpoint_url="http://minio:9000",
@@ -318,4 +318,13 @@ def test_the_setting_names_its_modes() -> None:
             {**base, "HERMIT_KEY_SERVICE_SANDBOX_STORE_CREDENTIALS": "always"})
 
 
-__all__ = ["A", "B"]
+
+
+
+def test_a_recorded_location_is_read_within_bounds() -> None:
+    from hermit_common.errors import CheckpointRefused
+
+    ckpt = {"metadata": {"name": "c", "namespace": "team-a"},
+            "status": {"storage": {**OLD.to_status(), "prefix": "p" * 5000}}}
+    with pytest.raises(CheckpointRefused, match=r"unreadable status\.storage"):
+        sandboxstore.recorded_location(ckpt)
