@@ -290,7 +290,8 @@ class KeyService:
             raise _Refused(400, INVALID, f'"reads" must list at most {MAX_READS} sandboxes')
         reads = tuple(sorted({_name(r, "sandbox") for r in raw} - {sandbox}))
         path = PATH_STORE_CREDENTIALS
-        access = self._authorize(caller, self._bound_now(caller, namespace, sandbox), path)
+        bound = self._bound_now(caller, namespace, sandbox)
+        access = self._authorize(caller, bound, path)
         for name in reads:
             self._authorize(caller, self._bound_now(caller, namespace, name), path)
         write = access == keyaccess.RUNS
@@ -300,7 +301,7 @@ class KeyService:
                                             reads=reads)
         assert self._sandbox_vendor is not None
         # A restore only reads: the store a Checkpoint recorded is never written through.
-        wanted = self._sandbox_store(self._sandbox_vendor, namespace, sandbox, checkpoint)
+        wanted = self._sandbox_store(self._sandbox_vendor, bound, checkpoint)
         if checkpoint is not None:
             write, reads = False, ()
         secret = self._secret(namespace, wanted)
@@ -308,13 +309,17 @@ class KeyService:
             caller.node, namespace, sandbox, write=write, reads=reads,
             location=wanted.location, secret=secret)
 
-    def _sandbox_store(self, vendor: SandboxStoreVendor, namespace: str, sandbox: str,
+    def _sandbox_store(self, vendor: SandboxStoreVendor, bound: Bound,
                        checkpoint: str | None) -> SandboxStorage:
         """The store and Secret of the sandbox's spec, or of one of its Checkpoints (the
-        location it recorded, the Secret the sandbox names now: the node-agent's rule)."""
+        location it recorded, the Secret the sandbox names now: the node-agent's rule),
+        as the sandbox the caller was authorized for (its uid) has them."""
+        namespace, sandbox = bound.namespace, bound.sandbox
         obj = self._kube.get_sandbox(namespace, sandbox)
-        if obj is None:
-            raise _Refused(403, DENIED, f"there is no sandbox {namespace}/{sandbox}")
+        if obj is None or str((obj.get("metadata") or {}).get("uid") or "") \
+                != bound.sandbox_uid:
+            raise _Refused(403, DENIED, f"sandbox {namespace}/{sandbox} is gone or was "
+                                        "replaced")
         try:
             if checkpoint is None:
                 wanted = sandbox_storage(obj, vendor.defaults, allowed=True)

@@ -159,6 +159,28 @@ def test_a_fork_restoring_gets_its_sources_store_read_only() -> None:
     assert [c[2] for c in vendor.calls] == [False, False]  # restores only: never write
 
 
+def test_a_sandbox_replaced_while_asked_gives_nothing(monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:
+    """Authorized for box's uid; by the time its store is read, box is another sandbox of
+    the same name: its Secret is not read."""
+    from hermit_operator import keyaccess
+
+    kube, vendor = FakeKube(), Vendor()
+    old = kube.sandboxes["box"]
+    new = {**old, "metadata": {**old["metadata"], "uid": "uid-new"}}
+    decide = keyaccess.decide
+
+    def decide_then_replace(*args: Any, **kwargs: Any) -> str:
+        out = decide(*args, **kwargs)
+        kube.sandboxes["box"] = new  # from here on, box is another sandbox
+        return out
+
+    monkeypatch.setattr(keyaccess, "decide", decide_then_replace)
+    status, body = _ask(kube, vendor, "token-a", SPEC)
+    assert status == 403 and "gone or was replaced" in body["error"]
+    assert vendor.calls == [] and kube.secret_reads == []
+
+
 @pytest.mark.parametrize(("change", "message"), [
     (lambda k: k.secrets.clear(), "Secret team-a/a-s3, named by"),
     (lambda k: k.secrets.update({"a-s3": secret(AWS_ACCESS_KEY_ID=ACCESS)}),
