@@ -32,6 +32,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -154,19 +155,41 @@ class RemoteKeyWrapper:
 
     # -- scoped store credentials (storecreds.CredentialCache's fetch) -------------------
 
-    def store_credentials(self, namespace: str, sandbox: str,
-                          reads: tuple[str, ...] = ()) -> Credentials:
+    def store_credentials(self, namespace: str, sandbox: str, reads: tuple[str, ...] = (),
+                          *, storage: Mapping[str, str] | None = None,
+                          location: Mapping[str, str] | None = None) -> Credentials:
         """Temporary S3 credentials for ``sandbox``'s prefix (and read-only for ``reads``);
-        StoreCredentialsUnavailable when the service refuses or does not answer."""
+        StoreCredentialsUnavailable when the service refuses or does not answer.
+
+        With ``storage`` (``{"storage": "spec"}``, or ``{"storage": "checkpoint",
+        "checkpoint": name}``), for the sandbox's own store (spec.checkpoint.storage with a
+        secretRef, docs/storage.md#per-sandbox-store-credentials): the operator reads the
+        Secret, and its answer must name ``location`` (the node-agent's own reading of the
+        spec or of the Checkpoint), or the credentials are not used. Such credentials may be
+        the Secret's own (``"mode": "static"``), which need no session token."""
+        body: dict[str, Any] = {"namespace": namespace, "sandbox": sandbox,
+                                "reads": list(reads)}
+        if storage is not None:
+            body.update(storage)
         try:
-            out = self._post(PATH_STORE_CREDENTIALS, {"namespace": namespace,
-                                                      "sandbox": sandbox, "reads": list(reads)})
+            out = self._post(PATH_STORE_CREDENTIALS, body)
             duration = out.get("durationSeconds")
             if not isinstance(duration, int | float) or duration <= 0:
                 raise KeyServiceUnavailable(f"the key service at {self._url} answered no "
                                             "durationSeconds")
+            if location is not None and out.get("location") != dict(location):
+                raise KeyServiceUnavailable(
+                    f"the key service at {self._url} answered credentials for another "
+                    f"store ({one_line(str(out.get('location')), 300)}) than the one this "
+                    f"node-agent reads ({dict(location)}): do the operator and the "
+                    "node-agent have the same default store (s3.*)?")
+            static = storage is not None and out.get("mode") == "static"
+            token = out.get("sessionToken") if static else self._str(out, "sessionToken")
+            if not isinstance(token, str | None):
+                raise KeyServiceUnavailable(f"the key service at {self._url} answered no "
+                                            "sessionToken")
             return Credentials(self._str(out, "accessKeyId"), self._str(out, "secretAccessKey"),
-                               self._str(out, "sessionToken"), float(duration))
+                               token or "", float(duration))
         except (KeyAccessDenied, KeyServiceUnavailable, CheckpointRefused) as exc:
             raise StoreCredentialsUnavailable(
                 f"no store credentials for {namespace}/{sandbox}: {exc}") from None

@@ -201,6 +201,9 @@ class SealSettings:
                        "HERMIT_SEAL_KEY_SERVICE_SERVER_NAME"))
 
 
+SANDBOX_STORE_CREDENTIAL_MODES: Final = ("off", "sts", "sts-or-static", "static")
+
+
 @dataclass(frozen=True)
 class KeyServiceSettings:
     """The operator's key service (docs/security.md#the-key-service): node-agents wrap,
@@ -219,6 +222,12 @@ class KeyServiceSettings:
     store_credentials: bool = False
     store_role_arn: str | None = None
     store_credentials_seconds: int = 3600
+    # Per-sandbox stores (spec.checkpoint.storage with a secretRef;
+    # docs/storage.md#per-sandbox-store-credentials): the operator reads the Secret and
+    # vends "sts" (AssumeRole with the Secret's credentials, scoped to the sandbox's prefix;
+    # refused when the store has no STS), "sts-or-static" (the Secret's own credentials
+    # when STS is refused), "static" (always the Secret's own), or "off" (none).
+    sandbox_store_credentials: str = "off"
     # AWS KMS holds the key-encryption key instead of keys_dir (docs/security.md#a-cloud-kms):
     # a symmetric key to wrap with, an HMAC key to sign with (id, ARN or alias), and the
     # client's region and endpoint (None: the SDK's).
@@ -308,7 +317,13 @@ def _store_credential_settings(env: Env) -> dict[str, Any]:
         raise SettingsError("HERMIT_KEY_SERVICE_STORE_ROLE_ARN must name the IAM role to "
                             "assume for scoped store credentials on AWS S3 "
                             "(docs/storage.md#scoped-store-credentials)")
+    modes = SANDBOX_STORE_CREDENTIAL_MODES
+    mode = env.text("HERMIT_KEY_SERVICE_SANDBOX_STORE_CREDENTIALS", "off")
+    if mode not in modes:
+        raise SettingsError(f"HERMIT_KEY_SERVICE_SANDBOX_STORE_CREDENTIALS={mode!r:.40} must "
+                            f"be one of {', '.join(modes)}")
     return {"store_credentials": enabled, "store_role_arn": role,
+            "sandbox_store_credentials": mode,
             "store_credentials_seconds": env.integer(
                 "HERMIT_KEY_SERVICE_STORE_CREDENTIALS_SECONDS", 3600, minimum=900,
                 maximum=3600)}

@@ -1150,6 +1150,7 @@ def build_agent(settings: NodeSettings, stop: threading.Event,
                 ) -> tuple[NodeAgent, WatchedNode]:
     """Everything built once at start-up; HermitError when a piece cannot be built. The
     watches are not started yet."""
+    from hermit_common.keyclient import RemoteKeyWrapper
     from hermit_common.seal import sealing_from
     from hermit_common.store import CheckpointStore
     from hermit_node.checkpoint import CheckpointEngine
@@ -1165,7 +1166,11 @@ def build_agent(settings: NodeSettings, stop: threading.Event,
         if settings.chunk_cache_bytes > 0 else None
     store = CheckpointStore(settings.store, sealing=sealing, cache=cache,
                             scoped=scoped_clients(settings, sealing))
-    stores = Stores(settings.store, kube, allowed=settings.per_sandbox_storage,
+    # A per-sandbox store's Secret is read by the operator's key service, never here.
+    wrapper = sealing.wrapper if sealing is not None else None
+    stores = Stores(settings.store,
+                    wrapper if isinstance(wrapper, RemoteKeyWrapper) else None,
+                    allowed=settings.per_sandbox_storage,
                     default_store=store, sealing=sealing, cache=cache,
                     scoped=settings.scoped_store_credentials)
     collector = Collector(kube, min_age_seconds=settings.gc_min_age_seconds,

@@ -182,13 +182,6 @@ class Kube(KubeApi):
 
     # -- secrets --------------------------------------------------------------------
 
-    def get_secret(self, namespace: str, name: str) -> KubeObject | None:
-        """One Secret, or None when it does not exist: read when a checkpoint or a restore
-        needs it, never listed or watched. Its data must never reach a log."""
-        out = self._get_or_none(f"reading Secret {namespace}/{name}",
-                                self._core.read_namespaced_secret, name, namespace)
-        return None if out is None else self._dict(out)
-
     # -- turn requests: who is calling, and may they (docs/turns.md) ------------------
 
     def review_access(self, user: KubeObject, attributes: KubeObject) -> KubeObject:

@@ -27,6 +27,16 @@ under the same rule, temporary S3 credentials for that sandbox's prefix only
 the sandbox, read-only when it only restores from it; each of ``reads`` (a fork's source,
 whose chunks its first checkpoint copies) must be served too and is read-only. 404 when
 the operator vends none (HERMIT_KEY_SERVICE_STORE_CREDENTIALS), 503 when STS fails.
+
+The same request with ``"storage": "spec"`` (the store of the sandbox's
+spec.checkpoint.storage) or ``"storage": "checkpoint", "checkpoint": <name>`` (the store
+that Checkpoint of the sandbox recorded; read-only) is for a sandbox's own store with a
+secretRef (docs/storage.md#per-sandbox-store-credentials): under the same rule, the
+operator reads the Secret the sandbox names (one GET; the node-agent may not read
+Secrets) and answers credentials for that store's bucket and the sandbox's prefix
+(storevend.SandboxStoreVendor), with the store's ``location`` so the node-agent checks it
+agrees. 404 when HERMIT_KEY_SERVICE_SANDBOX_STORE_CREDENTIALS is off; 400 when the
+sandbox's storage cannot be used as it is (the message names why, never a value).
 """
 
 from __future__ import annotations
@@ -51,8 +61,16 @@ from hermit_common.keyclient import (
     PATHS,
     REFUSED,
 )
-from hermit_common.kubeapi import KubeApiError
+from hermit_common.kubeapi import KubeApiError, KubeForbidden
 from hermit_common.protocol import KubeObject, one_line
+from hermit_common.sandboxstore import (
+    SandboxStorage,
+    StorageError,
+    parse_credentials,
+    recorded_location,
+    restore_storage,
+    sandbox_storage,
+)
 from hermit_common.seal import (
     KEY_BYTES,
     Bound,
@@ -68,7 +86,7 @@ from hermit_common.settings import KeyServiceSettings, StoreSettings
 from hermit_common.store import check_name
 from hermit_common.storecreds import MAX_READS
 from hermit_operator import keyaccess, metrics
-from hermit_operator.storevend import StoreVendor, VendFailed
+from hermit_operator.storevend import SandboxStoreVendor, StoreVendor, VendFailed
 
 log = logging.getLogger("hermit.operator.keys")
 
@@ -103,6 +121,13 @@ class KeyKube(Protocol):
     def list_node_sandbox_pods(self, node: str, namespace: str) -> list[KubeObject]: ...
     def get_checkpoint(self, namespace: str, name: str) -> KubeObject | None: ...
     def get_sandbox(self, namespace: str, name: str) -> KubeObject | None: ...
+    def get_secret(self, namespace: str, name: str) -> KubeObject | None: ...
+
+
+# What a request for a sandbox's own store names: the store of its spec, or the one a
+# Checkpoint recorded.
+STORAGE_SPEC: Final = "spec"
+STORAGE_CHECKPOINT: Final = "checkpoint"
 
 
 class _Refused(Exception):
@@ -129,8 +154,10 @@ class Vendor(Protocol):
 class KeyService:
     def __init__(self, wrapper: KeyWrapper, kube: KeyKube, *, callers: Iterable[str],
                  audience: str, clock: turnlimits.Clock = time.monotonic,
-                 vendor: Vendor | None = None) -> None:
+                 vendor: Vendor | None = None,
+                 sandbox_vendor: SandboxStoreVendor | None = None) -> None:
         self._wrapper, self._kube, self._vendor = wrapper, kube, vendor
+        self._sandbox_vendor = sandbox_vendor
         self._callers, self._audience, self._clock = frozenset(callers), audience, clock
         self.sources = turnlimits.RateLimiter(SOURCE_RATE, SOURCE_BURST, clock=clock)
         self.nodes = turnlimits.RateLimiter(NODE_RATE, NODE_BURST, clock=clock)
@@ -243,21 +270,96 @@ class KeyService:
                            request: dict[str, Any]) -> dict[str, Any]:
         """Credentials for one sandbox's prefix: the same rule as its data key (read-only
         when the node only restores from it), and each of ``reads`` served too."""
-        if self._vendor is None:
+        kind = request.get("storage")
+        if kind is not None and kind not in (STORAGE_SPEC, STORAGE_CHECKPOINT):
+            raise _Refused(400, INVALID, f'"storage" must be "{STORAGE_SPEC}" or '
+                                         f'"{STORAGE_CHECKPOINT}"')
+        if kind is None and self._vendor is None:
             raise _Refused(404, INVALID, "this key service vends no store credentials "
                                          "(HERMIT_KEY_SERVICE_STORE_CREDENTIALS)")
+        if kind is not None and self._sandbox_vendor is None:
+            raise _Refused(404, INVALID, "this key service vends no credentials for "
+                                         "per-sandbox stores "
+                                         "(HERMIT_KEY_SERVICE_SANDBOX_STORE_CREDENTIALS)")
         namespace = _name(request.get("namespace"), "namespace")
         sandbox = _name(request.get("sandbox"), "sandbox")
+        checkpoint = _name(request.get("checkpoint"), "checkpoint") \
+            if kind == STORAGE_CHECKPOINT else None
         raw = request.get("reads") or []
         if not isinstance(raw, list) or len(raw) > MAX_READS:
             raise _Refused(400, INVALID, f'"reads" must list at most {MAX_READS} sandboxes')
         reads = tuple(sorted({_name(r, "sandbox") for r in raw} - {sandbox}))
         path = PATH_STORE_CREDENTIALS
-        access = self._authorize(caller, self._bound_now(caller, namespace, sandbox), path)
+        bound = self._bound_now(caller, namespace, sandbox)
+        access = self._authorize(caller, bound, path)
         for name in reads:
             self._authorize(caller, self._bound_now(caller, namespace, name), path)
-        return self._vendor.credentials(caller.node, namespace, sandbox,
-                                        write=access == keyaccess.RUNS, reads=reads)
+        write = access == keyaccess.RUNS
+        if kind is None:
+            assert self._vendor is not None
+            return self._vendor.credentials(caller.node, namespace, sandbox, write=write,
+                                            reads=reads)
+        assert self._sandbox_vendor is not None
+        # A restore only reads: the store a Checkpoint recorded is never written through.
+        wanted = self._sandbox_store(self._sandbox_vendor, bound, checkpoint)
+        if checkpoint is not None:
+            write, reads = False, ()
+        secret = self._secret(namespace, wanted)
+        return self._sandbox_vendor.credentials(
+            caller.node, namespace, sandbox, write=write, reads=reads,
+            location=wanted.location, secret=secret)
+
+    def _sandbox_store(self, vendor: SandboxStoreVendor, bound: Bound,
+                       checkpoint: str | None) -> SandboxStorage:
+        """The store and Secret of the sandbox's spec, or of one of its Checkpoints (the
+        location it recorded, the Secret the sandbox names now: the node-agent's rule),
+        as the sandbox the caller was authorized for (its uid) has them."""
+        namespace, sandbox = bound.namespace, bound.sandbox
+        obj = self._kube.get_sandbox(namespace, sandbox)
+        if obj is None or str((obj.get("metadata") or {}).get("uid") or "") \
+                != bound.sandbox_uid:
+            raise _Refused(403, DENIED, f"sandbox {namespace}/{sandbox} is gone or was "
+                                        "replaced")
+        try:
+            if checkpoint is None:
+                wanted = sandbox_storage(obj, vendor.defaults, allowed=True)
+            else:
+                ckpt = self._kube.get_checkpoint(namespace, checkpoint)
+                if keyaccess.source_bound(ckpt, obj) is None:
+                    raise _Refused(403, DENIED, f"Checkpoint {namespace}/{checkpoint} is not "
+                                                f"one of sandbox {sandbox}'s")
+                assert ckpt is not None
+                wanted = restore_storage(recorded_location(ckpt), obj, vendor.defaults,
+                                         allowed=True)
+        except (StorageError, CheckpointRefused) as exc:
+            raise _Refused(400, INVALID, one_line(str(exc))) from None
+        if wanted.secret is None:
+            raise _Refused(400, INVALID, f"the store of {namespace}/{sandbox} "
+                                         f"({wanted.location.describe()}) names no "
+                                         "secretRef: its credentials are not the key "
+                                         "service's to give")
+        return wanted
+
+    def _secret(self, namespace: str, wanted: SandboxStorage) -> Any:
+        """The Secret's credentials: one GET by the operator, parsed within bounds; its
+        values never reach a log or a message."""
+        assert wanted.secret is not None
+        where = f"{namespace}/{wanted.secret}"
+        try:
+            secret = self._kube.get_secret(namespace, wanted.secret)
+        except KubeForbidden:
+            log.warning("key service: may not read Secret %s", where)
+            raise _Refused(400, INVALID, f"the operator may not read Secret {where}: it "
+                                         "reads Secrets only in the namespaces of chart "
+                                         "value nodeAgent.perSandboxStorageNamespaces (is "
+                                         f"{namespace} one?)") from None
+        if secret is None:
+            raise _Refused(400, INVALID, f"Secret {where}, named by "
+                                         "spec.checkpoint.storage.secretRef, does not exist")
+        try:
+            return parse_credentials(secret, where)
+        except StorageError as exc:
+            raise _Refused(400, INVALID, one_line(str(exc))) from None
 
     def _bound_now(self, caller: keyaccess.Caller, namespace: str, name: str) -> Bound:
         """The sandbox named so as it exists now (its prefix is named by its name; the
@@ -370,8 +472,15 @@ def serve(settings: KeyServiceSettings, kube: KeyKube, *, host: str = "0.0.0.0",
             raise SettingsError("HERMIT_KEY_SERVICE_STORE_CREDENTIALS=true needs the store "
                                 "(HERMIT_S3_BUCKET)")
         vendor = StoreVendor(store, settings)
+    sandbox_vendor = None
+    if settings.sandbox_store_credentials != "off":
+        if store is None:
+            raise SettingsError("HERMIT_KEY_SERVICE_SANDBOX_STORE_CREDENTIALS="
+                                f"{settings.sandbox_store_credentials} needs the default store "
+                                "(HERMIT_S3_BUCKET): what a sandbox's storage leaves out")
+        sandbox_vendor = SandboxStoreVendor(store, settings)
     service = KeyService(wrapper, kube, callers=settings.callers, audience=settings.audience,
-                         clock=clock, vendor=vendor)
+                         clock=clock, vendor=vendor, sandbox_vendor=sandbox_vendor)
     return hardhttp.serve(settings.port, service.handle, admit=service.admit,
                           max_body=MAX_BODY, usage=USAGE, name="keys", host=host, tls=tls)
 

@@ -126,6 +126,16 @@ class Kube(KubeApi):
         may not read them): the key service refuses such a sandbox's keys (403)."""
         return None if self._outside(namespace) else super().get_sandbox(namespace, name)
 
+    def get_secret(self, namespace: str, name: str) -> KubeObject | None:
+        """One Secret a sandbox names as its store's credentials (the key service's, for
+        per-sandbox store credentials), None when it does not exist or is outside the
+        watched namespaces; never listed or watched. Its data must never reach a log."""
+        if self._outside(namespace):
+            return None
+        out = self._get_or_none(f"reading Secret {namespace}/{name}",
+                                self._core.read_namespaced_secret, name, namespace)
+        return None if out is None else self._dict(out)
+
     def patch_sandbox_status(self, namespace: str, name: str, status: KubeObject) -> None:
         """A JSON merge patch of .status (None values remove fields); a sandbox that is
         gone has nothing left to report on."""

@@ -162,9 +162,12 @@ def _alive(procs: Processes) -> bool:
     return True
 
 
-def start_control_plane(d: Path, *, scheduler: bool = False) -> ControlPlane:
+def start_control_plane(d: Path, *, scheduler: bool = False,
+                        authorization: str = "AlwaysAllow") -> ControlPlane:
     """etcd and kube-apiserver (and kube-scheduler) in directory ``d``; TestbedError when one
-    does not come up (everything started is stopped then)."""
+    does not come up (everything started is stopped then). ``authorization``: the API
+    server's --authorization-mode ("RBAC" to hold service accounts to their roles; the
+    admin token is in system:masters either way)."""
     procs = Processes(d)
     try:
         _keys(d)
@@ -173,7 +176,7 @@ def start_control_plane(d: Path, *, scheduler: bool = False) -> ControlPlane:
             binary("kube-apiserver"), "--etcd-servers", f"http://127.0.0.1:{client}",
             "--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1",
             "--secure-port", str(port), "--cert-dir", str(d / "certs"),
-            "--token-auth-file", str(d / "tokens.csv"), "--authorization-mode", "AlwaysAllow",
+            "--token-auth-file", str(d / "tokens.csv"), "--authorization-mode", authorization,
             "--service-account-key-file", str(d / "sa.pub"),
             "--service-account-signing-key-file", str(d / "sa.key"),
             "--service-account-issuer", "https://kubernetes.default.svc.cluster.local",

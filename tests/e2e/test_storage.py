@@ -6,7 +6,9 @@ fixed, a spot notice checkpoints both, each only into its own bucket (both bucke
 chart's are listed), and both restore and continue. Then one sandbox is suspended, its
 storage changed, and resumed: it is restored from where the checkpoint was written.
 The chart's nodeAgent.perSandboxStorage is turned on for the test's namespace only (off by
-default): the node-agent may read Secrets there and nowhere else.
+default): the operator (its key service) may read Secrets there and nowhere else; the
+node-agent may read none, and gets STS credentials for its sandbox's prefix of the
+sandbox's own bucket from the key service (docs/storage.md#per-sandbox-store-credentials).
 """
 
 from __future__ import annotations
@@ -85,10 +87,10 @@ def _per_sandbox_storage(cfg: E2EConfig, namespaces: list[str]) -> None:
     assert proc.returncode == 0, f"helm upgrade failed: {proc.stdout}{proc.stderr}"
 
 
-def _node_agent_may_get_secrets(cfg: E2EConfig, namespace: str) -> bool:
+def _may_get_secrets(cfg: E2EConfig, namespace: str, component: str = "node-agent") -> bool:
     pods = client.CoreV1Api().list_namespaced_pod(
-        RELEASE_NS, label_selector="app.kubernetes.io/component=node-agent").items
-    assert pods and pods[0].spec is not None, f"no node-agent pod in {RELEASE_NS}"
+        RELEASE_NS, label_selector=f"app.kubernetes.io/component={component}").items
+    assert pods and pods[0].spec is not None, f"no {component} pod in {RELEASE_NS}"
     account = pods[0].spec.service_account_name
     proc = subprocess.run(
         [str(Path(os.environ.get("HERMIT_CACHE", Path.home() / ".cache/hermit"))
@@ -103,15 +105,17 @@ def per_sandbox_storage(hermit_release: str, namespace: str, e2e_config: E2EConf
                         ) -> Iterator[str]:
     """The release with per-sandbox storage on for the test's namespace (it is off by
     default), then off again, so the rest of the session sees the chart's defaults
-    (test_security compares its RBAC). The API server lets the node-agent read Secrets
-    there, and in no other namespace."""
+    (test_security compares its RBAC). The API server lets the operator read Secrets
+    there, and in no other namespace; the node-agent in none."""
     _per_sandbox_storage(e2e_config, [namespace])
     try:
-        assert _node_agent_may_get_secrets(e2e_config, namespace)
-        for elsewhere in ("kube-system", "default", RELEASE_NS):
-            assert not _node_agent_may_get_secrets(e2e_config, elsewhere), elsewhere
-        print(f"\nnode-agent may get Secrets in {namespace} only (not kube-system, default, "
-              f"{RELEASE_NS})")
+        assert _may_get_secrets(e2e_config, namespace, "operator")
+        for elsewhere in ("kube-system", "default"):
+            assert not _may_get_secrets(e2e_config, elsewhere, "operator"), elsewhere
+        for anywhere in (namespace, "kube-system", "default", RELEASE_NS):
+            assert not _may_get_secrets(e2e_config, anywhere), anywhere
+        print(f"\noperator may get Secrets in {namespace} only (not kube-system, default); "
+              f"the node-agent in none")
         yield hermit_release
     finally:
         _per_sandbox_storage(e2e_config, [])
@@ -195,10 +199,12 @@ def _wrong_secret_fails_and_the_sandbox_runs_on(kube: Kube, ns: str, name_b: str
                  if manual in line]
     assert failed["status"]["phase"] == "Failed", (message, failed["status"].get("storage"),
                                                    agent_log)
-    assert "access denied" in message and "sandbox left running" in message, message
+    # The key service's STS AssumeRole with the Secret's wrong key is refused (the default
+    # nodeAgent.perSandboxStoreCredentials: sts); the node-agent never saw the Secret.
+    assert "AssumeRole" in message and "sandbox left running" in message, message
     assert wrong not in message
     warnings = [e for e in sb.events(kube, ns, manual) if e["reason"] == "CheckpointFailed"]
-    assert warnings and "access denied" in str(warnings[0]["message"]), warnings
+    assert warnings and "AssumeRole" in str(warnings[0]["message"]), warnings
     before = sb.ticks(kube, ns, where_b.pod)[-1]
     wait_until("team-b ticking after the failed checkpoint", 30,
                lambda: sb.ticks(kube, ns, where_b.pod)[-1] > before + 3)

@@ -3,7 +3,10 @@ each sandbox (its bucket, prefix and the credentials of its Secret), a checkpoin
 in its own bucket, is read back from where it was recorded after the spec changed, and
 wrong credentials fail with a message that names the bucket and not the secret.
 
-The Secrets are given as plain objects (what the node-agent's one GET returns); S3 is real.
+The node-agent never reads the Secret: the key service hands it credentials
+(test_sandbox_store_credentials.py runs that against a real API server and STS). Here
+``Static`` gives what the key service answers in its "static" mode, the Secret's own
+credentials; S3 is real.
 """
 
 from __future__ import annotations
@@ -16,12 +19,12 @@ from typing import Any
 
 import pytest
 
-from hermit_common import api
 from hermit_common.errors import StoreUnavailable
 from hermit_common.manifest import Binding
 from hermit_common.seal import Keyring, KeyringWrapper, Sealing
 from hermit_common.store import CheckpointStore
-from hermit_node.storage import Location, StorageError, Stores
+from hermit_common.storecreds import Credentials
+from hermit_node.storage import Location, Stores
 from tests.support.minio import MinioServer
 
 pytestmark = pytest.mark.integration
@@ -41,21 +44,26 @@ def _tree(root: Path, text: str) -> dict[str, Path]:
     return {"criu": root / "criu"}
 
 
-def _secret(access: str, secret: str) -> dict[str, Any]:
-    def b64(v: str) -> str:
-        return base64.b64encode(v.encode()).decode()
+class Static:
+    """The key service in "static" mode (HERMIT_KEY_SERVICE_SANDBOX_STORE_CREDENTIALS):
+    the Secret's own credentials, for a minute."""
 
-    return {"metadata": {"name": "s3", "namespace": NS},
-            "data": {api.STORAGE_SECRET_ACCESS_KEY_ID: b64(access),
-                     api.STORAGE_SECRET_SECRET_ACCESS_KEY: b64(secret)}}
-
-
-class Secrets:
     def __init__(self) -> None:
-        self.secrets: dict[str, dict[str, Any]] = {}
+        self.secrets: dict[str, tuple[str, str]] = {}
+        self.ref = "b-s3"  # the secretRef the sandboxes below name
 
-    def get_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return self.secrets.get(name)
+    def store_credentials(self, namespace: str, sandbox: str, reads: tuple[str, ...] = (),
+                          *, storage: Any = None, location: Any = None) -> Credentials:
+        access, secret = self.secrets[self.ref]
+        return Credentials(access, secret, "", 60.0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def _sandbox(name: str, storage: dict[str, Any] | None) -> dict[str, Any]:
@@ -89,8 +97,8 @@ def buckets(minio_server: MinioServer, request: pytest.FixtureRequest) -> tuple[
 def test_each_sandbox_writes_only_to_its_own_bucket_and_reads_it_back(
         minio_server: MinioServer, buckets: tuple[str, str, str], tmp_path: Path) -> None:
     default, a_bucket, b_bucket = buckets
-    secrets = Secrets()
-    secrets.secrets["b-s3"] = _secret(minio_server.access_key, minio_server.secret_key)
+    secrets = Static()
+    secrets.secrets["b-s3"] = (minio_server.access_key, minio_server.secret_key)
     stores = Stores(minio_server.settings(default), secrets, allowed=True)
     box_a = _sandbox("box-a", {"bucket": a_bucket, "prefix": "tenants/a"})
     box_b = _sandbox("box-b", {"bucket": b_bucket, "endpoint": minio_server.endpoint,
@@ -126,25 +134,25 @@ def test_each_sandbox_writes_only_to_its_own_bucket_and_reads_it_back(
 def test_wrong_credentials_fail_with_the_bucket_named_and_the_secret_kept(
         minio_server: MinioServer, buckets: tuple[str, str, str], tmp_path: Path) -> None:
     default, _, b_bucket = buckets
-    secrets = Secrets()
-    secrets.secrets["b-s3"] = _secret(minio_server.access_key, WRONG)
-    stores = Stores(minio_server.settings(default), secrets, allowed=True)
+    secrets, clock = Static(), Clock()
+    secrets.secrets["b-s3"] = (minio_server.access_key, WRONG)
+    stores = Stores(minio_server.settings(default), secrets, allowed=True, clock=clock)
     box_b = _sandbox("box-b", {"bucket": b_bucket, "secretRef": {"name": "b-s3"}})
     store, _ = stores.for_sandbox(box_b)
     with pytest.raises(StoreUnavailable, match="access denied") as info:
         store.upload(_binding("box-b", "box-b-1-manual"), _tree(tmp_path / "x", "x"), {})
     assert b_bucket in str(info.value) and WRONG not in str(info.value)
 
-    # The Secret is fixed: the next checkpoint reads it again and gets a new client.
-    secrets.secrets["b-s3"] = _secret(minio_server.access_key, minio_server.secret_key)
+    # The Secret is fixed: within the minute the key service's answer lasts, the node
+    # asks again and gets a new client.
+    key = f"{store.settings.prefix}/{NS}/box-b/chunks/x"
+    before = store._objects.s3(key)
+    secrets.secrets["b-s3"] = (minio_server.access_key, minio_server.secret_key)
+    clock.now += 60
     fixed, _ = stores.for_sandbox(box_b)
-    assert fixed.client is not store.client
+    assert fixed._objects.s3(key) is not before
     fixed.upload(_binding("box-b", "box-b-2-manual"), _tree(tmp_path / "y", "y"), {})
     assert fixed.list_checkpoints(NS, "box-b") == ["box-b-2-manual"]
-
-    del secrets.secrets["b-s3"]
-    with pytest.raises(StorageError, match="does not exist"):
-        stores.for_sandbox(box_b)
 
 
 def test_a_sandbox_store_seals_with_the_node_agents_keys(
@@ -152,7 +160,7 @@ def test_a_sandbox_store_seals_with_the_node_agents_keys(
     default, a_bucket, _ = buckets
     keys = {"1": base64.b64encode(os.urandom(32)).decode(), "current": "1"}
     sealing = Sealing(KeyringWrapper(lambda: Keyring.from_mapping(keys, "test Secret")))
-    stores = Stores(minio_server.settings(default), Secrets(), allowed=True, sealing=sealing)
+    stores = Stores(minio_server.settings(default), Static(), allowed=True, sealing=sealing)
     store, where = stores.for_sandbox(_sandbox("box-a", {"bucket": a_bucket}))
     marker = "PLAIN-MARKER-3f9a"
     store.upload(_binding("box-a", "box-a-1-manual"), _tree(tmp_path / "a", marker), {})

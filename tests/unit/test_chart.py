@@ -261,8 +261,10 @@ def _node_agent_parts(*sets: str) -> tuple[list[dict[str, Any]], dict[str, str]]
     return role["rules"], env
 
 
-def test_per_sandbox_storage_is_off_by_default_and_grants_get_on_secrets_per_namespace(
+def test_per_sandbox_storage_gives_the_node_agent_no_secret_and_the_operator_get_per_namespace(
         ) -> None:
+    """docs/storage.md#per-sandbox-store-credentials: the node-agent never reads a Secret
+    (no rule anywhere); the operator's key service `get`s them in the listed namespaces."""
     rules, env = _node_agent_parts()
     assert not any("secrets" in r["resources"] for r in rules)
     assert env["HERMIT_PER_SANDBOX_STORAGE"] == "false"
@@ -272,17 +274,48 @@ def test_per_sandbox_storage_is_off_by_default_and_grants_get_on_secrets_per_nam
     rules_on, env_on = _node_agent_parts(*on)
     assert rules_on == rules  # never cluster-wide: the ClusterRole has no Secret rule
     assert env_on["HERMIT_PER_SANDBOX_STORAGE"] == "true"
-    granted = [(d["kind"], d["metadata"]["namespace"]) for d in _render(*on)
-               if d["metadata"]["name"] == "hermit-node-agent-storage-secrets"]
+    docs = _render(*on)
+    agent_sa = {"kind": "ServiceAccount", "name": "hermit-node-agent", "namespace": "default"}
+    for doc in docs:  # no Role or binding anywhere gives the node-agent a Secret
+        if doc["kind"] in ("RoleBinding", "ClusterRoleBinding") \
+                and agent_sa in doc.get("subjects", []):
+            [role] = [d for d in docs if d["kind"] == doc["roleRef"]["kind"]
+                      and d["metadata"]["name"] == doc["roleRef"]["name"]
+                      and d["metadata"].get("namespace") == doc["metadata"].get("namespace")]
+            assert not any("secrets" in r["resources"] for r in role["rules"]), role
+    granted = [(d["kind"], d["metadata"]["namespace"]) for d in docs
+               if d["metadata"]["name"] == "hermit-operator-storage-secrets"]
     assert sorted(granted) == [("Role", "team-a"), ("Role", "team-b"),
                                ("RoleBinding", "team-a"), ("RoleBinding", "team-b")]
-    for doc in _render(*on):
+    for doc in docs:
         if doc["kind"] == "Role" and doc["metadata"]["name"].endswith("storage-secrets"):
             assert doc["rules"] == [{"apiGroups": [""], "resources": ["secrets"],
                                      "verbs": ["get"]}]
         if doc["kind"] == "RoleBinding" and doc["metadata"]["name"].endswith("storage-secrets"):
-            assert doc["subjects"] == [{"kind": "ServiceAccount", "name": "hermit-node-agent",
+            assert doc["subjects"] == [{"kind": "ServiceAccount", "name": "hermit-operator",
                                         "namespace": "default"}]
+    [op] = [d for d in docs if d["kind"] == "Deployment"
+            and d["metadata"]["name"] == "hermit-operator"]
+    op_env = {e["name"]: e.get("value", "") for e in
+              op["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert op_env["HERMIT_KEY_SERVICE_SANDBOX_STORE_CREDENTIALS"] == "sts"
+    assert "HERMIT_KEY_SERVICE_SANDBOX_STORE_CREDENTIALS" not in {
+        e["name"] for d in _render() if d["kind"] == "Deployment"
+        for e in d["spec"]["template"]["spec"]["containers"][0]["env"]}
+    static = _render(*on, "nodeAgent.perSandboxStoreCredentials=static")
+    [op] = [d for d in static if d["kind"] == "Deployment"
+            and d["metadata"]["name"] == "hermit-operator"]
+    assert {"name": "HERMIT_KEY_SERVICE_SANDBOX_STORE_CREDENTIALS", "value": "static"} in \
+        op["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert errors({"s3": {"bucket": "b"}, "nodeAgent": {
+        "perSandboxStoreCredentials": "always"}})
+    # The key service calls the store's STS: the operator reaches the S3 port, even with
+    # the shared fallback (no scoped credentials for the default store).
+    for extra in ((), ("s3.sharedNodeCredentials=true",)):
+        [np] = [d for d in _render(*on, "networkPolicy.enabled=true",
+                                   "s3.endpoint=http://minio.minio:9000", *extra)
+                if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "hermit-operator"]
+        assert any(r["ports"][0]["port"] == 9000 for r in np["spec"]["egress"]), extra
 
 
 def test_per_sandbox_storage_needs_its_namespaces() -> None:
@@ -298,6 +331,25 @@ def test_per_sandbox_storage_needs_its_namespaces() -> None:
         in proc.stderr
     assert errors({"s3": {"bucket": "b"}, "nodeAgent": {
         "perSandboxStorageNamespaces": ["Team_A"]}})
+
+
+def test_per_sandbox_storage_needs_the_key_service_and_watched_namespaces() -> None:
+    helm = find_helm()
+    if helm is None:
+        pytest.fail("no helm binary on PATH or in ~/.cache/hermit/bin: run hack/install-helm")
+    on = ["--set", "s3.bucket=checkpoints", "--set", AWS_ROLE, "--set",
+          "nodeAgent.perSandboxStorage=true", "--set",
+          "nodeAgent.perSandboxStorageNamespaces={team-a}"]
+    for extra, message in (
+            (["nodeAgent.sealing.keyService.enabled=false"],
+             "nodeAgent.perSandboxStorage=true needs the key service"),
+            (["operator.watchNamespaces={team-b}"],
+             "nodeAgent.perSandboxStorageNamespaces names team-a, which "
+             "operator.watchNamespaces does not")):
+        proc = subprocess.run([helm, "template", "hermit", str(CHART), *on,
+                               *[a for x in extra for a in ("--set", x)]],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr
 
 
 REVIEWS = [{"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"],

@@ -4,8 +4,6 @@ the Secret parse, the errors, the client cache; and the agent using it."""
 from __future__ import annotations
 
 import base64
-import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +12,9 @@ import pytest
 from hermit_common import api
 from hermit_common.errors import CheckpointRefused
 from hermit_common.settings import StoreSettings
+from hermit_common.storecreds import Credentials as VendedCredentials
+from hermit_common.storecreds import StoreCredentialsUnavailable
 from hermit_node import planner, storage
-from hermit_node.kube import KubeForbidden, KubeTransient
 from hermit_node.storage import Credentials, Location, StorageError, Stores
 from tests.support.crds import schema_errors
 from tests.support.node_agent import (
@@ -246,21 +245,24 @@ def test_client_keys_tell_credentials_apart_without_holding_them() -> None:
     assert SECRET_KEY not in repr(a) and ACCESS not in repr(a)
 
 
-# -- Stores: one GET per use, cached clients ------------------------------------------------
+# -- Stores: credentials from the key service, never a Secret read ------------------------
 
-class Secrets:
-    """The node-agent's Kube as far as Stores uses it: get one Secret."""
+class Vendor:
+    """The key service as far as Stores uses it (keyclient.RemoteKeyWrapper): credentials
+    for one sandbox's prefix of its own store; the Secret stays with the operator."""
 
-    def __init__(self, **secrets: dict[str, Any]) -> None:
-        self.secrets = secrets
-        self.reads: list[tuple[str, str]] = []
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, str, tuple[str, ...], dict[str, str],
+                               dict[str, str]]] = []
         self.error: Exception | None = None
+        self.access = ACCESS
 
-    def get_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
-        self.reads.append((namespace, name))
+    def store_credentials(self, namespace: str, sandbox: str, reads: tuple[str, ...] = (),
+                          *, storage: Any = None, location: Any = None) -> VendedCredentials:
+        self.asked.append((namespace, sandbox, reads, dict(storage), dict(location)))
         if self.error is not None:
             raise self.error
-        return self.secrets.get(name)
+        return VendedCredentials(self.access, SECRET_KEY, TOKEN, 900.0)
 
 
 class Clients:
@@ -272,11 +274,16 @@ class Clients:
         return object()
 
 
-def stores(secrets: Secrets, *, allowed: bool = True, max_clients: int = 32
+def stores(vendor: Vendor | None, *, allowed: bool = True, max_clients: int = 32
            ) -> tuple[Stores, Clients]:
     clients = Clients()
-    return Stores(DEFAULTS, secrets, allowed=allowed, make_client=clients,
+    return Stores(DEFAULTS, vendor, allowed=allowed, make_client=clients,
                   max_clients=max_clients), clients
+
+
+def reach(store: Any, sandbox_name: str = "box", namespace: str = "agents") -> Any:
+    """What an S3 call on ``sandbox_name``'s prefix of ``store`` uses (and so fetches)."""
+    return store._objects.s3(f"{store.settings.prefix}/{namespace}/{sandbox_name}/chunks/x")
 
 
 def team_sandbox(bucket: str = "team-a", secret_name: str | None = "team-a-s3"
@@ -288,74 +295,100 @@ def team_sandbox(bucket: str = "team-a", secret_name: str | None = "team-a-s3"
 
 
 def test_the_default_location_with_own_credentials_is_the_default_store() -> None:
-    secrets = Secrets()
-    s, clients = stores(secrets)
+    vendor = Vendor()
+    s, clients = stores(vendor)
     store, where = s.for_sandbox(sandbox())
     assert store is s.default and where == DEFAULT
     assert s.for_checkpoint(ckpt("c1", status={"storage": DEFAULT.to_status()}), sandbox()) \
         is s.default
-    assert secrets.reads == [] and len(clients.made) == 1  # the default store's client
+    assert vendor.asked == [] and len(clients.made) == 1  # the default store's client
 
 
-def test_a_sandbox_store_reads_its_secret_each_time_and_shares_one_client() -> None:
-    secrets = Secrets(**{"team-a-s3": GOOD})
-    s, clients = stores(secrets)
-    first, where = s.for_sandbox(team_sandbox())
-    second, _ = s.for_sandbox(team_sandbox(bucket="team-a-2"))
-    assert where.bucket == "team-a" and first.settings.bucket == "team-a"
-    assert first.settings.access_key_id == ACCESS
-    assert secrets.reads == [("agents", "team-a-s3")] * 2  # at use time, never cached
-    assert len(clients.made) == 2  # the default's, and one for these credentials
-    assert first.client is second.client
-    secrets.secrets["team-a-s3"] = secret(AWS_ACCESS_KEY_ID=ACCESS,
-                                          AWS_SECRET_ACCESS_KEY="rotated")
-    rotated, _ = s.for_sandbox(team_sandbox())
-    assert rotated.client is not first.client and len(clients.made) == 3
+def test_a_sandbox_store_asks_the_key_service_for_that_sandbox_and_store() -> None:
+    vendor = Vendor()
+    s, clients = stores(vendor)
+    store, where = s.for_sandbox(team_sandbox())
+    assert where.bucket == "team-a" and store.settings.bucket == "team-a" and store.scoped
+    assert vendor.asked == []  # nothing until S3 is called
+    client = reach(store)
+    assert reach(store) is client  # cached until shortly before it expires
+    assert vendor.asked == [("agents", "box", (), {"storage": "spec"}, where.to_status())]
+    made = clients.made[-1]
+    assert (made.bucket, made.access_key_id, made.session_token) == ("team-a", ACCESS, TOKEN)
+    # A restore asks for the store its Checkpoint recorded, by the Checkpoint's name.
+    old = Location(bucket="team-a-old", prefix="hermit", region="us-east-1",
+                   endpoint="http://minio:9000")
+    reading = s.for_checkpoint(ckpt("c1", status={"storage": old.to_status()}),
+                               team_sandbox())
+    reach(reading)
+    assert vendor.asked[-1] == ("agents", "box", (),
+                                {"storage": "checkpoint", "checkpoint": "c1"},
+                                old.to_status())
+
+
+def test_static_credentials_without_a_session_token_make_a_client_without_one() -> None:
+    vendor = Vendor()
+    s, clients = stores(vendor)
+    store, _ = s.for_sandbox(team_sandbox())
+    vendor.store_credentials = lambda *a, **k: VendedCredentials(  # type: ignore[method-assign]
+        ACCESS, SECRET_KEY, "", 900.0)
+    reach(store)
+    assert clients.made[-1].session_token is None
 
 
 def test_without_a_secret_another_bucket_uses_own_credentials() -> None:
-    s, clients = stores(Secrets())
+    s, clients = stores(Vendor())
     store, _ = s.for_sandbox(team_sandbox(secret_name=None))
     assert store is not s.default and store.settings.bucket == "team-a"
     assert store.settings.access_key_id == "AGENT"
     assert store.client is s.default.client and len(clients.made) == 1
 
 
-def test_the_client_cache_is_bounded() -> None:
-    secrets = Secrets()
-    s, clients = stores(secrets, max_clients=2)
+def test_the_caches_of_vended_credentials_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(storage, "MAX_VENDED", 2)
+    vendor = Vendor()
+    s, _ = stores(vendor)
     for n in range(4):
-        secrets.secrets[f"s{n}"] = secret(AWS_ACCESS_KEY_ID=f"K{n}", AWS_SECRET_ACCESS_KEY="x")
-        s.for_sandbox(team_sandbox(secret_name=f"s{n}"))
-    assert len(s._clients) == 2
-    s.for_sandbox(team_sandbox(secret_name="s0"))  # evicted: built again
-    assert len(clients.made) == 1 + 5
+        reach(s.for_sandbox(team_sandbox(bucket=f"b{n}"))[0])
+    assert len(s._vended) == 2
+    reach(s.for_sandbox(team_sandbox(bucket="b0"))[0])  # evicted: asked again
+    assert len(vendor.asked) == 5
 
 
-def test_a_missing_or_forbidden_secret_is_a_storage_error() -> None:
-    secrets = Secrets()
-    s, _ = stores(secrets)
-    with pytest.raises(StorageError, match=re.escape(
-            "Secret agents/team-a-s3, named by spec.checkpoint.storage.secretRef, does not "
-            "exist")):
+def test_a_refusal_of_the_key_service_is_the_stores_failure_and_names_no_secret() -> None:
+    vendor = Vendor()
+    vendor.error = StoreCredentialsUnavailable(
+        "no store credentials for agents/box: the key service refused: node n neither runs "
+        "nor restores sandbox agents/box")
+    s, _ = stores(vendor)
+    store, _ = s.for_sandbox(team_sandbox())
+    with pytest.raises(StoreCredentialsUnavailable, match="neither runs nor restores"):
+        reach(store)
+
+
+def test_without_the_key_service_a_secret_cannot_be_used() -> None:
+    s, _ = stores(None)
+    with pytest.raises(StorageError, match=r"only the operator's key service hands out.*"
+                                           r"nodeAgent\.sealing\.keyService\.enabled"):
         s.for_sandbox(team_sandbox())
-    secrets.error = KubeForbidden("reading Secret agents/team-a-s3 failed: forbidden",
-                                  status=403, detail="forbidden")
-    with pytest.raises(StorageError, match=r"may not read Secret agents/team-a-s3 \(forbidden\)"
-                                           r".*nodeAgent\.perSandboxStorage"):
-        s.for_sandbox(team_sandbox())
-    secrets.error = KubeTransient("reading Secret agents/team-a-s3 failed: HTTP 503", status=503)
-    with pytest.raises(KubeTransient):  # the caller retries on a later loop
-        s.for_sandbox(team_sandbox())
 
 
-def test_off_never_reads_a_secret() -> None:
-    secrets = Secrets(**{"team-a-s3": GOOD})
-    s, _ = stores(secrets, allowed=False)
+def test_the_node_agent_has_no_way_to_read_a_secret() -> None:
+    import inspect
+
+    from hermit_node import kube
+
+    assert not hasattr(kube.Kube, "get_secret")
+    assert "get_secret" not in inspect.getsource(storage)
+
+
+def test_off_never_asks_for_store_credentials() -> None:
+    vendor = Vendor()
+    s, _ = stores(vendor, allowed=False)
     with pytest.raises(StorageError, match="per-sandbox storage is off"):
         s.for_sandbox(team_sandbox())
     assert s.for_checkpoint(ckpt("c1"), team_sandbox()) is s.default
-    assert secrets.reads == []
+    assert vendor.asked == []
 
 
 # -- the agent: record the location, use the store, fail clearly -----------------------------
@@ -373,15 +406,15 @@ class SandboxKube(FakeKube):
         return None if found is None else as_operator_wrote(found, self.pods)
 
 
-def real_stores(secrets: Secrets) -> Stores:
-    return Stores(DEFAULTS, secrets, allowed=True, make_client=Clients())
+def real_stores(vendor: Vendor | None) -> Stores:
+    return Stores(DEFAULTS, vendor, allowed=True, make_client=Clients())
 
 
 def test_a_checkpoint_records_where_it_goes_and_uses_that_store(tmp_path: Path) -> None:
     kube = SandboxKube([pod("box-1")], [ckpt("manual")], {"box": team_sandbox()})
     engine = FakeEngine()
     agent = make_agent(tmp_path, kube, engine)
-    agent._stores = real_stores(Secrets(**{"team-a-s3": GOOD}))
+    agent._stores = real_stores(Vendor())
     agent.reconcile_once()
     agent.shutdown()
     dumping = kube.statuses[0][1]
@@ -389,43 +422,26 @@ def test_a_checkpoint_records_where_it_goes_and_uses_that_store(tmp_path: Path) 
     assert dumping["storage"] == {"bucket": "team-a", "prefix": "hermit", "region": "us-east-1",
                                   "endpoint": "http://minio:9000"}
     [store] = engine.stores
-    assert store.settings.bucket == "team-a" and store.settings.access_key_id == ACCESS
+    assert store.settings.bucket == "team-a" and store.scoped  # the key service's credentials
     assert kube.checkpoints["manual"]["status"]["phase"] == "Completed"
 
 
-def test_a_missing_secret_fails_the_checkpoint_with_why_and_an_event(tmp_path: Path) -> None:
+def test_a_store_that_needs_a_secret_without_the_key_service_fails_the_checkpoint(
+        tmp_path: Path) -> None:
     kube = SandboxKube([pod("box-1")], [ckpt("manual")], {"box": team_sandbox()})
     engine = FakeEngine()
     agent = make_agent(tmp_path, kube, engine)
-    agent._stores = real_stores(Secrets())
+    agent._stores = real_stores(None)
     agent.reconcile_once()
     agent.shutdown()
     assert engine.calls == []  # nothing frozen: the sandbox runs on
     status = kube.checkpoints["manual"]["status"]
     assert status["phase"] == "Failed"
-    assert status["message"] == (
-        "checkpoint agents/manual failed, sandbox left running: Secret agents/team-a-s3, "
-        "named by spec.checkpoint.storage.secretRef, does not exist")
+    assert status["message"].startswith(
+        "checkpoint agents/manual failed, sandbox left running: s3://team-a/hermit at "
+        "http://minio:9000 needs the credentials of Secret agents/team-a-s3, which only the "
+        "operator's key service hands out")
     assert kube.events == [("manual", "Warning", "CheckpointFailed")]
-
-
-def test_an_api_hiccup_reading_the_secret_retries_the_checkpoint_later(tmp_path: Path) -> None:
-    kube = SandboxKube([pod("box-1")], [ckpt("manual")], {"box": team_sandbox()})
-    engine = FakeEngine()
-    secrets = Secrets(**{"team-a-s3": GOOD})
-    secrets.error = KubeTransient("reading Secret agents/team-a-s3 failed: HTTP 503", status=503)
-    agent = make_agent(tmp_path, kube, engine)
-    agent._stores = real_stores(secrets)
-    agent.reconcile_once()
-    deadline = time.monotonic() + 10
-    while agent._jobs.busy() and time.monotonic() < deadline:  # the job runs on the pool
-        time.sleep(0.01)
-    assert not agent._jobs.busy()
-    assert kube.statuses == [] and engine.calls == []
-    secrets.error = None
-    agent.reconcile_once()
-    agent.shutdown()
-    assert [t.checkpoint for t, _ in engine.calls] == ["manual"]
 
 
 def test_a_restore_reads_the_recorded_location_with_the_owners_secret(tmp_path: Path) -> None:
@@ -437,11 +453,15 @@ def test_a_restore_reads_the_recorded_location_with_the_owners_secret(tmp_path: 
         {"box": team_sandbox(bucket="team-a-new")})
     engine = FakeEngine()
     agent = make_agent(tmp_path, kube, engine)
-    agent._stores = real_stores(Secrets(**{"team-a-s3": GOOD}))
+    vendor = Vendor()
+    agent._stores = real_stores(vendor)
     agent.reconcile_once()
     agent.shutdown()
     [store] = engine.stores
-    assert store.settings.bucket == "team-a-old" and store.settings.access_key_id == ACCESS
+    assert store.settings.bucket == "team-a-old" and store.scoped
+    reach(store)
+    assert vendor.asked == [("agents", "box", (), {"storage": "checkpoint", "checkpoint": "c1"},
+                             written.to_status())]
     assert kube.annotations[-1][1]["hermit.dev/restore-phase"] == "Restored"
 
 
@@ -454,21 +474,22 @@ def test_a_fork_reads_with_the_source_sandboxs_location_and_secret(tmp_path: Pat
         {"box": team_sandbox(), "fork": sandbox("fork")})
     engine = FakeEngine()
     agent = make_agent(tmp_path, kube, engine)
-    agent._stores = real_stores(Secrets(**{"team-a-s3": GOOD}))
+    vendor = Vendor()
+    agent._stores = real_stores(vendor)
     agent.reconcile_once()
     agent.shutdown()
     [(target, _)] = engine.calls
     assert (target.sandbox, target.sandbox_uid) == ("box", "uid-of-box")
     [store] = engine.stores
-    assert store.settings.bucket == "team-a" and store.settings.access_key_id == ACCESS
+    assert store.settings.bucket == "team-a" and store.scoped
+    reach(store)  # the source's prefix, as the fork's node restores it
+    assert vendor.asked == [("agents", "box", (),
+                             {"storage": "checkpoint", "checkpoint": "box-1-x"},
+                             written.to_status())]
 
 
-@pytest.mark.parametrize(("secrets", "retryable"), [
-    (Secrets(), "true"),  # a missing Secret can be created: try again later
-    (Secrets(**{"team-a-s3": secret(AWS_ACCESS_KEY_ID=ACCESS)}), "true"),
-])
-def test_a_restore_whose_secret_is_unusable_fails_as_retryable(
-        tmp_path: Path, secrets: Secrets, retryable: str) -> None:
+def test_a_restore_whose_secret_is_unusable_fails_as_retryable(tmp_path: Path) -> None:
+    retryable = "true"  # the key service can be switched on: try again later
     restoring = pod("box-2", incarnation=2, annotations={"hermit.dev/restore-from": "c1"})
     kube = SandboxKube([restoring], [ckpt("c1", status={
         "phase": "Completed", "manifestDigest": DIGEST,
@@ -476,7 +497,7 @@ def test_a_restore_whose_secret_is_unusable_fails_as_retryable(
                     "endpoint": "http://minio:9000"}})], {"box": team_sandbox()})
     engine = FakeEngine()
     agent = make_agent(tmp_path, kube, engine)
-    agent._stores = real_stores(secrets)
+    agent._stores = real_stores(None)
     agent.reconcile_once()
     agent.shutdown()
     assert engine.calls == []
@@ -492,7 +513,7 @@ def test_a_garbled_recorded_location_is_refused_for_good(tmp_path: Path) -> None
         "phase": "Completed", "manifestDigest": DIGEST, "storage": {"bucket": 7}})],
         {"box": sandbox()})
     agent = make_agent(tmp_path, kube, FakeEngine())
-    agent._stores = real_stores(Secrets())
+    agent._stores = real_stores(Vendor())
     agent.reconcile_once()
     agent.shutdown()
     assert kube.annotations[-1][1]["hermit.dev/restore-retryable"] == "false"
@@ -527,16 +548,17 @@ def test_with_scoped_credentials_only_the_default_store_is_reached_without_a_sec
     the default endpoint without one does not."""
     from hermit_common.store import CheckpointStore
 
-    secrets = Secrets(**{"team-a-s3": GOOD})
     clients = Clients()
     default = CheckpointStore(DEFAULTS, scoped=lambda ns, sb, reads: object())
-    s = Stores(DEFAULTS, secrets, allowed=True, make_client=clients, default_store=default,
+    s = Stores(DEFAULTS, Vendor(), allowed=True, make_client=clients, default_store=default,
                scoped=True)
     assert s.for_sandbox(sandbox())[0] is default and default.client is None
     assert s.for_checkpoint(ckpt("c1", status={"storage": DEFAULT.to_status()}), sandbox()) \
         is default
     own, _ = s.for_sandbox(team_sandbox())
-    assert own.settings.access_key_id == ACCESS and not own.scoped
+    assert own.scoped and own.client is None
+    reach(own)
+    assert clients.made[-1].access_key_id == ACCESS
     with pytest.raises(StorageError, match="has no credentials of its own"):
         s.for_sandbox(team_sandbox(secret_name=None))
-    assert len(clients.made) == 1  # the Secret's; none of the node-agent's own
+    assert len(clients.made) == 1  # from the key service's credentials; none of its own
