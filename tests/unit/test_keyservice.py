@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import hashlib
 import json
 import socket
 import ssl
@@ -24,8 +23,6 @@ from hermit_common.seal import (
     Bound,
     Context,
     Expected,
-    Keyring,
-    KeyringWrapper,
     new_dek,
     open_manifest,
     seal_manifest,
@@ -33,82 +30,36 @@ from hermit_common.seal import (
 from hermit_common.settings import KeyServiceSettings, OperatorSettings, SealSettings
 from hermit_operator import keyaccess, keyservice
 from hermit_operator.keyaccess import Denied
+from tests.support.keyservice_fakes import (
+    AGENT,
+    AUDIENCE,
+    CHECKPOINTS,
+    FORK,
+    SANDBOXES,
+    A,
+    B,
+    FakeKube,
+    Reads,
+    keyring_wrapper,
+    sandbox_obj,
+    sandbox_pod,
+    token_review,
+)
 from tests.support.tls import self_signed
-
-AUDIENCE = "hermit.dev/keys"
-AGENT = "system:serviceaccount:hermit-system:hermit-node-agent"
-A = Bound("team-a", "box", "uid-box")
-B = Bound("team-a", "other", "uid-other")
-
-
-def _review(node: str | None = "node-a", user: str = AGENT, ok: bool = True,
-            audiences: tuple[str, ...] = (AUDIENCE,)) -> dict[str, Any]:
-    extra = {keyaccess.NODE_NAME_EXTRA: [node]} if node else {}
-    return {"authenticated": ok, "audiences": list(audiences),
-            "user": {"username": user, "extra": extra}}
-
-
-def _pod(b: Bound, node: str, *, restore: str | None = None, controller: bool = True,
-         label: str | None = None, api_version: str = "hermit.dev/v1alpha1",
-         incarnation: int = 1, name: str | None = None) -> dict[str, Any]:
-    meta: dict[str, Any] = {
-        "namespace": b.namespace, "name": name or f"{b.sandbox}-{incarnation}",
-        "labels": {"hermit.dev/sandbox": label or b.sandbox,
-                   "hermit.dev/incarnation": str(incarnation)},
-        "ownerReferences": [{"apiVersion": api_version, "kind": "AgentSandbox",
-                             "name": b.sandbox, "uid": b.sandbox_uid,
-                             "controller": controller}]}
-    if restore:
-        meta["annotations"] = {"hermit.dev/restore-from": restore}
-    return {"metadata": meta, "spec": {"nodeName": node}}
-
-
-def _sandbox_obj(b: Bound, incarnation: int = 1) -> dict[str, Any]:
-    return {"metadata": {"namespace": b.namespace, "name": b.sandbox, "uid": b.sandbox_uid},
-            "status": {"incarnation": incarnation, "podName": f"{b.sandbox}-{incarnation}"}}
-
-
-FORK = Bound("team-a", "fork", "uid-fork")
-SANDBOXES = {s.sandbox: _sandbox_obj(s) for s in (A, B, FORK)}
-CHECKPOINTS = {"box-3-manual": {"metadata": {"namespace": "team-a", "name": "box-3-manual"},
-                                "spec": {"sandboxRef": {"name": "box"}}},
-               "other-2-manual": {"metadata": {"namespace": "team-a"},
-                                  "spec": {"sandboxRef": {"name": "other"}}}}
-
-
-class Reads:
-    """The objects decide may read, counted."""
-
-    def __init__(self, sandboxes: dict[str, Any] | None = None) -> None:
-        self.sandboxes = SANDBOXES if sandboxes is None else sandboxes
-        self.read: list[str] = []
-
-    def sandbox(self, namespace: str, name: str) -> dict[str, Any] | None:
-        self.read.append(f"sandbox {namespace}/{name}")
-        return self.sandboxes.get(name) if namespace == "team-a" else None
-
-    def checkpoint(self, namespace: str, name: str) -> dict[str, Any] | None:
-        self.read.append(f"checkpoint {namespace}/{name}")
-        return CHECKPOINTS.get(name) if namespace == "team-a" else None
-
-    def decide(self, node: str, want: Bound, pods: list[dict[str, Any]]) -> None:
-        keyaccess.decide(node, want, pods, sandbox_of=self.sandbox,
-                         checkpoint_of=self.checkpoint)
-
 
 # -- keyaccess.caller_of ----------------------------------------------------------------
 
 def test_a_node_agents_node_bound_token_names_its_node() -> None:
-    assert keyaccess.caller_of(_review(), [AGENT], AUDIENCE) == \
+    assert keyaccess.caller_of(token_review(), [AGENT], AUDIENCE) == \
         keyaccess.Caller(AGENT, "node-a")
 
 
 @pytest.mark.parametrize(("review", "status", "reason"), [
-    (_review(ok=False), 401, keyaccess.UNAUTHENTICATED),
-    (_review(audiences=("https://kubernetes.default.svc",)), 401, keyaccess.UNAUTHENTICATED),
-    (_review(user="system:serviceaccount:team-a:default"), 403, keyaccess.NOT_A_NODE_AGENT),
-    (_review(node=None), 403, keyaccess.NO_NODE),
-    ({**_review(), "user": {"username": AGENT, "extra": {
+    (token_review(ok=False), 401, keyaccess.UNAUTHENTICATED),
+    (token_review(audiences=("https://kubernetes.default.svc",)), 401, keyaccess.UNAUTHENTICATED),
+    (token_review(user="system:serviceaccount:team-a:default"), 403, keyaccess.NOT_A_NODE_AGENT),
+    (token_review(node=None), 403, keyaccess.NO_NODE),
+    ({**token_review(), "user": {"username": AGENT, "extra": {
         keyaccess.NODE_NAME_EXTRA: ["node-a", "node-b"]}}}, 403, keyaccess.NO_NODE),
 ])
 def test_callers_other_than_a_node_bound_node_agent_are_refused(
@@ -124,20 +75,20 @@ def test_callers_other_than_a_node_bound_node_agent_are_refused(
 def test_a_node_gets_the_keys_of_the_sandbox_it_runs(incarnation: int) -> None:
     """The current pod, the next (a move's replacement) and the previous (the pod a move
     leaves, finishing its checkpoint)."""
-    Reads({"box": _sandbox_obj(A, 2)}).decide(
-        "node-a", A, [_pod(A, "node-a", incarnation=incarnation)])
+    Reads({"box": sandbox_obj(A, 2)}).decide(
+        "node-a", A, [sandbox_pod(A, "node-a", incarnation=incarnation)])
 
 
 @pytest.mark.parametrize("pods", [
     [],
-    [_pod(A, "node-b")],  # the sandbox runs on another node
-    [_pod(dataclasses.replace(A, sandbox_uid="uid-old"), "node-a")],  # an older sandbox
-    [_pod(A, "node-a", controller=False)],  # not controlled by the AgentSandbox
-    [_pod(A, "node-a", label="else")],  # labelled for another sandbox
-    [_pod(A, "node-a", api_version="example.com/v1")],  # another group's AgentSandbox
-    [_pod(B, "node-a")],  # another sandbox of the same namespace on the node
-    [_pod(A, "node-a", name="lookalike")],  # not named as the operator names its pods
-    [_pod(A, "node-a", incarnation=5)],  # not an incarnation the status is near
+    [sandbox_pod(A, "node-b")],  # the sandbox runs on another node
+    [sandbox_pod(dataclasses.replace(A, sandbox_uid="uid-old"), "node-a")],  # an older sandbox
+    [sandbox_pod(A, "node-a", controller=False)],  # not controlled by the AgentSandbox
+    [sandbox_pod(A, "node-a", label="else")],  # labelled for another sandbox
+    [sandbox_pod(A, "node-a", api_version="example.com/v1")],  # another group's AgentSandbox
+    [sandbox_pod(B, "node-a")],  # another sandbox of the same namespace on the node
+    [sandbox_pod(A, "node-a", name="lookalike")],  # not named as the operator names its pods
+    [sandbox_pod(A, "node-a", incarnation=5)],  # not an incarnation the status is near
 ])
 def test_a_node_is_refused_the_keys_of_a_sandbox_it_does_not_run(
         pods: list[dict[str, Any]]) -> None:
@@ -148,14 +99,14 @@ def test_a_node_is_refused_the_keys_of_a_sandbox_it_does_not_run(
 
 def test_a_node_restoring_a_fork_gets_the_source_sandboxs_keys() -> None:
     reads = Reads()
-    reads.decide("node-a", A, [_pod(FORK, "node-a", restore="box-3-manual")])
+    reads.decide("node-a", A, [sandbox_pod(FORK, "node-a", restore="box-3-manual")])
     assert reads.read == ["sandbox team-a/fork", "checkpoint team-a/box-3-manual",
                           "sandbox team-a/box"]
     # Not when the fork restores on another node, nor a checkpoint of another sandbox,
     # nor from a pod that only looks like the fork's.
-    for pod in (_pod(FORK, "node-b", restore="box-3-manual"),
-                _pod(FORK, "node-a", restore="other-2-manual"),
-                _pod(FORK, "node-a", restore="box-3-manual", name="lookalike")):
+    for pod in (sandbox_pod(FORK, "node-b", restore="box-3-manual"),
+                sandbox_pod(FORK, "node-a", restore="other-2-manual"),
+                sandbox_pod(FORK, "node-a", restore="box-3-manual", name="lookalike")):
         with pytest.raises(Denied):
             Reads().decide("node-a", A, [pod])
 
@@ -163,7 +114,7 @@ def test_a_node_restoring_a_fork_gets_the_source_sandboxs_keys() -> None:
 def test_pods_in_other_namespaces_are_not_looked_at() -> None:
     reads = Reads()
     with pytest.raises(Denied):
-        reads.decide("node-a", A, [_pod(Bound("team-c", "box", "uid-box"), "node-a",
+        reads.decide("node-a", A, [sandbox_pod(Bound("team-c", "box", "uid-box"), "node-a",
                                         restore="box-3-manual")])
     assert reads.read == []
 
@@ -198,49 +149,13 @@ def test_the_sandbox_of_a_key_context_and_of_signed_manifest_bytes() -> None:
 
 # -- the service and the remote wrapper, over HTTPS on 127.0.0.1 -------------------------
 
-def _b64key(seed: bytes) -> str:
-    return base64.b64encode(hashlib.sha256(seed).digest()).decode()
-
-
-RING = {"current": "k1", "k1": _b64key(b"k1"), "k0": _b64key(b"k0")}
-
-
-def _local() -> KeyringWrapper:
-    return KeyringWrapper(lambda: Keyring.from_mapping(RING, "test keys"))
-
-
-class FakeKube:
-    def __init__(self) -> None:
-        self.pods: list[dict[str, Any]] = [_pod(A, "node-a"), _pod(B, "node-b")]
-        self.tokens = {"token-a": _review("node-a"), "token-b": _review("node-b"),
-                       "token-user": _review(user="system:serviceaccount:team-a:default")}
-        self.reviews = 0
-        self.lists = 0
-
-    def review_token(self, token: str, audiences: list[str]) -> dict[str, Any]:
-        self.reviews += 1
-        assert audiences == [AUDIENCE]
-        return self.tokens.get(token, {"authenticated": False})
-
-    def list_node_sandbox_pods(self, node: str, namespace: str) -> list[dict[str, Any]]:
-        self.lists += 1
-        return [p for p in self.pods if p["spec"]["nodeName"] == node
-                and p["metadata"]["namespace"] == namespace]
-
-    def get_checkpoint(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return CHECKPOINTS.get(name)
-
-    def get_sandbox(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return SANDBOXES.get(name)
-
-
 @pytest.fixture
 def service(tmp_path: Path) -> Iterator[tuple[str, Path, FakeKube]]:
     from hermit_common import hardhttp
 
     cert, key = self_signed(tmp_path, "keys.hermit.internal")
     kube = FakeKube()
-    svc = keyservice.KeyService(_local(), kube, callers=[AGENT], audience=AUDIENCE)
+    svc = keyservice.KeyService(keyring_wrapper(), kube, callers=[AGENT], audience=AUDIENCE)
     server = hardhttp.serve(0, svc.handle, admit=svc.admit, max_body=keyservice.MAX_BODY,
                             usage=keyservice.USAGE, name="keys", host="127.0.0.1",
                             tls=hardhttp.TlsFiles(str(cert), str(key)))
@@ -276,12 +191,12 @@ def test_the_remote_wrapper_seals_and_opens_as_the_keyring_does(
     remote = _remote(service, "token-a", tmp_path)
     assert remote.current_key_id() == "k1"
     # Sealed through the service, opened with the keys; and the other way round.
-    opened = open_manifest(_local(), _seal(remote, CTX), _expect(CTX))
+    opened = open_manifest(keyring_wrapper(), _seal(remote, CTX), _expect(CTX))
     assert opened.plain == b'{"marker":"M"}'
-    opened = open_manifest(remote, _seal(_local(), CTX), _expect(CTX))
+    opened = open_manifest(remote, _seal(keyring_wrapper(), CTX), _expect(CTX))
     assert opened.plain == b'{"marker":"M"}'
     # A tampered wrapped key is refused as the keyring refuses it (CheckpointRefused).
-    wrapped = _local().wrap(new_dek(), CTX.sandbox_bytes())
+    wrapped = keyring_wrapper().wrap(new_dek(), CTX.sandbox_bytes())
     bad = dataclasses.replace(wrapped, blob=wrapped.blob[:-1] + bytes([wrapped.blob[-1] ^ 1]))
     with pytest.raises(CheckpointRefused, match="does not open"):
         remote.unwrap(bad, CTX.sandbox_bytes())
@@ -294,7 +209,7 @@ def test_the_remote_wrapper_seals_and_opens_as_the_keyring_does(
 def test_unwrapped_keys_are_cached_per_context(service: tuple[str, Path, FakeKube],
                                                tmp_path: Path) -> None:
     remote = _remote(service, "token-a", tmp_path)
-    wrapped = _local().wrap(b"k" * 32, CTX.sandbox_bytes())
+    wrapped = keyring_wrapper().wrap(b"k" * 32, CTX.sandbox_bytes())
     assert remote.unwrap(wrapped, CTX.sandbox_bytes()) == b"k" * 32
     sent = remote.requests
     assert remote.unwrap(wrapped, CTX.sandbox_bytes()) == b"k" * 32
@@ -335,7 +250,7 @@ def test_a_node_gets_no_key_of_a_sandbox_on_another_node(
 
     before = denied("unwrap"), denied("sign")
     remote_b = _remote(service, "token-b", tmp_path)
-    wrapped = _local().wrap(new_dek(), CTX.sandbox_bytes())
+    wrapped = keyring_wrapper().wrap(new_dek(), CTX.sandbox_bytes())
     with pytest.raises(KeyAccessDenied, match="node node-b neither runs nor restores "
                                               "sandbox team-a/box"):
         remote_b.unwrap(wrapped, CTX.sandbox_bytes())
@@ -344,7 +259,7 @@ def test_a_node_gets_no_key_of_a_sandbox_on_another_node(
     assert (denied("unwrap"), denied("sign")) == (before[0] + 1, before[1] + 1)
     # Its own sandbox is fine.
     other = Context("team-a", "other", "uid-other")
-    assert len(remote_b.unwrap(_local().wrap(b"o" * 32, other.sandbox_bytes()),
+    assert len(remote_b.unwrap(keyring_wrapper().wrap(b"o" * 32, other.sandbox_bytes()),
                                other.sandbox_bytes())) == 32
 
 
@@ -427,7 +342,7 @@ def test_key_service_settings() -> None:
 
 def test_a_node_is_rate_limited_and_its_token_reviewed_once() -> None:
     kube = FakeKube()
-    svc = keyservice.KeyService(_local(), kube, callers=[AGENT], audience=AUDIENCE,
+    svc = keyservice.KeyService(keyring_wrapper(), kube, callers=[AGENT], audience=AUDIENCE,
                                 clock=lambda: 1000.0)
     answers = [svc.admit("/v1/keys/current", "Bearer token-a", f"10.0.0.{i % 200}")
                for i in range(keyservice.NODE_BURST + 1)]

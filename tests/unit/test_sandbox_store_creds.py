@@ -19,8 +19,15 @@ from hermit_common.sandboxstore import Location, StorageError, parse_credentials
 from hermit_common.settings import KeyServiceSettings, StoreSettings
 from hermit_common.storecreds import session_policy
 from hermit_operator import keyservice, storevend
-from tests.unit.test_keyservice import AGENT, AUDIENCE, FORK, SANDBOXES, _local, _pod
-from tests.unit.test_keyservice import FakeKube as BaseKube
+from tests.support.keyservice_fakes import (
+    AGENT,
+    AUDIENCE,
+    FORK,
+    SANDBOXES,
+    keyring_wrapper,
+    sandbox_pod,
+)
+from tests.support.keyservice_fakes import FakeKube as BaseKube
 
 DEFAULTS = StoreSettings(bucket="shared", prefix="hermit", endpoint_url="http://minio:9000",
                          region="us-east-1")
@@ -96,7 +103,7 @@ class Vendor:
 
 def _ask(kube: FakeKube, vendor: Vendor | None, token: str, body: dict[str, Any]
          ) -> tuple[int, dict[str, Any]]:
-    svc = keyservice.KeyService(_local(), kube, callers=[AGENT], audience=AUDIENCE,
+    svc = keyservice.KeyService(keyring_wrapper(), kube, callers=[AGENT], audience=AUDIENCE,
                                 sandbox_vendor=vendor)  # type: ignore[arg-type]
     auth = f"Bearer {token}"
     refused = svc.admit(PATH_STORE_CREDENTIALS, auth, "10.0.0.1")
@@ -149,7 +156,7 @@ def test_a_checkpoint_of_another_sandbox_is_refused() -> None:
 
 def test_a_fork_restoring_gets_its_sources_store_read_only() -> None:
     kube, vendor = FakeKube(), Vendor()
-    kube.pods = [_pod(FORK, "node-a", restore="box-3-manual")]
+    kube.pods = [sandbox_pod(FORK, "node-a", restore="box-3-manual")]
     kube.checkpoints["box-3-manual"] = {
         "metadata": {"namespace": "team-a", "name": "box-3-manual"},
         "spec": {"sandboxRef": {"name": "box"}}, "status": {"storage": OWN.to_status()}}

@@ -22,14 +22,15 @@ from hermit_common.storecreds import (
     session_policy,
 )
 from hermit_operator import keyaccess, keyservice, storevend
-from tests.unit.test_keyservice import (
+from tests.support.keyservice_fakes import (
     AGENT,
     AUDIENCE,
     FORK,
     A,
     FakeKube,
-    _local,
-    _pod,
+    Reads,
+    keyring_wrapper,
+    sandbox_pod,
 )
 
 # -- the session policy -----------------------------------------------------------------
@@ -234,7 +235,7 @@ class Vendor:
 
 def _ask(kube: FakeKube, vendor: Vendor | None, token: str, body: dict[str, Any]
          ) -> tuple[int, dict[str, Any]]:
-    svc = keyservice.KeyService(_local(), kube, callers=[AGENT], audience=AUDIENCE,
+    svc = keyservice.KeyService(keyring_wrapper(), kube, callers=[AGENT], audience=AUDIENCE,
                                 vendor=vendor)
     auth = f"Bearer {token}"
     refused = svc.admit(PATH_STORE_CREDENTIALS, auth, "10.0.0.1")
@@ -256,7 +257,7 @@ def test_store_credentials_follow_the_data_keys_rule() -> None:
     assert status == 403
     # A fork on node-a restores box-3-manual (a checkpoint of box): read-only for box
     # where node-a only restores it, and box as the fork's read-only source.
-    kube.pods = [_pod(FORK, "node-a", restore="box-3-manual")]
+    kube.pods = [sandbox_pod(FORK, "node-a", restore="box-3-manual")]
     assert _ask(kube, vendor, "token-a", {"namespace": "team-a", "sandbox": "box"})[0] == 200
     assert _ask(kube, vendor, "token-a", {"namespace": "team-a", "sandbox": "fork",
                                           "reads": ["box"]})[0] == 200
@@ -290,12 +291,11 @@ def test_without_a_vendor_the_endpoint_is_404() -> None:
 
 
 def test_decide_says_how_a_node_serves_a_sandbox() -> None:
-    from tests.unit.test_keyservice import Reads
 
     reads = Reads()
-    assert keyaccess.decide("node-a", A, [_pod(A, "node-a")], sandbox_of=reads.sandbox,
+    assert keyaccess.decide("node-a", A, [sandbox_pod(A, "node-a")], sandbox_of=reads.sandbox,
                             checkpoint_of=reads.checkpoint) == keyaccess.RUNS
-    assert keyaccess.decide("node-a", A, [_pod(FORK, "node-a", restore="box-3-manual")],
+    assert keyaccess.decide("node-a", A, [sandbox_pod(FORK, "node-a", restore="box-3-manual")],
                             sandbox_of=reads.sandbox, checkpoint_of=reads.checkpoint) \
         == keyaccess.RESTORES
 
