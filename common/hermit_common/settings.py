@@ -228,13 +228,24 @@ class KeyServiceSettings:
     # refused when the store has no STS), "sts-or-static" (the Secret's own credentials
     # when STS is refused), "static" (always the Secret's own), or "off" (none).
     sandbox_store_credentials: str = "off"
-    # AWS KMS holds the key-encryption key instead of keys_dir (docs/security.md#a-cloud-kms):
-    # a symmetric key to wrap with, an HMAC key to sign with (id, ARN or alias), and the
-    # client's region and endpoint (None: the SDK's).
+    # A cloud KMS holds the key-encryption key instead of keys_dir
+    # (docs/security.md#a-cloud-kms): kms_provider is aws (AWS KMS), azure (Key Vault) or
+    # gcp (Cloud KMS). The key to wrap with and the key to sign with (AWS: id, ARN or
+    # alias; Azure: the key's URL, and no MAC key; GCP: a CryptoKey, and an HMAC key
+    # version); AWS's region, AWS's or GCP's endpoint (None: the SDK's, Google's).
+    kms_provider: str = "aws"
     kms_key_id: str | None = None
     kms_mac_key_id: str | None = None
     kms_region: str | None = None
     kms_endpoint: str | None = None
+    # Azure and GCP: a file holding a bearer token, read at each use, instead of the pod's
+    # workload identity (Azure: Entra with the federated token; GCP: the metadata server).
+    kms_token_file: str | None = None
+    kms_azure_wrap_algorithm: str = "RSA-OAEP-256"  # or A256KW (Managed HSM)
+    kms_azure_authority_host: str = "https://login.microsoftonline.com"
+    kms_azure_tenant_id: str | None = None
+    kms_azure_client_id: str | None = None
+    kms_azure_federated_token_file: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> KeyServiceSettings:
@@ -286,6 +297,20 @@ class SigWebhookSettings:
 
 
 _KMS_KEY_RE: Final = re.compile(r"^[A-Za-z0-9:/_.+=@-]{1,2048}$")
+KMS_PROVIDERS: Final = ("aws", "azure", "gcp")
+_AZURE_KEY_RE: Final = re.compile(r"^https://[A-Za-z0-9.-]{1,253}(:[0-9]{1,5})?/keys/"
+                                  r"[0-9A-Za-z-]{1,127}(/[0-9A-Fa-f]{32})?/?$")
+_GCP_SEG: Final = r"[A-Za-z0-9_-]{1,63}"
+_GCP_KEY_RE: Final = re.compile(rf"^projects/[a-z][a-z0-9.:-]{{0,62}}/locations/"
+                                rf"[a-z0-9-]{{1,63}}/keyRings/{_GCP_SEG}/cryptoKeys/{_GCP_SEG}$")
+_GCP_MAC_KEY_RE: Final = re.compile(_GCP_KEY_RE.pattern[:-1] +
+                                    r"/cryptoKeyVersions/[0-9]{1,10}$")
+_KMS_KEY_FORMS: Final = {
+    "aws": (_KMS_KEY_RE, "a KMS key id, ARN or alias", _KMS_KEY_RE),
+    "azure": (_AZURE_KEY_RE, "a Key Vault key URL (https://VAULT.vault.azure.net/keys/NAME"
+              "[/VERSION])", None),
+    "gcp": (_GCP_KEY_RE, "a Cloud KMS CryptoKey (projects/P/locations/L/keyRings/R/"
+            "cryptoKeys/K; its MAC key: .../cryptoKeyVersions/N)", _GCP_MAC_KEY_RE)}
 
 
 def _kms_settings(env: Env) -> dict[str, Any]:
@@ -296,14 +321,56 @@ def _kms_settings(env: Env) -> dict[str, Any]:
     if env.optional_str("HERMIT_SEAL_KEYS_DIR") is not None:
         raise SettingsError("HERMIT_SEAL_KMS_KEY_ID and HERMIT_SEAL_KEYS_DIR are both set: "
                             "the key-encryption keys come from one of them")
-    out: dict[str, Any] = {"kms_key_id": key,
+    provider = env.choice("HERMIT_SEAL_KMS_PROVIDER", "aws", KMS_PROVIDERS)
+    out: dict[str, Any] = {"kms_provider": provider, "kms_key_id": key,
                            "kms_mac_key_id": env.optional_str("HERMIT_SEAL_KMS_MAC_KEY_ID"),
                            "kms_region": env.optional_str("HERMIT_SEAL_KMS_REGION"),
-                           "kms_endpoint": env.optional_url("HERMIT_SEAL_KMS_ENDPOINT")}
-    for name, value in (("HERMIT_SEAL_KMS_KEY_ID", key),
-                        ("HERMIT_SEAL_KMS_MAC_KEY_ID", out["kms_mac_key_id"])):
-        if value is not None and not _KMS_KEY_RE.match(value):
-            raise SettingsError(f"{name}={value!r:.100} is not a KMS key id, ARN or alias")
+                           "kms_endpoint": env.optional_url("HERMIT_SEAL_KMS_ENDPOINT"),
+                           "kms_token_file": env.optional_str("HERMIT_SEAL_KMS_TOKEN_FILE")}
+    key_re, form, mac_re = _KMS_KEY_FORMS[provider]
+    for name, value, pattern in (("HERMIT_SEAL_KMS_KEY_ID", key, key_re),
+                                 ("HERMIT_SEAL_KMS_MAC_KEY_ID", out["kms_mac_key_id"], mac_re)):
+        if value is None:
+            continue
+        if pattern is None:
+            raise SettingsError(f"{name} is not used with HERMIT_SEAL_KMS_PROVIDER={provider}"
+                                " (the wrapping key signs)")
+        if not pattern.match(value):
+            raise SettingsError(f"{name}={value!r:.200} is not {form} "
+                                f"(HERMIT_SEAL_KMS_PROVIDER={provider})")
+    unused = {"aws": ("HERMIT_SEAL_KMS_TOKEN_FILE",),
+              "azure": ("HERMIT_SEAL_KMS_REGION", "HERMIT_SEAL_KMS_ENDPOINT"),
+              "gcp": ("HERMIT_SEAL_KMS_REGION",)}[provider]
+    for name in unused:
+        if env.optional_str(name) is not None:
+            raise SettingsError(f"{name} is not used with HERMIT_SEAL_KMS_PROVIDER={provider}")
+    if provider == "azure":
+        out.update(_azure_kms_settings(env, token_file=out["kms_token_file"]))
+    return out
+
+
+def _azure_kms_settings(env: Env, *, token_file: str | None) -> dict[str, Any]:
+    """Key Vault's wrap algorithm, and the workload identity that the Azure Workload
+    Identity webhook injects (AZURE_*), needed unless HERMIT_SEAL_KMS_TOKEN_FILE is set."""
+    out: dict[str, Any] = {
+        "kms_azure_wrap_algorithm": env.choice("HERMIT_SEAL_KMS_AZURE_WRAP_ALGORITHM",
+                                               "RSA-OAEP-256", ("RSA-OAEP-256", "A256KW")),
+        "kms_azure_authority_host": env.url("AZURE_AUTHORITY_HOST",
+                                            "https://login.microsoftonline.com"),
+        "kms_azure_tenant_id": env.optional_str("AZURE_TENANT_ID"),
+        "kms_azure_client_id": env.optional_str("AZURE_CLIENT_ID"),
+        "kms_azure_federated_token_file": env.optional_str("AZURE_FEDERATED_TOKEN_FILE")}
+    missing = [name for name in ("AZURE_CLIENT_ID", "AZURE_TENANT_ID",
+                                 "AZURE_FEDERATED_TOKEN_FILE")
+               if out["kms_azure_" + name[6:].lower()] is None]
+    if missing and token_file is None:
+        raise SettingsError(f"HERMIT_SEAL_KMS_PROVIDER=azure needs the pod's workload "
+                            f"identity ({', '.join(missing)} unset: label the operator's pod "
+                            "azure.workload.identity/use=true and annotate its service "
+                            "account with the client id) or HERMIT_SEAL_KMS_TOKEN_FILE")
+    tenant = out["kms_azure_tenant_id"]
+    if tenant is not None and not re.match(r"^[A-Za-z0-9.-]{1,100}$", tenant):
+        raise SettingsError(f"AZURE_TENANT_ID={tenant!r:.100} is not a tenant id or domain")
     return out
 
 

@@ -17,9 +17,10 @@ per request, bounded heads and bodies):
 2. the node must serve that sandbox (keyaccess.decide, from the node's sandbox pods
    read now; an allowance is cached for ``ALLOW_TTL_SECONDS``): 403 otherwise, logged,
    and counted in ``hermit_operator_key_requests_total{op,result="denied"}``;
-3. the keyring (the sealing Secret, or AWS KMS: kms.py) answers; what it refuses (an
-   unknown key id, a data key that does not open for this context) is 422, which the
-   client raises as ``CheckpointRefused``; a KMS that does not answer is 503.
+3. the keyring (the sealing Secret, or a cloud KMS: kms.py, keyvault.py, cloudkms.py)
+   answers; what it refuses (an unknown key id, a data key that does not open for this
+   context) is 422, which the client raises as ``CheckpointRefused``; a KMS that does
+   not answer is 503.
 
 ``POST /v1/store/credentials`` (``{"namespace", "sandbox", "reads": [...]}``) answers,
 under the same rule, temporary S3 credentials for that sandbox's prefix only

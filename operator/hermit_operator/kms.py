@@ -25,8 +25,11 @@ import threading
 from typing import Any, Final
 
 from hermit_common.errors import CheckpointRefused, HermitError, SettingsError
-from hermit_common.seal import Wrapped
+from hermit_common.seal import KeyWrapper, Wrapped
 from hermit_common.settings import KeyServiceSettings
+from hermit_operator.kmshttp import KmsUnavailable
+
+__all__ = ["AwsKmsWrapper", "KmsUnavailable", "wrapper_from"]
 
 log = logging.getLogger("hermit.operator.keys")
 
@@ -44,10 +47,6 @@ _REFUSED_CODES: Final = frozenset({
     "IncorrectKeyException", "DisabledException", "KMSInvalidStateException",
     "InvalidKeyUsageException", "InvalidGrantTokenException", "UnsupportedOperationException",
     "AccessDenied"})
-
-
-class KmsUnavailable(HermitError):
-    """KMS did not answer, throttled, or failed on its side: try again later."""
 
 
 def _code(exc: BaseException) -> str:
@@ -175,10 +174,19 @@ def make_kms_client(settings: KeyServiceSettings) -> Any:
                             "(AWS_REGION) for KMS") from None
 
 
-def wrapper_from(settings: KeyServiceSettings, client: Any = None) -> AwsKmsWrapper:
-    """The KMS wrapper of ``settings``: SettingsError naming the setting when KMS refuses
-    the key at start; a KMS that does not answer yet is asked again at the first use."""
+def wrapper_from(settings: KeyServiceSettings, client: Any = None) -> KeyWrapper:
+    """The KMS wrapper of ``settings`` (HERMIT_SEAL_KMS_PROVIDER): SettingsError naming the
+    setting when KMS refuses the key at start; a KMS that does not answer yet is asked
+    again at the first use."""
     assert settings.kms_key_id
+    if settings.kms_provider == "azure":
+        from hermit_operator import keyvault
+
+        return keyvault.wrapper_from(settings, client)
+    if settings.kms_provider == "gcp":
+        from hermit_operator import cloudkms
+
+        return cloudkms.wrapper_from(settings, client)
     wrapper = AwsKmsWrapper(client if client is not None else make_kms_client(settings),
                             settings.kms_key_id, settings.kms_mac_key_id)
     try:

@@ -97,6 +97,10 @@ def test_crds_only_install_needs_no_bucket() -> None:
      "nodeAgent.sealing.kms.keyId"),
     ({"nodeAgent": {"sealing": {"kms": {"endpoint": "kms:443"}}}},
      "nodeAgent.sealing.kms.endpoint"),
+    ({"nodeAgent": {"sealing": {"kms": {"provider": "oci"}}}},
+     "nodeAgent.sealing.kms.provider"),
+    ({"nodeAgent": {"sealing": {"kms": {"azure": {"wrapAlgorithm": "RSA1_5"}}}}},
+     "nodeAgent.sealing.kms.azure.wrapAlgorithm"),
     ({"operatr": {}}, ""),
 ])
 def test_invalid_values_are_rejected(override: Values, where: str) -> None:
@@ -684,6 +688,40 @@ def test_with_kms_the_operator_asks_aws_kms_and_no_pod_mounts_a_kek() -> None:
                          capture_output=True, text=True, timeout=60)
     assert off.returncode != 0
     assert "nodeAgent.sealing.kms.keyId needs the key service" in off.stderr
+
+
+def test_with_key_vault_or_cloud_kms_the_operator_gets_its_provider_and_egress() -> None:
+    url = "https://hermit.vault.azure.net/keys/kek"
+    azure = _key_service_parts("nodeAgent.sealing.kms.provider=azure",
+                               f"nodeAgent.sealing.kms.keyId={url}",
+                               "networkPolicy.enabled=true")
+    assert {k: v for k, v in azure["op_env"].items() if k.startswith("HERMIT_SEAL_")} == {
+        "HERMIT_SEAL_KMS_PROVIDER": "azure", "HERMIT_SEAL_KMS_KEY_ID": url,
+        "HERMIT_SEAL_KMS_AZURE_WRAP_ALGORITHM": "RSA-OAEP-256"}
+    assert "sealing-keys" not in azure["op_volumes"]
+    [dep] = [d for d in azure["docs"] if d["kind"] == "Deployment"]
+    # The Azure Workload Identity webhook injects AZURE_* into pods with this label.
+    assert dep["spec"]["template"]["metadata"]["labels"]["azure.workload.identity/use"] == \
+        "true"
+    [op_np] = [d for d in azure["docs"] if d["kind"] == "NetworkPolicy"
+               and d["metadata"]["name"] == "hermit-operator"]
+    assert {"port": 443, "protocol": "TCP"} in [
+        p for r in op_np["spec"]["egress"] for p in r["ports"]]
+    gcp = _key_service_parts(
+        "nodeAgent.sealing.kms.provider=gcp", "networkPolicy.enabled=true",
+        "nodeAgent.sealing.kms.keyId=projects/p/locations/l/keyRings/r/cryptoKeys/k")
+    assert gcp["op_env"]["HERMIT_SEAL_KMS_PROVIDER"] == "gcp"
+    assert "HERMIT_SEAL_KMS_AZURE_WRAP_ALGORITHM" not in gcp["op_env"]
+    [dep] = [d for d in gcp["docs"] if d["kind"] == "Deployment"]
+    assert "azure.workload.identity/use" not in dep["spec"]["template"]["metadata"]["labels"]
+    [op_np] = [d for d in gcp["docs"] if d["kind"] == "NetworkPolicy"
+               and d["metadata"]["name"] == "hermit-operator"]
+    # GKE's metadata server gives the workload identity's tokens.
+    assert {"ports": [{"port": 80, "protocol": "TCP"}],
+            "to": [{"ipBlock": {"cidr": "169.254.169.254/32"}}]} in op_np["spec"]["egress"]
+    # AWS stays as it was: no provider variable.
+    aws = _key_service_parts("nodeAgent.sealing.kms.keyId=alias/hermit")
+    assert "HERMIT_SEAL_KMS_PROVIDER" not in aws["op_env"]
 
 
 def test_with_the_key_service_node_agents_get_no_bucket_credential() -> None:
