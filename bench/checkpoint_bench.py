@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hermit_common.store import CheckpointStore
-from hermit_node.checkpoint import CheckpointEngine, CheckpointResult, CheckpointTarget
-from hermit_node.criu import Criu
-from hermit_node.restore import RestoreEngine, RestoreResult, RestoreTarget
+from hermit_node.engine.checkpoint import CheckpointEngine, CheckpointResult, CheckpointTarget
+from hermit_node.engine.restore import RestoreEngine, RestoreResult, RestoreTarget
+from hermit_node.host.criu import Criu
 from hermit_testbed.cni import CniNetwork
 from hermit_testbed.containerd import Containerd
 from hermit_testbed.minio import start_minio, stop_minio

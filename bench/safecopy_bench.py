@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hermit_node import safecopy
+from hermit_node.engine import safecopy
 
 MIB = 1 << 20
 

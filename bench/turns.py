@@ -27,7 +27,7 @@ from bench.turnbench import report, sandbox, trace
 from bench.turnbench.contenders import CONTENDERS, FullDumpStore
 from bench.turnbench.run import Env, Outcome, run_contender
 from hermit_common.store import CheckpointStore
-from hermit_node.criu import Criu
+from hermit_node.host.criu import Criu
 from hermit_testbed.cni import CniNetwork
 from hermit_testbed.containerd import Containerd
 from hermit_testbed.minio import MinioServer, start_minio, stop_minio

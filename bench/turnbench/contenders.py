@@ -8,7 +8,7 @@
 - ``turn-aware``: at every turn's end the node-agent's inspector (``snapshot.take`` +
   ``inspector.decide``) says skip, files-only or full; a checkpoint is taken unless skip,
   and its baseline is the turn's end state with the counters read after the thaw
-  (``snapshot.after_thaw`` + ``inspector.settled``), as ``hermit_node.turns`` does;
+  (``snapshot.after_thaw`` + ``inspector.settled``), as ``hermit_node.turns.turns`` does;
 - ``off``: nothing.
 
 Checkpoints run one at a time on a worker thread (as the node-agent's loop serves them),
@@ -38,9 +38,9 @@ from hermit_common.store import (
     UploadResult,
     UploadSession,
 )
-from hermit_node import inspector, snapshot
-from hermit_node.checkpoint import CheckpointEngine, CheckpointResult, CheckpointTarget
-from hermit_node.inspector import Snapshot
+from hermit_node.engine import inspector, snapshot
+from hermit_node.engine.checkpoint import CheckpointEngine, CheckpointResult, CheckpointTarget
+from hermit_node.engine.inspector import Snapshot
 
 NAMESPACE = "bench"
 CONTENDERS = ("full-dump", "interval", "turn-aware", "off")

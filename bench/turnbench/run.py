@@ -21,11 +21,11 @@ from bench.turnbench.contenders import NAMESPACE, Policy, Taken, make_policy
 from bench.turnbench.sandbox import Box
 from bench.turnbench.trace import Trace
 from hermit_common.store import CheckpointStore
-from hermit_node.checkpoint import CheckpointEngine, CheckpointResult
-from hermit_node.criu import Criu
-from hermit_node.inspector import Decision
-from hermit_node.lazypages import Filled
-from hermit_node.restore import LAZY_FILL_TIMEOUT_SECONDS, RestoreEngine, RestoreTarget
+from hermit_node.engine.checkpoint import CheckpointEngine, CheckpointResult
+from hermit_node.engine.inspector import Decision
+from hermit_node.engine.lazypages import Filled
+from hermit_node.engine.restore import LAZY_FILL_TIMEOUT_SECONDS, RestoreEngine, RestoreTarget
+from hermit_node.host.criu import Criu
 from hermit_testbed.cni import CniNetwork
 from hermit_testbed.scenario import Node
 

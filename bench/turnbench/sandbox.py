@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from hermit_node import locate
+from hermit_node.host import locate
 from hermit_testbed.cni import CniNetwork, Netns
 from hermit_testbed.container import Container, Mount
 from hermit_testbed.errors import TestbedError

@@ -65,7 +65,7 @@ REASON_NO_CHECKPOINT_IN_PROGRESS: Final = "NoCheckpointInProgress"
 REASON_RESTORE_FAILED: Final = "RestoreFailed"
 REASON_RESTORE_STARTED: Final = "RestoreStarted"
 # Event on a pod whose restore the node-agent refuses to start (not the operator's pod, or
-# from a checkpoint it did not verify: hermit_node.planner.restore_authority).
+# from a checkpoint it did not verify: hermit_node.control.planner.restore_authority).
 REASON_RESTORE_REFUSED: Final = "RestoreRefused"
 REASON_RESTORE_COMPLETED: Final = "RestoreCompleted"
 # A move's replacement pod, created while its checkpoint is taken (overlap), and deleted

@@ -1,4 +1,4 @@
-"""A small HTTP(S) server built to be attacked: the turn endpoint's (hermit_node.turnserver)
+"""A small HTTP(S) server built to be attacked: the turn endpoint's (hermit_node.turns.turnserver)
 and the operator's key service's (hermit_operator.keyservice).
 
 A threaded HTTP server that hands ``POST`` requests to a ``Handle`` and writes its

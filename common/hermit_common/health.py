@@ -7,7 +7,7 @@ One small threaded HTTP server on HERMIT_METRICS_PORT answers
 - every other path with the Prometheus metrics (as ``prometheus_client``'s own server).
 
 What "live" and "ready" mean is each component's own pure function
-(``hermit_operator.health``, ``hermit_node.health``); this module only serves a
+(``hermit_operator.health``, ``hermit_node.control.health``); this module only serves a
 ``Verdict`` and keeps the timestamps those functions judge (``Heartbeats``).
 """
 

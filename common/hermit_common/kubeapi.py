@@ -3,7 +3,7 @@
 ``KubeApi`` holds what the operator's and the node-agent's adapters share: the
 connection, one ``_call`` that turns every failure into a ``KubeApiError``, and the
 AgentSandbox and Checkpoint calls both make. Each component subclasses it with only the
-calls it makes (``hermit_operator.kube.Kube``, ``hermit_node.kube.Kube``).
+calls it makes (``hermit_operator.kube.Kube``, ``hermit_node.control.kube.Kube``).
 
 Errors are classified by what the HTTP status means, as kopf classifies its own API
 errors (``kopf._cogs.clients.errors``):

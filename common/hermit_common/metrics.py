@@ -2,7 +2,7 @@
 
 ``hermit_<component>_<noun>_<unit>``; labels come from small fixed sets, never a pod or
 sandbox name. The components define their collectors with these names
-(hermit_operator/metrics.py, hermit_node/metrics.py); the chart's Grafana dashboard
+(hermit_operator/metrics.py, hermit_node/control/metrics.py); the chart's Grafana dashboard
 (charts/hermit/dashboards/hermit.json) may only query names listed in ``ALL``.
 """
 

@@ -115,7 +115,7 @@ NODE_AGENT_POD_ANNOTATIONS: Final = (ANNOTATION_RESTORE_PHASE, ANNOTATION_RESTOR
 NODE_AGENT_REASONS: Final = (PREEMPTION, EVICTION, REBALANCE, TURN)
 # How every name a node-agent gives a Checkpoint ends (``checkpoint_name`` for its reasons;
 # when another node took that name first, a secret 8-hex-digit tag after it:
-# hermit_node/requests.py): the policy refuses any other, so a node can never take the
+# hermit_node/control/requests.py): the policy refuses any other, so a node can never take the
 # name of the operator's next Interval or Suspend request.
 NODE_AGENT_CHECKPOINT_NAMES: Final = \
     "-[0-9]+-(preempt|evict|rebalance|turn[0-9]+)(-r[0-9]+)?(-[0-9a-f]{8})?$"

@@ -6,7 +6,7 @@ credentials; what it leaves out comes from the default store (HERMIT_S3_*, the c
 ``s3.*`` values). ``sandbox_storage`` decides where a sandbox's next checkpoint goes,
 ``recorded_location`` and ``restore_storage`` where an existing checkpoint is read and
 with which Secret, ``parse_credentials`` reads a Secret (bounded; a value is never put in
-a message). The node-agent (hermit_node.storage) uses them to build its stores; the
+a message). The node-agent (hermit_node.control.storage) uses them to build its stores; the
 operator's key service (hermit_operator.keyservice) to decide which Secret and which
 bucket and prefix the credentials it vends for a sandbox are for: only the operator reads
 the Secret (docs/storage.md#per-sandbox-store-credentials).

@@ -34,14 +34,14 @@ from hermit_common.settings import (
 
 if TYPE_CHECKING:
     from hermit_common.store import CheckpointStore
-    from hermit_node.criu import Criu
+    from hermit_node.host.criu import Criu
 
 
 def _engine_parts() -> tuple[Criu, CheckpointStore, Path, Path]:
     # Imported here: `watch` and `run` need neither boto3 nor pycriu at start-up.
     from hermit_common.seal import sealing_from
     from hermit_common.store import CheckpointStore
-    from hermit_node.criu import Criu
+    from hermit_node.host.criu import Criu
 
     env = Env(os.environ)
     store = CheckpointStore(StoreSettings.from_env(os.environ),
@@ -65,7 +65,7 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
-    from hermit_node.checkpoint import CheckpointEngine, CheckpointTarget
+    from hermit_node.engine.checkpoint import CheckpointEngine, CheckpointTarget
 
     criu, store, work_dir, cgroup_root = _engine_parts()
     engine = CheckpointEngine(criu, store, work_dir, cgroup_root=cgroup_root)
@@ -79,7 +79,7 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _cmd_restore(args: argparse.Namespace) -> int:
-    from hermit_node.restore import RestoreEngine, RestoreTarget
+    from hermit_node.engine.restore import RestoreEngine, RestoreTarget
 
     criu, store, work_dir, cgroup_root = _engine_parts()
     engine = RestoreEngine(criu, store, work_dir, cgroup_root=cgroup_root)
@@ -94,7 +94,7 @@ def _cmd_restore(args: argparse.Namespace) -> int:
 
 
 def _cmd_watch(args: argparse.Namespace) -> int:
-    from hermit_node.watchers import build_watcher
+    from hermit_node.control.watchers import build_watcher
 
     settings = WatcherSettings.from_env(os.environ)
     watcher = build_watcher(settings)
@@ -110,7 +110,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from hermit_node.agent import run_agent
+    from hermit_node.main import run_agent
 
     return run_agent(os.environ)
 

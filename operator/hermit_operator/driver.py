@@ -268,6 +268,6 @@ def _apply(kube: Kube, sandbox: KubeObject, p: Plan, post: Poster, now: datetime
     for ckpt in p.delete_checkpoints:
         # Kubernetes objects only: the node-agent collects the S3 side (the manifest, and
         # chunks no manifest references) after the sandbox's next routine checkpoint
-        # (hermit_node.collect; docs/storage.md#garbage-collection).
+        # (hermit_node.control.collect; docs/storage.md#garbage-collection).
         kube.delete_checkpoint(namespace, ckpt)
         metrics.CHECKPOINTS_DELETED.inc()

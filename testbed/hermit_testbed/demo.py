@@ -18,9 +18,9 @@ from pathlib import Path
 
 from hermit_common.errors import HermitError
 from hermit_common.store import CheckpointStore
-from hermit_node.checkpoint import CheckpointEngine, CheckpointTarget
-from hermit_node.criu import Criu
-from hermit_node.restore import RestoreEngine, RestoreTarget
+from hermit_node.engine.checkpoint import CheckpointEngine, CheckpointTarget
+from hermit_node.engine.restore import RestoreEngine, RestoreTarget
+from hermit_node.host.criu import Criu
 from hermit_testbed.cni import CniNetwork
 from hermit_testbed.containerd import Containerd
 from hermit_testbed.minio import start_minio, stop_minio

@@ -48,9 +48,9 @@ from hermit_common.manifest import Manifest
 from hermit_common.seal import Keyring, KeyringWrapper, Sealing
 from hermit_common.settings import StoreSettings
 from hermit_common.store import CheckpointStore, UploadResult
-from hermit_node import planner, requests
-from hermit_node.checkpoint import CheckpointResult
-from hermit_node.kube import Kube as NodeAgentKube
+from hermit_node.control import planner, requests
+from hermit_node.control.kube import Kube as NodeAgentKube
+from hermit_node.engine.checkpoint import CheckpointResult
 from tests.e2e import sandboxes as sb
 from tests.e2e.cluster import (
     BUCKET,

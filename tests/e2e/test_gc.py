@@ -127,8 +127,8 @@ def test_a_claim_on_a_stale_resource_version_is_refused(
 ) -> None:
     """The node-agent's claim (its first status write) is refused by the API server once
     the Checkpoint changed since it was listed: two node-agents never both take one."""
-    from hermit_node.kube import Kube as NodeKube
-    from hermit_node.kube import KubeConflict
+    from hermit_node.control.kube import Kube as NodeKube
+    from hermit_node.control.kube import KubeConflict
 
     name = f"claim-{uuid.uuid4().hex[:6]}"
     _request(namespace, "no-such-sandbox", name)

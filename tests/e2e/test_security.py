@@ -286,7 +286,7 @@ def test_another_node_pre_creating_a_sandboxs_checkpoints_blocks_nothing(
     sandbox's own node would use on a notice and a Pending request that used to hold
     interval checkpoints back. The operator fails them (CheckpointUntrusted), interval
     checkpoints go on, and a real spot notice on the sandbox's node still checkpoints and
-    moves it (its request under another name, hermit_node/requests.py)."""
+    moves it (its request under another name, hermit_node/control/requests.py)."""
     name, where = sb.start_on_spot(kube, e2e_config, hermit_release, namespace,
                                    checkpoint={"intervalSeconds": 30})
     incarnation = int(sb.status(namespace, name)["incarnation"])

@@ -2,7 +2,7 @@
 
 GKE gives non-system pods 15 s of a 30 s preemption notice. The workload's memory is
 patterned (incompressible) and shared copy-on-write with its child, which CRIU dumps
-twice: the store keeps it once (node-agent/hermit_node/pagemap.py), so a full upload
+twice: the store keeps it once (node-agent/hermit_node/host/pagemap.py), so a full upload
 carries about 1 GiB, not 2.
 
 Pre-copy: the sandbox's memory is in the store before the notice (here an AWS rebalance

@@ -34,7 +34,7 @@ import pytest
 
 from hermit_common.errors import RestoreFailed
 from hermit_common.tree import KIND_DIR, KIND_FILE, Entry
-from hermit_node.fsapply import apply_tree
+from hermit_node.engine.fsapply import apply_tree
 from tests.support import attacks
 from tests.support.root import require_root
 

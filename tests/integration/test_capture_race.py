@@ -44,9 +44,9 @@ import pytest
 
 from hermit_common.errors import CheckpointFailed
 from hermit_common.store import CheckpointStore
-from hermit_node import safecopy
-from hermit_node.checkpoint import SECTION_WORKSPACE, CheckpointEngine, CheckpointTarget
-from hermit_node.criu import Criu
+from hermit_node.engine import safecopy
+from hermit_node.engine.checkpoint import SECTION_WORKSPACE, CheckpointEngine, CheckpointTarget
+from hermit_node.host.criu import Criu
 from hermit_testbed.cni import CniNetwork
 from hermit_testbed.container import Mount
 from hermit_testbed.containerd import Containerd

@@ -27,10 +27,10 @@ import pytest
 from hermit_common.errors import CheckpointRefused
 from hermit_common.settings import StoreSettings
 from hermit_common.store import CheckpointStore
-from hermit_node import credcheck, mountcheck
-from hermit_node.checkpoint import CheckpointEngine, CheckpointTarget
-from hermit_node.criu import Criu, DumpRequest
-from hermit_node.restore import RestoreEngine, RestoreTarget
+from hermit_node.engine.checkpoint import CheckpointEngine, CheckpointTarget
+from hermit_node.engine.restore import RestoreEngine, RestoreTarget
+from hermit_node.host import credcheck, mountcheck
+from hermit_node.host.criu import Criu, DumpRequest
 from hermit_testbed.cni import CniNetwork
 from hermit_testbed.errors import TestbedError
 from hermit_testbed.scenario import (

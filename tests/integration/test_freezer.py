@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hermit_node import freezer
+from hermit_node.host import freezer
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration

@@ -35,10 +35,10 @@ from hermit_common.tree import (
     Entry,
     scan_tree,
 )
-from hermit_node.admit import FROM_IMAGE, drop_privileges
-from hermit_node.checkpoint import SECTION_ROOTFS, SECTION_WORKSPACE, _copy_tree
-from hermit_node.fsapply import apply_tree
-from hermit_node.imagefiles import image_lookup
+from hermit_node.engine.admit import FROM_IMAGE, drop_privileges
+from hermit_node.engine.checkpoint import SECTION_ROOTFS, SECTION_WORKSPACE, _copy_tree
+from hermit_node.engine.fsapply import apply_tree
+from hermit_node.engine.imagefiles import image_lookup
 
 pytestmark = pytest.mark.integration
 
@@ -728,7 +728,7 @@ def chroot(path):
     state["chrooted"] = True
 os.chroot = chroot
 try:
-    runpy.run_module("hermit_node.fsapply", run_name="__main__")
+    runpy.run_module("hermit_node.engine.fsapply", run_name="__main__")
 finally:
     sys.stdout.write(json.dumps(state) + "\\n")
 """

@@ -2,7 +2,7 @@
 
 A process holds 256 MiB of distinct pages (and their sha256) and ticks into a file. It
 is dumped once, then restored from the same images twice: fully (CRIU copies every page
-in before the tree runs) and lazily (``hermit_node.lazypages``: the tree runs at once and
+in before the tree runs) and lazily (``hermit_node.engine.lazypages``: the tree runs at once and
 a ``criu lazy-pages`` daemon copies its memory in). Both times the restored process must
 hash its whole memory to the digest it had before the dump and go on ticking. Prints
 restore -> running and -> all pages present for both.
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from hermit_node import lazypages, pagesource
-from hermit_node.criu import Criu, DumpRequest, RestoreRequest, read_pagemaps
+from hermit_node.engine import lazypages, pagesource
+from hermit_node.host.criu import Criu, DumpRequest, RestoreRequest, read_pagemaps
 from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -24,10 +24,10 @@ import zstandard
 from hermit_common.errors import CheckpointFailed, CheckpointRefused
 from hermit_common.settings import StoreSettings
 from hermit_common.store import CheckpointStore, make_s3_client
-from hermit_node import locate
-from hermit_node.checkpoint import CheckpointEngine, CheckpointTarget
-from hermit_node.criu import Criu
-from hermit_node.restore import RestoreEngine, RestoreTarget
+from hermit_node.engine.checkpoint import CheckpointEngine, CheckpointTarget
+from hermit_node.engine.restore import RestoreEngine, RestoreTarget
+from hermit_node.host import locate
+from hermit_node.host.criu import Criu
 from hermit_testbed.cni import CniNetwork
 from hermit_testbed.errors import TestbedError
 from hermit_testbed.scenario import (

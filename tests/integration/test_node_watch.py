@@ -15,8 +15,8 @@ import yaml
 from kubernetes import client
 
 from hermit_common import api, protocol
-from hermit_node.informer import GONE, Informer, WatchedNode
-from hermit_node.kube import Kube, KubeError
+from hermit_node.control.informer import GONE, Informer, WatchedNode
+from hermit_node.control.kube import Kube, KubeError
 from tests.support.controlplane import ControlPlane, control_plane
 from tests.support.wait import wait_until
 

@@ -34,9 +34,9 @@ import pytest
 from hermit_common.errors import CheckpointFailed
 from hermit_common.settings import StoreSettings
 from hermit_common.store import CheckpointStore
-from hermit_node.checkpoint import CheckpointEngine, CheckpointTarget
-from hermit_node.criu import Criu
-from hermit_node.restore import RestoreEngine, RestoreTarget
+from hermit_node.engine.checkpoint import CheckpointEngine, CheckpointTarget
+from hermit_node.engine.restore import RestoreEngine, RestoreTarget
+from hermit_node.host.criu import Criu
 from hermit_testbed.cni import CniNetwork
 from hermit_testbed.container import Mount
 from hermit_testbed.errors import TestbedError

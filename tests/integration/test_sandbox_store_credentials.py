@@ -29,7 +29,7 @@ from hermit_common.seal import Keyring, KeyringWrapper, Sealing
 from hermit_common.settings import KeyServiceSettings
 from hermit_common.store import CheckpointStore
 from hermit_common.storecreds import StoreCredentialsUnavailable
-from hermit_node.storage import Location, Stores
+from hermit_node.control.storage import Location, Stores
 from hermit_operator import keyservice
 from hermit_operator.kube import Kube
 from hermit_operator.storevend import SandboxStoreVendor

@@ -1,4 +1,4 @@
-"""Per-sandbox storage against a real MinIO: hermit_node.storage.Stores builds the store of
+"""Per-sandbox storage against a real MinIO: hermit_node.control.storage.Stores builds the store of
 each sandbox (its bucket, prefix and the credentials of its Secret), a checkpoint lands only
 in its own bucket, is read back from where it was recorded after the spec changed, and
 wrong credentials fail with a message that names the bucket and not the secret.
@@ -24,7 +24,7 @@ from hermit_common.manifest import Binding
 from hermit_common.seal import Keyring, KeyringWrapper, Sealing
 from hermit_common.store import CheckpointStore
 from hermit_common.storecreds import Credentials
-from hermit_node.storage import Location, Stores
+from hermit_node.control.storage import Location, Stores
 from tests.support.minio import MinioServer
 
 pytestmark = pytest.mark.integration

@@ -22,7 +22,7 @@ import requests
 
 from hermit_common import turnlimits
 from hermit_common.turns import TurnClient
-from hermit_node import turnserver
+from hermit_node.turns import turnserver
 from tests.support.attacks import CONTAINED, REFUSED, Attack
 from tests.support.tls import self_signed
 from tests.support.turns import PATH, FakeKube, service, snap

@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from hermit_common.settings import WatcherSettings
-from hermit_node.watchers import (
+from hermit_node.control.watchers import (
     AwsImdsWatcher,
     AzureScheduledEventsWatcher,
     GcpMetadataWatcher,

@@ -11,12 +11,12 @@ from typing import Any
 
 from hermit_common import api, protocol
 from hermit_common.store import UploadProgress
-from hermit_node import planner
-from hermit_node.agent import NodeAgent
-from hermit_node.checkpoint import CheckpointResult
-from hermit_node.kube import KubeConflict, KubeError
-from hermit_node.restore import RestoreResult
-from hermit_node.watchers import Notice
+from hermit_node.control import planner
+from hermit_node.control.agent import NodeAgent
+from hermit_node.control.kube import KubeConflict, KubeError
+from hermit_node.control.watchers import Notice
+from hermit_node.engine.checkpoint import CheckpointResult
+from hermit_node.engine.restore import RestoreResult
 
 NODE = "node-a"
 
@@ -291,7 +291,7 @@ class FakeStores:
         self.asked: list[tuple[str, Any]] = []
 
     def for_sandbox(self, sandbox: dict[str, Any]) -> tuple[Any, Any]:
-        from hermit_node.storage import Location
+        from hermit_node.control.storage import Location
 
         self.asked.append(("sandbox", sandbox))
         return self.store, Location(bucket="b", prefix="hermit", region="us-east-1")

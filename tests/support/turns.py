@@ -8,9 +8,9 @@ from dataclasses import replace
 from typing import Any
 
 from hermit_common import protocol
-from hermit_node import turns
-from hermit_node.inspector import FileSig, Proc, Snapshot
-from hermit_node.planner import SandboxPod
+from hermit_node.control.planner import SandboxPod
+from hermit_node.engine.inspector import FileSig, Proc, Snapshot
+from hermit_node.turns import turns
 from tests.support.node_agent import NODE, pod
 
 SIG = FileSig(0o100644, 10, 1, 1, 100, 0, 0)

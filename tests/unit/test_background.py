@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
-from hermit_node import background
+from hermit_node.control import background
 
 
 def _nice() -> int:

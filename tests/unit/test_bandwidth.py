@@ -267,7 +267,7 @@ def test_limiter_keeps_the_rate_in_real_time() -> None:
 
 
 def test_the_engine_holds_a_ticket_of_its_class_while_it_uploads(tmp_path: Path) -> None:
-    from hermit_node.checkpoint import CheckpointEngine
+    from hermit_node.engine.checkpoint import CheckpointEngine
 
     limiter = UploadLimiter(0)
     engine = CheckpointEngine(Mock(), Mock(), tmp_path, limiter=limiter)

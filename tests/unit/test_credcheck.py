@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from hermit_common.errors import CheckpointRefused, RestoreFailed
-from hermit_node import credcheck, criu, pagemap, protowire
-from hermit_node.credcheck import (
+from hermit_node.host import credcheck, criu, pagemap, protowire
+from hermit_node.host.credcheck import (
     CAP_SETGID,
     CAP_SETPCAP,
     CAP_SETUID,
@@ -443,7 +443,7 @@ def test_read_pagemaps_is_bounded_and_lean(tmp_path: Path) -> None:
 
 def test_images_of_the_wrong_shape_are_a_refusal(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from hermit_node import restore
+    from hermit_node.engine import restore
 
     def broken(_: Path) -> ImageCreds:
         thread = credcheck.thread_creds(7, 7, {"thread_core": {"creds": {"uid": "x"}}}, [])

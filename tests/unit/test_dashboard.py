@@ -84,7 +84,7 @@ def test_namespace_and_node_variables_filter_every_query() -> None:
 def test_the_code_defines_every_listed_metric() -> None:
     from prometheus_client import REGISTRY
 
-    import hermit_node.metrics  # noqa: F401  (registers the node-agent's collectors)
+    import hermit_node.control.metrics  # noqa: F401  (registers the node-agent's collectors)
     import hermit_operator.metrics  # noqa: F401
 
     registered = {name for collector in list(REGISTRY._collector_to_names)

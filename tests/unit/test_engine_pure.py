@@ -8,9 +8,9 @@ import pytest
 
 from hermit_common.errors import CheckpointRefused
 from hermit_common.manifest import Binding, Manifest, Totals
-from hermit_node import container, sysinfo
-from hermit_node.checkpoint import external_mounts, restore_info
-from hermit_node.restore import check_compatible
+from hermit_node.engine.checkpoint import external_mounts, restore_info
+from hermit_node.engine.restore import check_compatible
+from hermit_node.host import container, sysinfo
 
 MOUNTINFO = (
     "1500 1400 0:91 / / rw,relatime - overlay overlay rw,lowerdir=/l/1/fs,"
@@ -142,7 +142,7 @@ def test_incompatible_checkpoint_is_refused(kwargs: dict[str, object], message: 
 
 def test_entries_at_or_under_a_mount_point_are_left_alone() -> None:
     from hermit_common.tree import Entry
-    from hermit_node.fsapply import outside_mounts
+    from hermit_node.engine.fsapply import outside_mounts
 
     def e(path: str) -> Entry:
         return Entry.from_dict({"path": path, "kind": "dir", "mode": 0o755, "uid": 0,
@@ -162,8 +162,8 @@ def test_the_dump_waits_until_the_runtime_has_read_the_stdout_pipe() -> None:
     import time
     from pathlib import Path
 
-    from hermit_node.checkpoint import _queued, wait_stdio_drained
-    from hermit_node.container import ContainerView
+    from hermit_node.engine.checkpoint import _queued, wait_stdio_drained
+    from hermit_node.host.container import ContainerView
 
     read_end, write_end = os.pipe()
     child = subprocess.Popen(["sh", "-c", "echo tick 1; exec sleep 5"], stdout=write_end)

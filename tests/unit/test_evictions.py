@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from hermit_common import api, protocol
-from hermit_node import planner
+from hermit_node.control import planner
 from hermit_operator import podspec
 from hermit_operator.reconcile import plan
 from tests.support.node_agent import FakeEngine, FakeKube, make_agent

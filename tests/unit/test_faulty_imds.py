@@ -13,8 +13,8 @@ import pytest
 import requests
 
 from hermit_common.settings import WatcherSettings
-from hermit_node.watchers.aws import INSTANCE_ACTION_PATH, AwsImdsWatcher
-from hermit_node.watchers.notice import Notice
+from hermit_node.control.watchers.aws import INSTANCE_ACTION_PATH, AwsImdsWatcher
+from hermit_node.control.watchers.notice import Notice
 from hermit_testbed import faulty_imds as fi
 
 TIMEOUT = 0.3

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from hermit_common.errors import CheckpointRefused
-from hermit_node import credcheck, fdcheck, protowire
-from hermit_node.credcheck import Granted
+from hermit_node.host import credcheck, fdcheck, protowire
+from hermit_node.host.credcheck import Granted
 from tests.support.pagemap import varint
 
 DEFAULT_CAPS = 0x00000000A80425FB  # includes CAP_NET_RAW

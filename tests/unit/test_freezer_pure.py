@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hermit_node import freezer
+from hermit_node.host import freezer
 
 
 def test_v2_ends_the_tree_with_cgroup_kill_then_thaws(tmp_path: Path,

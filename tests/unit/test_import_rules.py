@@ -25,7 +25,8 @@ LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 COMMON_BENEATH = "common is beneath the operator and the node-agent"
 INDEPENDENT = "the operator and the node-agent do not import each other"
 ENGINE_NO_KUBE = "the node-agent's engine and host plumbing know neither Kubernetes nor metrics"
-NODE_LAYERS = "the node-agent's layers: cli, agent, turns, control, engine, host"
+NODE_LAYERS = "the node-agent's layers: main, turns, control, engine, host"
+CONTROL_LAYERS = "the node-agent's control: the loop above what it drives"
 HOST_NO_STORE = "the node-agent's host plumbing knows neither the store nor the manifest"
 WORKER = "the restore worker imports neither the store nor Kubernetes"
 WATCHERS = "the cloud watchers import nothing else of the node-agent"
@@ -71,35 +72,42 @@ def test_the_project_keeps_every_import_rule() -> None:
     result = _lint(REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert "0 broken" in result.stdout
-    for contract in (NODE_LAYERS, OPERATOR_LAYERS, COMMON_LAYERS, TWO_SIDES, WATCHERS,
-                     STORE_LAYERS):
+    for contract in (NODE_LAYERS, CONTROL_LAYERS, OPERATOR_LAYERS, COMMON_LAYERS, TWO_SIDES,
+                     WATCHERS, STORE_LAYERS):
         assert f"{contract} KEPT" in result.stdout, result.stdout[-3000:]
 
 
 @pytest.mark.parametrize(("module", "injected", "contract", "reported"), [
-    ("hermit_common/display.py", "import hermit_node.kube", COMMON_BENEATH,
-     "hermit_common.display -> hermit_node.kube"),
-    ("hermit_operator/placement.py", "import hermit_node.planner", INDEPENDENT,
-     "hermit_operator.placement -> hermit_node.planner"),
-    ("hermit_node/criu.py", "import hermit_node.metrics", ENGINE_NO_KUBE,
-     "hermit_node.criu -> hermit_node.metrics"),
+    ("hermit_common/display.py", "import hermit_node.control.kube", COMMON_BENEATH,
+     "hermit_common.display -> hermit_node.control.kube"),
+    ("hermit_operator/placement.py", "import hermit_node.control.planner", INDEPENDENT,
+     "hermit_operator.placement -> hermit_node.control.planner"),
+    ("hermit_node/host/criu.py", "import hermit_node.control.metrics", ENGINE_NO_KUBE,
+     "hermit_node.host.criu -> hermit_node.control.metrics"),
     # host imports control: the layers, from below
-    ("hermit_node/freezer.py", "import hermit_node.agent", NODE_LAYERS,
-     "hermit_node.freezer -> hermit_node.agent"),
+    ("hermit_node/host/freezer.py", "import hermit_node.control.agent", NODE_LAYERS,
+     "hermit_node.host.freezer -> hermit_node.control.agent"),
     # engine imports the Kubernetes adapter
-    ("hermit_node/checkpoint.py", "from hermit_node.kube import Kube", NODE_LAYERS,
-     "hermit_node.checkpoint -> hermit_node.kube"),
+    ("hermit_node/engine/checkpoint.py", "from hermit_node.control.kube import Kube", NODE_LAYERS,
+     "hermit_node.engine.checkpoint -> hermit_node.control.kube"),
     # host imports the engine
-    ("hermit_node/locate.py", "from hermit_node import staging", NODE_LAYERS,
-     "hermit_node.locate -> hermit_node.staging"),
-    ("hermit_node/pagemap.py", "import hermit_common.manifest", HOST_NO_STORE,
-     "hermit_node.pagemap -> hermit_common.manifest"),
-    ("hermit_node/restore_worker.py", "import hermit_common.store", WORKER,
-     "hermit_node.restore_worker -> hermit_common.store"),
-    ("hermit_node/watchers/aws.py", "from hermit_node import planner", WATCHERS,
-     "hermit_node.watchers.aws -> hermit_node.planner"),
-    ("hermit_node/checkpoint.py", "import hermit_node.restore", TWO_SIDES,
-     "hermit_node.checkpoint -> hermit_node.restore"),
+    ("hermit_node/host/locate.py", "from hermit_node.engine import staging", NODE_LAYERS,
+     "hermit_node.host.locate -> hermit_node.engine.staging"),
+    ("hermit_node/host/pagemap.py", "import hermit_common.manifest", HOST_NO_STORE,
+     "hermit_node.host.pagemap -> hermit_common.manifest"),
+    ("hermit_node/engine/restore_worker.py", "import hermit_common.store", WORKER,
+     "hermit_node.engine.restore_worker -> hermit_common.store"),
+    ("hermit_node/control/watchers/aws.py", "from hermit_node.control import planner",
+     WATCHERS,
+     "hermit_node.control.watchers.aws -> hermit_node.control.planner"),
+    ("hermit_node/engine/checkpoint.py", "import hermit_node.engine.restore", TWO_SIDES,
+     "hermit_node.engine.checkpoint -> hermit_node.engine.restore"),
+    # control's adapters import the loop above them
+    ("hermit_node/control/kube.py", "from hermit_node.control import agent", CONTROL_LAYERS,
+     "hermit_node.control.kube -> hermit_node.control.agent"),
+    # the wiring, from below: control imports start-up
+    ("hermit_node/control/agent.py", "from hermit_node import main", NODE_LAYERS,
+     "hermit_node.control.agent -> hermit_node.main"),
     ("hermit_operator/reconcile.py", "from hermit_operator.kube import Kube", OPERATOR_PURE,
      "hermit_operator.reconcile -> hermit_operator.kube"),
     ("hermit_operator/podspec.py", "from hermit_operator import driver", OPERATOR_LAYERS,

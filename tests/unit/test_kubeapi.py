@@ -12,7 +12,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-import hermit_node.kube
+import hermit_node.control.kube
 import hermit_operator.kube
 from hermit_common import protocol
 from hermit_common.errors import HermitError
@@ -146,14 +146,14 @@ def test_get_or_none() -> None:
 
 
 def test_the_components_export_the_common_errors() -> None:
-    assert hermit_node.kube.KubeError is KubeApiError  # catching it catches every failure
-    assert hermit_node.kube.KubeTransient is KubeTransient
+    assert hermit_node.control.kube.KubeError is KubeApiError  # catching it catches every failure
+    assert hermit_node.control.kube.KubeTransient is KubeTransient
     assert hermit_operator.kube.KubeTransient is KubeTransient
     assert hermit_operator.kube.KubeError is KubeApiError
     for cls in (KubeNotFound, KubeConflict, KubeInvalid, KubeForbidden, KubeTransient):
-        assert issubclass(cls, hermit_node.kube.KubeError)
+        assert issubclass(cls, hermit_node.control.kube.KubeError)
     # The node-agent's tests raise it with a message alone.
-    assert str(hermit_node.kube.KubeError("HTTP 503")) == "HTTP 503"
+    assert str(hermit_node.control.kube.KubeError("HTTP 503")) == "HTTP 503"
 
 
 # -- the shared calls ---------------------------------------------------------------
@@ -284,13 +284,13 @@ def test_patch_checkpoint_status_is_a_merge_patch_and_404_is_not_found() -> None
 
 def test_the_node_agent_creates_checkpoints_in_the_pods_namespace() -> None:
     custom = FakeCustom()
-    kube = hermit_node.kube.Kube(client.ApiClient(client.Configuration()), "node-a")
+    kube = hermit_node.control.kube.Kube(client.ApiClient(client.Configuration()), "node-a")
     kube._custom = custom  # type: ignore[assignment]
     body = {k: v for k, v in CKPT.items() if k != "metadata"} | {"metadata": {"name": "c1"}}
     assert kube.create_checkpoint(body, "ns")["metadata"]["namespace"] == "ns"
     assert kube.create_checkpoint(body, "ns")["metadata"]["name"] == "c1"  # 409: existing
     assert [c["metadata"]["name"] for c in kube.list_checkpoints()] == ["c1"]  # cluster-wide
-    with pytest.raises(hermit_node.kube.KubeError):  # the node-agent wants 404 to raise
+    with pytest.raises(hermit_node.control.kube.KubeError):  # the node-agent wants 404 to raise
         kube.patch_checkpoint_status("ns", "gone", {"phase": "Dumping"})
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from hermit_common.store import CheckpointStore, Deferred
-from hermit_node import lazypages, pagesource, restore
-from hermit_node.criu import Criu, CriuError
-from hermit_node.restore import RestoreEngine, RestoreTarget
+from hermit_node.engine import lazypages, pagesource, restore
+from hermit_node.engine.restore import RestoreEngine, RestoreTarget
+from hermit_node.host.criu import Criu, CriuError
 
 
 def fake_criu(tmp_path: Path, script: str) -> str:

@@ -11,7 +11,7 @@ from hermit_common.errors import (
     HermitError,
     StoreUnavailable,
 )
-from hermit_node import metrics as node_metrics
+from hermit_node.control import metrics as node_metrics
 from hermit_operator import metrics as operator_metrics
 
 

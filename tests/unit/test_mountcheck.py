@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from hermit_common.errors import CheckpointRefused, RestoreFailed
-from hermit_node import mountcheck
-from hermit_node.mountcheck import Mount
+from hermit_node.host import mountcheck
+from hermit_node.host.mountcheck import Mount
 
 MOUNTINFO = r"""1530 1529 0:72 / / rw,relatime - overlay overlay rw,lowerdir=/x
 1531 1530 0:76 / /proc rw,nosuid,nodev,noexec,relatime - proc proc rw

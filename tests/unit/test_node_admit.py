@@ -1,4 +1,4 @@
-"""The manifest policy (hermit_node.admit): a table of malicious manifests, privileges,
+"""The manifest policy (hermit_node.engine.admit): a table of malicious manifests, privileges,
 the restore section's workspace, and free space."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pytest
 from hermit_common.errors import CheckpointRefused, RestoreFailed
 from hermit_common.manifest import Binding, Manifest, Totals
 from hermit_common.tree import Entry
-from hermit_node import admit
-from hermit_node.admit import FROM_IMAGE, STRIP, ImageFile, SpaceNeed
-from hermit_node.checkpoint import restore_info
-from hermit_node.container import BindMount, ContainerView
+from hermit_node.engine import admit
+from hermit_node.engine.admit import FROM_IMAGE, STRIP, ImageFile, SpaceNeed
+from hermit_node.engine.checkpoint import restore_info
+from hermit_node.host.container import BindMount, ContainerView
 
 D1, D2, D3 = "a1" * 32, "b2" * 32, "c3" * 32
 CAP = b"\x01\x00\x00\x02\x00\x20\x00\x00" + bytes(12)  # any security.capability value

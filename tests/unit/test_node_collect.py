@@ -9,7 +9,7 @@ import pytest
 from hermit_common import gc, protocol
 from hermit_common.gc import CollectResult
 from hermit_common.settings import NodeSettings
-from hermit_node import collect, planner
+from hermit_node.control import collect, planner
 from tests.support.node_agent import ckpt, pod, sps
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from hermit_common import protocol
-from hermit_node import fence
-from hermit_node.kube import KubeTransient
+from hermit_node.control import fence
+from hermit_node.control.kube import KubeTransient
 from tests.support.node_agent import (
     DIGEST,
     FakeEngine,

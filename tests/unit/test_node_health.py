@@ -10,7 +10,7 @@ import pytest
 import requests
 
 from hermit_common.health import Heartbeats
-from hermit_node.health import (
+from hermit_node.control.health import (
     API,
     API_FRESH_SECONDS,
     LOOP,

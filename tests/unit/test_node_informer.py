@@ -13,8 +13,8 @@ import pytest
 
 from hermit_common import protocol
 from hermit_common.kubeapi import KubeApiError, KubeTransient
-from hermit_node import informer, planner
-from hermit_node.informer import Informer, Store, apply_event, backoff_seconds, relist_due
+from hermit_node.control import informer, planner
+from hermit_node.control.informer import Informer, Store, apply_event, backoff_seconds, relist_due
 from tests.support.node_agent import FakeEngine, FakeKube, ckpt, make_agent, pod, sps
 from tests.support.wait import wait_until
 

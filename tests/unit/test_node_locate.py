@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hermit_common.errors import HermitError
-from hermit_node import locate
+from hermit_node.host import locate
 
 CID = "3f2a9c1be4d5a6b7c8d9e0f1a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d5"
 OTHER = "aa" * 32

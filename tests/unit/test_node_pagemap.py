@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hermit_node.pagemap import (
+from hermit_node.host.pagemap import (
     PAGE_SIZE,
     PAGEMAP_MAGIC,
     PE_LAZY,
@@ -18,7 +18,7 @@ from hermit_node.pagemap import (
     image_layout,
     parse_pagemap,
 )
-from hermit_node.protowire import IMG_COMMON_MAGIC
+from hermit_node.host.protowire import IMG_COMMON_MAGIC
 from tests.support.pagemap import pb_msg
 
 P = PAGE_SIZE

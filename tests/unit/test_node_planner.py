@@ -1,4 +1,4 @@
-"""The node-agent's decisions (hermit_node.planner): pure functions over API dicts."""
+"""The node-agent's decisions (hermit_node.control.planner): pure functions over API dicts."""
 
 from __future__ import annotations
 
@@ -16,12 +16,14 @@ import pytest
 from hermit_common import protocol
 from hermit_common.errors import CheckpointFailed, CheckpointRefused, RestoreFailed
 from hermit_common.store import UploadProgress
-from hermit_node import agent as agent_module
-from hermit_node import freezer, planner
-from hermit_node.agent import NodeAgent
-from hermit_node.checkpoint import CheckpointResult
-from hermit_node.kube import KubeTransient
-from hermit_node.watchers import Notice
+from hermit_node import main as node_main
+from hermit_node.control import agent as agent_module
+from hermit_node.control import planner
+from hermit_node.control.agent import NodeAgent
+from hermit_node.control.kube import KubeTransient
+from hermit_node.control.watchers import Notice
+from hermit_node.engine.checkpoint import CheckpointResult
+from hermit_node.host import freezer
 from tests.support.crds import schema_errors
 from tests.support.node_agent import (
     DIGEST,
@@ -376,7 +378,7 @@ def test_progress_is_written_at_most_once_a_second_and_per_tenth() -> None:
 def test_upload_progress_reaches_the_status_throttled(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     clock = iter([float(t) for t in range(1000)])  # each reading is a second later
-    monkeypatch.setattr("hermit_node.agent.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("hermit_node.control.agent.time.monotonic", lambda: next(clock))
     steps = [UploadProgress(n, 40, n * 100, 4000, n * 10) for n in (1, 2, 4, 8, 9, 20, 40)]
     kube = FakeKube([pod("box-1")], [ckpt("manual")])
     agent = make_agent(tmp_path, kube, FakeEngine(progress=steps))
@@ -394,7 +396,7 @@ def test_upload_progress_reaches_the_status_throttled(tmp_path: Path,
 def test_a_failed_progress_write_does_not_fail_the_checkpoint(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = iter([float(t) for t in range(1000)])
-    monkeypatch.setattr("hermit_node.agent.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("hermit_node.control.agent.time.monotonic", lambda: next(clock))
     kube = FakeKube([pod("box-1")], [ckpt("manual")])
     real = kube.patch_checkpoint_status
 
@@ -977,13 +979,13 @@ def test_jobs_queue_in_priority_then_submission_order() -> None:
 
 def test_library_loggers_stay_at_info_when_hermit_logs_debug() -> None:
     try:
-        agent_module.set_log_levels("DEBUG")
+        node_main.set_log_levels("DEBUG")
         assert logging.getLogger("hermit_node").getEffectiveLevel() == logging.DEBUG
         assert logging.getLogger("botocore.hooks").getEffectiveLevel() == logging.INFO
-        agent_module.set_log_levels("WARNING")
+        node_main.set_log_levels("WARNING")
         assert logging.getLogger("urllib3.connectionpool").getEffectiveLevel() == logging.WARNING
     finally:
-        agent_module.set_log_levels("INFO")
+        node_main.set_log_levels("INFO")
 
 
 def test_a_durable_checkpoint_frees_its_freezing_slot_before_its_job_ends() -> None:
@@ -1040,7 +1042,7 @@ def test_a_stopping_request_for_a_busy_sandbox_promotes_its_routine_upload(
         tmp_path: Path) -> None:
     """One job per sandbox: its stopping checkpoint waits for the routine one that runs,
     so that one's upload is promoted to urgent on the node's bandwidth."""
-    from hermit_node import agent as agent_module
+    from hermit_node.control import agent as agent_module
 
     class BusyJobs:
         def submit(self, key: Any, fn: Any, *, priority: int, freezes: bool = False) -> bool:

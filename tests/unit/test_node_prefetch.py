@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from hermit_common import protocol
-from hermit_node import agent as agent_module
-from hermit_node import planner
-from hermit_node.agent import NodeAgent
-from hermit_node.restore import RestoreResult
+from hermit_node.control import agent as agent_module
+from hermit_node.control import planner
+from hermit_node.control.agent import NodeAgent
+from hermit_node.engine.restore import RestoreResult
 from tests.support.node_agent import (
     DIGEST,
     NOW,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from hermit_common import protocol
 from hermit_common.health import Heartbeats, Verdict
-from hermit_node import planner
-from hermit_node.agent import NodeAgent
+from hermit_node.control import planner
+from hermit_node.control.agent import NodeAgent
 from tests.support.node_agent import NODE, NOW, FakeEngine, FakeKube, fake_proc
 
 READY = {"metadata": {"labels": {protocol.LABEL_NODE_AGENT: protocol.NODE_AGENT_READY}}}

@@ -21,7 +21,7 @@ import pytest
 
 from hermit_common.errors import CheckpointFailed
 from hermit_common.tree import scan_tree
-from hermit_node import safecopy
+from hermit_node.engine import safecopy
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="owners and device nodes need root")
 

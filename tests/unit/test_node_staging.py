@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hermit_common.errors import CheckpointFailed
-from hermit_node import staging
+from hermit_node.engine import staging
 
 
 def test_check_room_names_the_path_and_the_bytes() -> None:

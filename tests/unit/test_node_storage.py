@@ -1,4 +1,4 @@
-"""Per-sandbox storage (hermit_node.storage): where a checkpoint goes and where it is read,
+"""Per-sandbox storage (hermit_node.control.storage): where a checkpoint goes and where it is read,
 the Secret parse, the errors, the client cache; and the agent using it."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from hermit_common.errors import CheckpointRefused
 from hermit_common.settings import StoreSettings
 from hermit_common.storecreds import Credentials as VendedCredentials
 from hermit_common.storecreds import StoreCredentialsUnavailable
-from hermit_node import planner, storage
-from hermit_node.storage import Credentials, Location, StorageError, Stores
+from hermit_node.control import planner, storage
+from hermit_node.control.storage import Credentials, Location, StorageError, Stores
 from tests.support.crds import schema_errors
 from tests.support.node_agent import (
     DIGEST,
@@ -376,7 +376,7 @@ def test_without_the_key_service_a_secret_cannot_be_used() -> None:
 def test_the_node_agent_has_no_way_to_read_a_secret() -> None:
     import inspect
 
-    from hermit_node import kube
+    from hermit_node.control import kube
 
     assert not hasattr(kube.Kube, "get_secret")
     assert "get_secret" not in inspect.getsource(storage)
@@ -528,7 +528,7 @@ def test_a_restarted_agent_looks_for_the_manifest_where_it_was_being_written(
                      status={"phase": "Uploading", "nodeName": "node-a", "storage": where})
     kube = SandboxKube([pod("box-1")], [uploading], {"box": team_sandbox()})
     fake = FakeStores(FakeManifests({"box-1-preempt"}))
-    from hermit_node.agent import NodeAgent
+    from hermit_node.control.agent import NodeAgent
     from tests.support.node_agent import fake_proc
 
     agent = NodeAgent("node-a", kube, FakeEngine(), FakeEngine(), view=kube,  # type: ignore[arg-type]

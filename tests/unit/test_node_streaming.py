@@ -8,9 +8,9 @@ import threading
 import time
 from pathlib import Path
 
-from hermit_node.pagemap import PAGE_SIZE, PAGEMAP_MAGIC, PE_PRESENT
-from hermit_node.protowire import IMG_COMMON_MAGIC
-from hermit_node.streaming import ImageStreamer, final_chunks
+from hermit_node.engine.streaming import ImageStreamer, final_chunks
+from hermit_node.host.pagemap import PAGE_SIZE, PAGEMAP_MAGIC, PE_PRESENT
+from hermit_node.host.protowire import IMG_COMMON_MAGIC
 from tests.support.pagemap import pb_msg
 
 P = PAGE_SIZE

@@ -1,7 +1,7 @@
 """What a node-agent writes, and what it restores (issue 17, Deliver 4).
 
 - Its requests (Preemption, Eviction, Rebalance, Turn) cannot be blocked by another node
-  that created their names first (hermit_node/requests.py), and their names stay within
+  that created their names first (hermit_node/control/requests.py), and their names stay within
   the pattern the chart's policy allows (protocol.NODE_AGENT_CHECKPOINT_NAMES).
 - A restore starts only into a pod the operator made, from a checkpoint the operator
   verified (planner.restore_authority); a refusal is on the pod and in an Event.
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from hermit_common import protocol
-from hermit_node import planner, requests
+from hermit_node.control import planner, requests
 from tests.support.node_agent import (
     DIGEST,
     NODE,

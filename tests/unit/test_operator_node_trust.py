@@ -114,7 +114,7 @@ def test_a_request_another_node_made_for_this_incarnation_is_failed_and_stops_no
 
 def test_the_real_stopping_checkpoint_under_its_tagged_name_moves_the_sandbox() -> None:
     """The squatter holds minimal-1-preempt; the node that runs the sandbox made its request
-    as minimal-1-preempt-<tag> (hermit_node/requests.py): that one counts and completes."""
+    as minimal-1-preempt-<tag> (hermit_node/control/requests.py): that one counts and completes."""
     sb = sandbox({**RUNNING, "nodeName": HERE})
     squat = by_node("minimal-1-preempt", "Preemption", THERE)
     real = by_node("minimal-1-preempt-0a1b2c3d", "Preemption", HERE, status={

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hermit_node.criu import PageMap
-from hermit_node.pagesource import (
+from hermit_node.engine.pagesource import (
     HEADER,
     PAGE_SIZE,
     PE_LAZY,
@@ -27,6 +26,7 @@ from hermit_node.pagesource import (
     extents,
     serve,
 )
+from hermit_node.host.criu import PageMap
 
 P = PAGE_SIZE
 LAZY = PE_PRESENT | PE_LAZY

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from hermit_common.errors import CheckpointRefused
-from hermit_node.restore import RestoreEngine, RestoreTarget
+from hermit_node.engine.restore import RestoreEngine, RestoreTarget
 
 
 class _RefusingStore:

@@ -16,7 +16,7 @@ from hermit_common.errors import SettingsError
 from hermit_common.kubeapi import KubeApiError
 from hermit_common.settings import TURN_AUDIENCE, NodeSettings
 from hermit_common.turnlimits import ConnectionSlots, Deadlines, RateLimiter, ReviewCache
-from hermit_node import turns
+from hermit_node.turns import turns
 from tests.support.turns import FakeKube, post, service, snap
 
 
@@ -250,7 +250,7 @@ def test_turn_tls_needs_both_files() -> None:
 
 
 def test_unusable_tls_files_fail_at_start_naming_the_settings(tmp_path: Any) -> None:
-    from hermit_node import turnserver
+    from hermit_node.turns import turnserver
 
     (tmp_path / "c").write_text("not a certificate")
     (tmp_path / "k").write_text("not a key")

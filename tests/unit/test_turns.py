@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from hermit_common import protocol
-from hermit_node import inspector, snapshot, turns
-from hermit_node.inspector import FileSig, Proc, Snapshot
-from hermit_node.planner import SandboxPod
+from hermit_node.control.planner import SandboxPod
+from hermit_node.engine import inspector, snapshot
+from hermit_node.engine.inspector import FileSig, Proc, Snapshot
+from hermit_node.turns import turns
 from tests.support.crds import schema_errors
 from tests.support.node_agent import NODE, ckpt
 from tests.support.turns import AGENT, INIT, PATH, SIG, THAWED, FakeKube, post, service, snap
@@ -323,7 +324,7 @@ def test_settled_keeps_the_turns_files_and_processes_and_the_thawed_counters() -
 def test_the_http_server_answers_with_the_services_reply() -> None:
     import requests
 
-    from hermit_node import turnserver
+    from hermit_node.turns import turnserver
 
     kube = FakeKube()
     server = turnserver.serve(0, service(kube, [snap()]), host="127.0.0.1")

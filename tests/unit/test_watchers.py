@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from hermit_common.settings import WatcherSettings
-from hermit_node.watchers import (
+from hermit_node.control.watchers import (
     AwsImdsWatcher,
     AzureScheduledEventsWatcher,
     GcpMetadataWatcher,
@@ -21,8 +21,8 @@ from hermit_node.watchers import (
     NullWatcher,
     build_watcher,
 )
-from hermit_node.watchers.base import WarningLimiter
-from hermit_node.watchers.parse import (
+from hermit_node.control.watchers.base import WarningLimiter
+from hermit_node.control.watchers.parse import (
     parse_aws_instance_action,
     parse_aws_rebalance,
     parse_aws_scheduled_events,
