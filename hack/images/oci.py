@@ -3,10 +3,14 @@
 
 Usage: oci.py --ref NAME:TAG [--ref NAME:TAG]... --out IMAGE.tar
               [--layer-dir DIR | --layer-tar TAR]... [--entrypoint JSON] [--cmd JSON]
-              [--env K=V]... [--workdir DIR]
+              [--env K=V]... [--workdir DIR] [--label K=V]...
 
-Layers are uncompressed and written deterministically (sorted names, mtime 0),
-so the same inputs give the same digests. Standard library only.
+Layers are uncompressed and written deterministically (sorted names, mtime 0, no
+owner names), so the same inputs give the same digests. The config's `created` is
+$SOURCE_DATE_EPOCH (the reproducible-builds convention; 0 when unset). Each --label goes
+into the config's Labels (what `docker inspect` and scanners read) and the manifest's
+annotations (what registries show), e.g. org.opencontainers.image.revision.
+Prints the manifest digest. Standard library only.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import shutil
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +80,24 @@ def _json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
+def created(environ: dict[str, str] | os._Environ[str]) -> str:
+    """$SOURCE_DATE_EPOCH as RFC 3339 UTC: the one timestamp in an image (never the clock)."""
+    raw = environ.get("SOURCE_DATE_EPOCH", "0") or "0"
+    if not raw.isdigit():
+        raise ValueError(f"SOURCE_DATE_EPOCH={raw!r} is not a number of seconds")
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(raw)))
+
+
+def _labels(pairs: list[str] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--label {pair!r} is not KEY=VALUE")
+        out[key] = value
+    return out
+
+
 def build(args: argparse.Namespace) -> str:
     with tempfile.TemporaryDirectory(prefix="hermit-oci-", dir=args.tmpdir) as tmp:
         layout = Path(tmp) / "layout"
@@ -99,10 +122,13 @@ def build(args: argparse.Namespace) -> str:
             cfg["Cmd"] = json.loads(args.cmd)
         if args.workdir:
             cfg["WorkingDir"] = args.workdir
+        labels = _labels(args.label)
+        if labels:
+            cfg["Labels"] = labels
         config = {
             "architecture": "amd64",
             "os": "linux",
-            "created": "1970-01-01T00:00:00Z",
+            "created": created(os.environ),
             "config": cfg,
             "rootfs": {"type": "layers", "diff_ids": diff_ids},
         }
@@ -113,6 +139,8 @@ def build(args: argparse.Namespace) -> str:
             "config": {"mediaType": MT_CONFIG, "digest": f"sha256:{cdigest}", "size": csize},
             "layers": layers,
         }
+        if labels:
+            manifest["annotations"] = labels
         mdigest, msize = blobs.add_bytes(_json(manifest))
         entries = []
         for ref in args.ref:
@@ -163,6 +191,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--cmd")
     p.add_argument("--env", action="append")
     p.add_argument("--workdir")
+    p.add_argument("--label", action="append")
     p.add_argument("--tmpdir")
     args = p.parse_args(argv)
     if not args.layers:
