@@ -5,8 +5,10 @@ Usage: oci.py --ref NAME:TAG [--ref NAME:TAG]... --out IMAGE.tar
               [--layer-dir DIR | --layer-tar TAR]... [--entrypoint JSON] [--cmd JSON]
               [--env K=V]... [--workdir DIR] [--label K=V]...
 
-Layers are uncompressed and written deterministically (sorted names, mtime 0, no
-owner names), so the same inputs give the same digests. The config's `created` is
+Layers are written deterministically (sorted names, mtime 0, no owner names) and
+gzip-compressed deterministically (no file name, mtime 0, level 6), so the same inputs
+give the same digests; a registry stores them as they are (skopeo copy
+--preserve-digests). The config's `created` is
 $SOURCE_DATE_EPOCH (the reproducible-builds convention; 0 when unset). Each --label goes
 into the config's Labels (what `docker inspect` and scanners read) and the manifest's
 annotations (what registries show), e.g. org.opencontainers.image.revision.
@@ -16,6 +18,7 @@ Prints the manifest digest. Standard library only.
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import os
@@ -29,7 +32,8 @@ from typing import Any
 
 MT_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MT_CONFIG = "application/vnd.oci.image.config.v1+json"
-MT_LAYER = "application/vnd.oci.image.layer.v1.tar"
+MT_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
+GZIP_LEVEL = 6
 
 
 def _sha256_file(path: Path) -> str:
@@ -56,6 +60,18 @@ def layer_from_dir(src: Path, out: Path) -> None:
                 full = Path(root) / name
                 rel = full.relative_to(src).as_posix()
                 tar.add(full, arcname=rel, recursive=False, filter=_clean)
+
+
+def gzip_layer(src: Path, out: Path) -> str:
+    """Compresses src into out with a fixed gzip header (no file name, mtime 0); returns
+    the sha256 of the uncompressed tar (the layer's diff_id)."""
+    h = hashlib.sha256()
+    with src.open("rb") as f, out.open("wb") as raw, gzip.GzipFile(
+            filename="", mode="wb", fileobj=raw, compresslevel=GZIP_LEVEL, mtime=0) as gz:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+            gz.write(block)
+    return h.hexdigest()
 
 
 class Blobs:
@@ -110,9 +126,12 @@ def build(args: argparse.Namespace) -> str:
                 layer_from_dir(Path(value), tar_path)
             else:
                 tar_path = Path(value)
-            digest, size = blobs.add_file(tar_path)
+            gz_path = Path(tmp) / f"layer{i}.tar.gz"
+            diff_id = gzip_layer(tar_path, gz_path)
+            digest, size = blobs.add_file(gz_path)
+            gz_path.unlink()
             layers.append({"mediaType": MT_LAYER, "digest": f"sha256:{digest}", "size": size})
-            diff_ids.append(f"sha256:{digest}")
+            diff_ids.append(f"sha256:{diff_id}")
         cfg: dict[str, Any] = {
             "Env": args.env or ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
         }
