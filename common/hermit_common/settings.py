@@ -568,6 +568,26 @@ def _bandwidth(env: Env, name: str) -> int:
 
 
 DEFAULT_HERMIT_IMAGE = "hermit.local/hermit:dev"
+# The small image that carries only the static hermit-init (hack/images/build init): what
+# sandbox pods' init container runs (`hermit-init --install`), instead of the whole
+# node-agent image.
+DEFAULT_INIT_IMAGE = "hermit.local/init:dev"
+DEFAULT_INIT_PATH = "/usr/local/bin/hermit-init"
+_IMAGE_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def _image_ref(env: Env, name: str, default: str) -> str:
+    """An image reference ([registry/]repository[:tag][@sha256:...]): non-empty, no
+    whitespace, and a well-formed digest when pinned by one."""
+    ref = env.text(name, default).strip()
+    if not ref or any(c.isspace() for c in ref):
+        raise SettingsError(f"{name}={ref!r} is not an image reference")
+    if "@" in ref:
+        repo, _, digest = ref.partition("@")
+        if not repo or not _IMAGE_DIGEST.fullmatch(digest):
+            raise SettingsError(
+                f"{name}={ref!r}: a pinned image is REPOSITORY@sha256:<64 hex digits>")
+    return ref
 
 # Exemptions from the sandbox pod policy (operator/hermit_operator/podpolicy.py) that a
 # cluster admin may grant with HERMIT_POD_POLICY_ALLOW.
@@ -658,8 +678,9 @@ class OperatorSettings:
     metrics_port: int = 9102
     log_level: str = "INFO"
     log_format: str = "text"  # HERMIT_LOG_FORMAT: text or json (logformat.py)
-    init_image: str = DEFAULT_HERMIT_IMAGE  # the image holding the static hermit-init
-    init_path: str = "/usr/local/bin/hermit-init"  # hermit-init's path inside init_image
+    init_image: str = DEFAULT_INIT_IMAGE  # the image holding the static hermit-init
+    init_path: str = DEFAULT_INIT_PATH  # hermit-init's path inside init_image
+    init_pull_policy: str = "IfNotPresent"  # the sandbox pods' init container's pull policy
     store: StoreSettings | None = None  # None: no default checkpoint store configured
     # One active replica: the holder of a Lease in the operator's own namespace.
     leader_election: bool = False
@@ -696,7 +717,7 @@ class OperatorSettings:
     def from_env(cls, environ: Mapping[str, str]) -> OperatorSettings:
         env = Env(environ)
         namespaces = _watch_namespaces(env.optional_str("HERMIT_WATCH_NAMESPACE"))
-        init_path = env.text("HERMIT_INIT_PATH", "/usr/local/bin/hermit-init")
+        init_path = env.text("HERMIT_INIT_PATH", DEFAULT_INIT_PATH)
         if not init_path.startswith("/"):
             raise SettingsError(f"HERMIT_INIT_PATH={init_path!r} is not an absolute path")
         store = (StoreSettings.from_env(environ)
@@ -708,8 +729,10 @@ class OperatorSettings:
             log_level=env.choice(
                 "HERMIT_LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR")),
             log_format=env.choice("HERMIT_LOG_FORMAT", logformat.TEXT, logformat.FORMATS),
-            init_image=env.text("HERMIT_INIT_IMAGE", DEFAULT_HERMIT_IMAGE),
+            init_image=_image_ref(env, "HERMIT_INIT_IMAGE", DEFAULT_INIT_IMAGE),
             init_path=init_path,
+            init_pull_policy=env.choice("HERMIT_INIT_PULL_POLICY", "IfNotPresent",
+                                        ("Always", "IfNotPresent", "Never")),
             store=store,
             pod_policy=PodPolicySettings.from_env(environ),
             overlap_moves=env.flag("HERMIT_OVERLAP_MOVES", True),

@@ -21,7 +21,7 @@ CGROUP_ROOT=hermit                    # /sys/fs/cgroup/<ctrl>/hermit/<node>
 APISERVER_URL="https://$BRIDGE_IP:$APISERVER_PORT"
 IMDS_ANNOTATION=hermit.dev/imds-url
 DEFAULT_NODES=(spot-1:spot spot-2:spot ondemand-1:on-demand)
-IMAGES=(pause sandbox hermit)
+IMAGES=(pause sandbox hermit init)   # hack/images/build names; imported into every node
 
 kctl() { "$HERMIT_BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" "$@"; }
 

@@ -3,15 +3,22 @@
 
 Usage: oci.py --ref NAME:TAG [--ref NAME:TAG]... --out IMAGE.tar
               [--layer-dir DIR | --layer-tar TAR]... [--entrypoint JSON] [--cmd JSON]
-              [--env K=V]... [--workdir DIR]
+              [--env K=V]... [--workdir DIR] [--label K=V]...
 
-Layers are uncompressed and written deterministically (sorted names, mtime 0),
-so the same inputs give the same digests. Standard library only.
+Layers are written deterministically (sorted names, mtime 0, no owner names) and
+gzip-compressed deterministically (no file name, mtime 0, level 6), so the same inputs
+give the same digests; a registry stores them as they are (skopeo copy
+--preserve-digests). The config's `created` is
+$SOURCE_DATE_EPOCH (the reproducible-builds convention; 0 when unset). Each --label goes
+into the config's Labels (what `docker inspect` and scanners read) and the manifest's
+annotations (what registries show), e.g. org.opencontainers.image.revision.
+Prints the manifest digest. Standard library only.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import os
@@ -19,12 +26,14 @@ import shutil
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 MT_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MT_CONFIG = "application/vnd.oci.image.config.v1+json"
-MT_LAYER = "application/vnd.oci.image.layer.v1.tar"
+MT_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
+GZIP_LEVEL = 6
 
 
 def _sha256_file(path: Path) -> str:
@@ -53,6 +62,18 @@ def layer_from_dir(src: Path, out: Path) -> None:
                 tar.add(full, arcname=rel, recursive=False, filter=_clean)
 
 
+def gzip_layer(src: Path, out: Path) -> str:
+    """Compresses src into out with a fixed gzip header (no file name, mtime 0); returns
+    the sha256 of the uncompressed tar (the layer's diff_id)."""
+    h = hashlib.sha256()
+    with src.open("rb") as f, out.open("wb") as raw, gzip.GzipFile(
+            filename="", mode="wb", fileobj=raw, compresslevel=GZIP_LEVEL, mtime=0) as gz:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+            gz.write(block)
+    return h.hexdigest()
+
+
 class Blobs:
     def __init__(self, layout: Path) -> None:
         self.dir = layout / "blobs" / "sha256"
@@ -75,6 +96,24 @@ def _json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
+def created(environ: dict[str, str] | os._Environ[str]) -> str:
+    """$SOURCE_DATE_EPOCH as RFC 3339 UTC: the one timestamp in an image (never the clock)."""
+    raw = environ.get("SOURCE_DATE_EPOCH", "0") or "0"
+    if not raw.isdigit():
+        raise ValueError(f"SOURCE_DATE_EPOCH={raw!r} is not a number of seconds")
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(raw)))
+
+
+def _labels(pairs: list[str] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--label {pair!r} is not KEY=VALUE")
+        out[key] = value
+    return out
+
+
 def build(args: argparse.Namespace) -> str:
     with tempfile.TemporaryDirectory(prefix="hermit-oci-", dir=args.tmpdir) as tmp:
         layout = Path(tmp) / "layout"
@@ -87,9 +126,12 @@ def build(args: argparse.Namespace) -> str:
                 layer_from_dir(Path(value), tar_path)
             else:
                 tar_path = Path(value)
-            digest, size = blobs.add_file(tar_path)
+            gz_path = Path(tmp) / f"layer{i}.tar.gz"
+            diff_id = gzip_layer(tar_path, gz_path)
+            digest, size = blobs.add_file(gz_path)
+            gz_path.unlink()
             layers.append({"mediaType": MT_LAYER, "digest": f"sha256:{digest}", "size": size})
-            diff_ids.append(f"sha256:{digest}")
+            diff_ids.append(f"sha256:{diff_id}")
         cfg: dict[str, Any] = {
             "Env": args.env or ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
         }
@@ -99,10 +141,13 @@ def build(args: argparse.Namespace) -> str:
             cfg["Cmd"] = json.loads(args.cmd)
         if args.workdir:
             cfg["WorkingDir"] = args.workdir
+        labels = _labels(args.label)
+        if labels:
+            cfg["Labels"] = labels
         config = {
             "architecture": "amd64",
             "os": "linux",
-            "created": "1970-01-01T00:00:00Z",
+            "created": created(os.environ),
             "config": cfg,
             "rootfs": {"type": "layers", "diff_ids": diff_ids},
         }
@@ -113,6 +158,8 @@ def build(args: argparse.Namespace) -> str:
             "config": {"mediaType": MT_CONFIG, "digest": f"sha256:{cdigest}", "size": csize},
             "layers": layers,
         }
+        if labels:
+            manifest["annotations"] = labels
         mdigest, msize = blobs.add_bytes(_json(manifest))
         entries = []
         for ref in args.ref:
@@ -163,6 +210,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--cmd")
     p.add_argument("--env", action="append")
     p.add_argument("--workdir")
+    p.add_argument("--label", action="append")
     p.add_argument("--tmpdir")
     args = p.parse_args(argv)
     if not args.layers:

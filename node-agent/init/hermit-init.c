@@ -3,6 +3,7 @@
  *
  *   hermit-init [--grace SECONDS] [--] cmd args...      fresh start
  *   hermit-init --restore [--restore-timeout SECONDS] [--grace SECONDS] [-- cmd args...]
+ *   hermit-init --install DEST                           copy itself to DEST (mode 0755)
  *
  * It forwards signals to its main child, reaps every zombie, and exits with the
  * main child's exit code (128+signal when it was killed). No malloc, no files
@@ -18,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -59,6 +61,7 @@ static void usage(FILE *out) {
 	fprintf(out,
 		"usage: hermit-init [--grace SECONDS] [--] CMD [ARGS...]\n"
 		"       hermit-init --restore [--restore-timeout SECONDS] [--grace SECONDS] [-- CMD [ARGS...]]\n"
+		"       hermit-init --install DEST\n"
 		"       hermit-init --version | --help\n"
 		"\n"
 		"Runs CMD as its child (or, with --restore, adopts a process tree restored by CRIU),\n"
@@ -66,7 +69,65 @@ static void usage(FILE *out) {
 		"its exit code (128+N if killed by signal N). Remaining processes get SIGTERM, then\n"
 		"SIGKILL after --grace seconds (default 3).\n"
 		"--restore waits up to --restore-timeout seconds (default 300, 0 = forever) for a\n"
-		"child to appear; then exits 75, or starts CMD if HERMIT_RESTORE_FALLBACK=start.\n");
+		"child to appear; then exits 75, or starts CMD if HERMIT_RESTORE_FALLBACK=start.\n"
+		"--install copies this binary to DEST (mode 0755): the init container of a sandbox\n"
+		"pod runs it, so the init image needs nothing but hermit-init (no cp, no shell).\n");
+}
+
+/* Copies /proc/self/exe to dest. O_EXCL|O_NOFOLLOW: the target is a fresh emptyDir, so an
+ * existing file or a symlink there is not ours to overwrite. */
+static int install_self(const char *dest) {
+	char buf[65536];
+	int in = open("/proc/self/exe", O_RDONLY | O_CLOEXEC);
+	if (in < 0) {
+		msg("--install: open /proc/self/exe: %s", strerror(errno));
+		return EXIT_FAILURE_INIT;
+	}
+	int out = open(dest, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0755);
+	if (out < 0) {
+		msg("--install: create %s: %s", dest, strerror(errno));
+		close(in);
+		return EXIT_FAILURE_INIT;
+	}
+	int rc = 0;
+	for (;;) {
+		ssize_t n = read(in, buf, sizeof(buf));
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0) {
+			msg("--install: read /proc/self/exe: %s", strerror(errno));
+			rc = EXIT_FAILURE_INIT;
+			break;
+		}
+		if (n == 0)
+			break;
+		for (ssize_t off = 0; off < n;) {
+			ssize_t w = write(out, buf + off, (size_t)(n - off));
+			if (w < 0 && errno == EINTR)
+				continue;
+			if (w < 0) {
+				msg("--install: write %s: %s", dest, strerror(errno));
+				rc = EXIT_FAILURE_INIT;
+				break;
+			}
+			off += w;
+		}
+		if (rc)
+			break;
+	}
+	/* the umask may have cut the mode at open */
+	if (!rc && fchmod(out, 0755) < 0) {
+		msg("--install: chmod %s: %s", dest, strerror(errno));
+		rc = EXIT_FAILURE_INIT;
+	}
+	if (close(out) < 0 && !rc) {
+		msg("--install: close %s: %s", dest, strerror(errno));
+		rc = EXIT_FAILURE_INIT;
+	}
+	close(in);
+	if (rc)
+		unlink(dest);
+	return rc;
 }
 
 static long long now_ms(void) {
@@ -322,6 +383,12 @@ int main(int argc, char **argv) {
 			if (parse_seconds(a, i + 1 < argc ? argv[i + 1] : NULL, dst) < 0)
 				return EXIT_USAGE;
 			i++;
+		} else if (strcmp(a, "--install") == 0) {
+			if (i + 1 >= argc || i + 2 != argc) {
+				msg("--install needs exactly one argument, the destination path");
+				return EXIT_USAGE;
+			}
+			return install_self(argv[i + 1]);
 		} else if (strcmp(a, "--version") == 0) {
 			printf("hermit-init %s\n", HERMIT_INIT_VERSION);
 			return 0;

@@ -343,7 +343,9 @@ def _init_container(settings: OperatorSettings) -> KubeObject:
     return {
         "name": INIT_CONTAINER,
         "image": settings.init_image,
-        "command": ["cp", settings.init_path, INIT_BINARY],
+        "imagePullPolicy": settings.init_pull_policy,
+        # hermit-init copies itself: the init image holds nothing else (no cp, no shell).
+        "command": [settings.init_path, "--install", INIT_BINARY],
         "volumeMounts": [{"name": INIT_VOLUME, "mountPath": INIT_DIR}],
         "resources": {"requests": {"cpu": "10m", "memory": "16Mi"},
                       "limits": {"memory": "64Mi"}},

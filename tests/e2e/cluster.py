@@ -477,6 +477,9 @@ def hermit_release(kube: Kube, s3_for_pods: S3, e2e_config: E2EConfig) -> Iterat
          # The local cluster runs no cluster DNS: node-agents reach the operator's key
          # service by its Service's ClusterIP (docs/security.md#the-key-service).
          "--set", "nodeAgent.sealing.keyService.serviceLinks=true",
+         # Images from a registry instead of the ones hack/cluster imports: the flags
+         # hack/push-images prints (docs/images.md), e.g. "--set init.image.repository=...".
+         *shlex.split(os.environ.get("HERMIT_E2E_HELM_SET", "")),
          "--wait", "--timeout", "180s"],
         env=env, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, f"helm install failed: {proc.stdout}{proc.stderr}"

@@ -179,6 +179,14 @@ def test_an_opted_in_sandbox_runs_under_hermit_init(
     assert {"name": "workspace", "mountPath": "/workspace"} in main["volumeMounts"]
     [init] = pod["status"]["initContainerStatuses"]
     assert init["name"] == "hermit-init", init
+    # the small init image (only hermit-init), not the node-agent's (issue 21, point 1)
+    [init_spec] = pod["spec"]["initContainers"]
+    repository = init_spec["image"].split("@")[0]
+    if ":" in repository.rsplit("/", 1)[-1]:
+        repository = repository.rsplit(":", 1)[0]
+    assert repository.endswith("/init"), init_spec
+    assert init_spec["command"] == ["/usr/local/bin/hermit-init", "--install",
+                                    "/.hermit/hermit-init"], init_spec
     assert init["state"]["terminated"]["exitCode"] == 0, init
     assert pod["metadata"]["labels"]["hermit.dev/sig-sandbox"] == name
     assert pod["metadata"]["annotations"]["hermit.dev/workspace-path"] == "/workspace"

@@ -147,6 +147,28 @@ def test_cli(init_bin: Path) -> None:
         assert r.stderr.startswith("hermit-init: ")
 
 
+def test_install_copies_itself(init_bin: Path, tmp_path: Path) -> None:
+    """The init image carries only hermit-init: its init container runs `hermit-init
+    --install /.hermit/hermit-init` (no cp in the image)."""
+    dest = tmp_path / "hermit-init"
+    r = subprocess.run([init_bin, "--install", str(dest)], capture_output=True, text=True,
+                       check=False)
+    assert r.returncode == 0, r.stderr
+    assert dest.read_bytes() == init_bin.read_bytes()
+    assert dest.stat().st_mode & 0o777 == 0o755
+    # never over an existing file or through a symlink (a fresh emptyDir has neither)
+    again = subprocess.run([init_bin, "--install", str(dest)], capture_output=True, text=True,
+                           check=False)
+    assert again.returncode == 1 and "File exists" in again.stderr
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    link = subprocess.run([init_bin, "--install", str(tmp_path / "link")], capture_output=True,
+                          text=True, check=False)
+    assert link.returncode == 1 and not (tmp_path / "target").exists()
+    for bad in (["--install"], ["--install", str(tmp_path / "a"), "extra"]):
+        u = subprocess.run([init_bin, *bad], capture_output=True, text=True, check=False)
+        assert u.returncode == 2, (bad, u.stderr)
+
+
 @pytest.mark.parametrize(
     ("command", "code"),
     [

@@ -875,9 +875,9 @@ def test_values_platform_teams_expect() -> None:
     op_c, agent_c = op["spec"]["containers"][0], agent["spec"]["containers"][0]
     assert op_c["image"] == f"mirror.example.com:5000/hub/hermit/operator@{digest}"
     assert agent_c["image"] == "mirror.example.com:5000/hub/hermit/node-agent:0.1.0"
-    # The image sandbox pods copy hermit-init from follows the same override.
+    # The init image sandbox pods copy hermit-init from follows the same override.
     env = {e["name"]: e.get("value") for e in op_c["env"]}
-    assert env["HERMIT_INIT_IMAGE"] == "mirror.example.com:5000/hub/hermit/node-agent:0.1.0"
+    assert env["HERMIT_INIT_IMAGE"] == "mirror.example.com:5000/hub/hermit/init:0.1.0"
     for pod in (op, agent):
         assert pod["metadata"]["labels"]["team"] == "platform"
         # Extra labels never replace the selector's.
@@ -906,3 +906,19 @@ def test_values_platform_teams_expect() -> None:
     assert dep["spec"]["template"]["spec"]["securityContext"] == {
         "runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532,
         "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def test_init_image_is_its_own() -> None:
+    """Sandbox pods copy hermit-init from the small init image (init.image), not from the
+    node-agent's (issue 21, point 1): a digest pins it, the pull policy reaches the
+    operator."""
+    env = _operator_env()
+    assert env["HERMIT_INIT_IMAGE"] == "hermit/init:0.1.0"
+    assert env["HERMIT_INIT_PULL_POLICY"] == "IfNotPresent"
+    assert env["HERMIT_INIT_PATH"] == "/usr/local/bin/hermit-init"
+    digest = "sha256:" + "b" * 64
+    env = _operator_env("init.image.repository=reg.example/hermit/init",
+                        f"init.image.digest={digest}", "init.image.pullPolicy=Always",
+                        "nodeAgent.image.tag=9.9.9")
+    assert env["HERMIT_INIT_IMAGE"] == f"reg.example/hermit/init@{digest}"
+    assert env["HERMIT_INIT_PULL_POLICY"] == "Always"

@@ -53,7 +53,8 @@ def test_minimal_sample_runs_under_hermit_init() -> None:
                                "8000"]
     init = spec["initContainers"][0]
     assert init["image"] == "registry.example/hermit:1.0"
-    assert init["command"] == ["cp", "/usr/local/bin/hermit-init", "/.hermit/hermit-init"]
+    assert init["imagePullPolicy"] == "IfNotPresent"
+    assert init["command"] == ["/usr/local/bin/hermit-init", "--install", "/.hermit/hermit-init"]
     assert {"name": "hermit-init", "mountPath": "/.hermit"} in init["volumeMounts"]
     assert {"name": "hermit-init", "mountPath": "/.hermit", "readOnly": True} in main[
         "volumeMounts"]

@@ -13,7 +13,7 @@ def test_defaults_need_no_environment() -> None:
     s = OperatorSettings.from_env({})
     assert s.clusterwide and s.watch_namespaces == () and s.peering_name is None
     assert (s.metrics_port, s.log_level) == (9102, "INFO")
-    assert s.init_image == "hermit.local/hermit:dev"
+    assert s.init_image == "hermit.local/init:dev", "the small init image, not the node-agent's"
     assert s.init_path == "/usr/local/bin/hermit-init" and s.store is None
     assert s.overlap_moves, "a move's replacement pod overlaps its checkpoint by default"
 
@@ -29,6 +29,8 @@ def test_values_from_the_environment() -> None:
     assert s.watch_namespaces == ("team-a", "team-b") and not s.clusterwide
     assert (s.peering_name, s.metrics_port, s.log_level) == ("hermit", 9300, "DEBUG")
     assert (s.init_image, s.init_path) == ("reg/hermit:2", "/usr/local/bin/hermit-init")
+    pinned = "reg/init@sha256:" + "0" * 64
+    assert OperatorSettings.from_env({"HERMIT_INIT_IMAGE": pinned}).init_image == pinned
     assert s.store is not None and s.store.bucket == "ckpts"
     assert "very-secret" not in repr(redacted(s))
     assert not OperatorSettings.from_env({"HERMIT_OVERLAP_MOVES": "false"}).overlap_moves
@@ -49,6 +51,11 @@ def test_watch_namespaces_blank_is_every_namespace() -> None:
         ({"HERMIT_LOG_LEVEL": "LOUD"}, "HERMIT_LOG_LEVEL='LOUD' is not one of"),
         ({"HERMIT_OVERLAP_MOVES": "sometimes"}, "HERMIT_OVERLAP_MOVES='sometimes' is not a"),
         ({"HERMIT_INIT_PATH": "bin/init"}, "HERMIT_INIT_PATH='bin/init' is not an absolute"),
+        ({"HERMIT_INIT_PULL_POLICY": "Sometimes"}, "HERMIT_INIT_PULL_POLICY='Sometimes' is not"),
+        ({"HERMIT_INIT_IMAGE": "@sha256:" + "0" * 64}, "a pinned image is REPOSITORY@sha256"),
+        ({"HERMIT_INIT_IMAGE": "reg/init:1 x"}, "HERMIT_INIT_IMAGE='reg/init:1 x' is not an"),
+        ({"HERMIT_INIT_IMAGE": "reg/init@sha256:abc"},
+         r"HERMIT_INIT_IMAGE='reg/init@sha256:abc': a pinned image is REPOSITORY@sha256"),
         ({"HERMIT_S3_BUCKET": "b", "HERMIT_S3_ACCESS_KEY_ID": "a"}, "must be set together"),
         ({"HERMIT_WATCH_NAMESPACE": "team-a,Team_B"},
          r"^HERMIT_WATCH_NAMESPACE: 'Team_B' not namespace names \(DNS-1123 labels"),
