@@ -2,8 +2,9 @@
 
 One ``UploadLimiter`` is built at start-up (HERMIT_UPLOAD_BANDWIDTH_BYTES_PER_SECOND)
 and every checkpoint upload of the process opens a ticket on it (``upload``), of one of
-two classes: ``URGENT`` (a stopping checkpoint of a notice or a drain: the node is going
-away and a deadline runs) or ``ROUTINE`` (everything else). Each chunk PUT asks the
+two classes: ``URGENT`` (a checkpoint of a notice or a drain, protocol.MIGRATING_REASONS:
+the node is going away and a deadline runs; not a Suspend, though the node-agent's job
+queue serves it at ``PRIORITY_STOPPING``) or ``ROUTINE`` (everything else). Each chunk PUT asks the
 ticket for its bytes first (``Ticket.acquire``). The rules (docs/storage.md#upload-bandwidth):
 
 - While any urgent upload is open, routine chunk PUTs wait (whatever the limit, 0
@@ -36,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Final
 
-URGENT: Final = "urgent"
+URGENT: Final = "urgent"  # the migrating reasons only (planner.upload_is_urgent)
 ROUTINE: Final = "routine"
 CLASSES: Final = (URGENT, ROUTINE)
 # A waiting thread looks at its stop event at least this often (seconds).

@@ -38,7 +38,7 @@ from typing import Any, Final
 
 import requests
 
-from hermit_common.errors import CheckpointRefused, HermitError
+from hermit_common.errors import CheckpointRefused, HermitError, Retryable
 from hermit_common.protocol import one_line
 from hermit_common.seal import KEY_BYTES, Wrapped, b64, unb64
 from hermit_common.settings import KEY_SERVICE_AUDIENCE
@@ -74,7 +74,7 @@ class KeyAccessDenied(HermitError):
     """The key service refused this node-agent or this sandbox (401, 403)."""
 
 
-class KeyServiceUnavailable(HermitError):
+class KeyServiceUnavailable(Retryable):
     """The key service did not answer, or answered with an error (retry later)."""
 
 

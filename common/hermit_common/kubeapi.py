@@ -39,7 +39,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
 from hermit_common import api
-from hermit_common.errors import HermitError
+from hermit_common.errors import HermitError, Retryable
 from hermit_common.kubeclient import (
     DETAIL_LIMIT,
     MERGE_PATCH,
@@ -86,7 +86,7 @@ class KubeForbidden(KubeApiError):
     """401 or 403: the credentials are not accepted, or RBAC does not allow the call."""
 
 
-class KubeTransient(KubeApiError):
+class KubeTransient(KubeApiError, Retryable):
     """429, 408 or 5xx, or no answer at all (network, timeout, TLS): retry later."""
 
 

@@ -14,7 +14,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from hermit_common.errors import HermitError
+from hermit_common.errors import Retryable
 from hermit_common.protocol import one_line
 
 REQUEST_TIMEOUT = (5.0, 30.0)  # connect, read seconds
@@ -22,7 +22,7 @@ MERGE_PATCH = "application/merge-patch+json"
 DETAIL_LIMIT = 300  # the cause of an API error, inside a longer message
 
 
-class KubeUnavailable(HermitError):
+class KubeUnavailable(Retryable):
     """No credentials for, or no answer from, the Kubernetes API."""
 
 

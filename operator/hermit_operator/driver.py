@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from hermit_common import api, protocol
-from hermit_common.errors import HermitError
+from hermit_common.errors import Retryable
 from hermit_common.protocol import KubeObject
 from hermit_common.settings import OperatorSettings
 from hermit_operator import metrics, overlap, podspec
@@ -43,8 +43,9 @@ _busy: set[tuple[str, str]] = set()  # a coalesced reconcile runs for these
 _again: set[tuple[str, str]] = set()  # ... and must run once more when it ends
 
 
-class Requeue(HermitError):
-    """The plan was applied; reconcile the sandbox again after ``delay`` seconds."""
+class Requeue(Retryable):
+    """The plan was applied; reconcile the sandbox again after ``delay`` seconds (kopf's
+    ``TemporaryError(delay=)``, which is no failure here: a timed decision is due)."""
 
     def __init__(self, message: str, delay: float) -> None:
         super().__init__(message)

@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import requests
 
-from hermit_common.errors import CheckpointRefused, HermitError
+from hermit_common.errors import CheckpointRefused, Retryable
 
 # A wrap, unwrap, sign or verify answer is well under 4 KiB (an RSA-4096 block is 683
 # characters of base64); a token answer under 16 KiB.
@@ -34,7 +34,7 @@ TIMEOUT: Final = (2.0, 3.0)
 TOKEN_MARGIN_SECONDS: Final = 120.0
 
 
-class KmsUnavailable(HermitError):
+class KmsUnavailable(Retryable):
     """KMS did not answer, throttled, or failed on its side: try again later."""
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 
 from hermit_common import api, protocol
-from hermit_common.errors import HermitError
+from hermit_common.errors import Permanent
 from hermit_common.protocol import KubeObject
 from hermit_common.settings import OperatorSettings, PodPolicySettings
 from hermit_operator import podpolicy
@@ -55,7 +55,7 @@ SPOT_TOLERATIONS: tuple[dict[str, str], ...] = (
 
 
 
-class InvalidSpec(HermitError):
+class InvalidSpec(Permanent):
     """The AgentSandbox spec cannot be turned into a pod; fixing the spec is the only cure."""
 
 

@@ -66,7 +66,11 @@ class FakeKube:
     def create_checkpoint(self, manifest: dict[str, Any],
                           namespace: str | None = None) -> dict[str, Any]:
         # Served at once up to Uploading (the tree thawed): the settle step reads it then.
-        manifest = {**manifest, "status": {"phase": self.served_to}}
+        # As the API server answers: the object in the namespace it was created in.
+        metadata = {**manifest["metadata"]}
+        if namespace is not None:
+            metadata.setdefault("namespace", namespace)
+        manifest = {**manifest, "metadata": metadata, "status": {"phase": self.served_to}}
         return self.checkpoints.setdefault(manifest["metadata"]["name"], manifest)
 
     def patch_checkpoint_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:

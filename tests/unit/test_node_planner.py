@@ -935,18 +935,19 @@ def test_jobs_run_the_most_urgent_first_and_freeze_at_most_two_at_once() -> None
         return run
 
     # A routine checkpoint occupies a worker and a freezing slot; the rest queue behind it.
-    assert jobs.submit(("ns", "r1"), job("r1", True), priority=agent_module.ROUTINE,
+    assert jobs.submit(("ns", "r1"), job("r1", True), priority=agent_module.PRIORITY_ROUTINE,
                        freezes=True)
     wait_until("r1 run", 10.0, lambda: order == ["r1"], 0.01)
-    assert jobs.submit(("ns", "r2"), job("r2", True), priority=agent_module.ROUTINE,
+    assert jobs.submit(("ns", "r2"), job("r2", True), priority=agent_module.PRIORITY_ROUTINE,
                        freezes=True)
-    assert jobs.submit(("ns", "s1"), job("s1", True), priority=agent_module.URGENT,
+    assert jobs.submit(("ns", "s1"), job("s1", True), priority=agent_module.PRIORITY_STOPPING,
                        freezes=True)
-    assert jobs.submit(("ns", "s2"), job("s2", True), priority=agent_module.URGENT,
+    assert jobs.submit(("ns", "s2"), job("s2", True), priority=agent_module.PRIORITY_STOPPING,
                        freezes=True)
-    assert jobs.submit(("ns", "x1"), job("x1", False), priority=agent_module.RESTORE)
+    assert jobs.submit(("ns", "x1"), job("x1", False), priority=agent_module.PRIORITY_RESTORE)
     # One job per sandbox: a second one for a queued sandbox is refused.
-    assert not jobs.submit(("ns", "s2"), job("s2-again", True), priority=agent_module.URGENT)
+    assert not jobs.submit(("ns", "s2"), job("s2-again", True),
+                           priority=agent_module.PRIORITY_STOPPING)
     # The urgent one takes the free freezing slot; the restore (no freezing) the last worker.
     wait_until("r1, s1 and x1 run", 10.0, lambda: sorted(order) == ["r1", "s1", "x1"], 0.01)
     gate.set()
@@ -967,9 +968,11 @@ def test_jobs_queue_in_priority_then_submission_order() -> None:
 
     jobs.submit(("ns", "first"), first)
     wait_until("the first run", 10.0, lambda: order == ["first"], 0.01)
-    for name, priority in (("routine-1", agent_module.ROUTINE),
-                           ("restore", agent_module.RESTORE), ("stop-1", agent_module.URGENT),
-                           ("routine-2", agent_module.ROUTINE), ("stop-2", agent_module.URGENT)):
+    for name, priority in (("routine-1", agent_module.PRIORITY_ROUTINE),
+                           ("restore", agent_module.PRIORITY_RESTORE),
+                           ("stop-1", agent_module.PRIORITY_STOPPING),
+                           ("routine-2", agent_module.PRIORITY_ROUTINE),
+                           ("stop-2", agent_module.PRIORITY_STOPPING)):
         jobs.submit(("ns", name), functools.partial(order.append, name), priority=priority,
                     freezes=True)
     gate.set()
@@ -996,8 +999,8 @@ def test_a_durable_checkpoint_frees_its_freezing_slot_before_its_job_ends() -> N
         jobs.unfrozen()  # durable: only the cleanup is left
         cleaning.wait(10)
 
-    jobs.submit(("ns", "a"), first, priority=agent_module.URGENT, freezes=True)
-    jobs.submit(("ns", "b"), started.set, priority=agent_module.URGENT, freezes=True)
+    jobs.submit(("ns", "a"), first, priority=agent_module.PRIORITY_STOPPING, freezes=True)
+    jobs.submit(("ns", "b"), started.set, priority=agent_module.PRIORITY_STOPPING, freezes=True)
     assert started.wait(10)  # while the first one still cleans up
     cleaning.set()
     jobs.shutdown()
@@ -1053,7 +1056,20 @@ def test_a_stopping_request_for_a_busy_sandbox_promotes_its_routine_upload(
     agent = NodeAgent(NODE, kube, FakeEngine(), FakeEngine(),  # type: ignore[arg-type]
                       view=kube, proc_root=fake_proc(tmp_path), clock=lambda: NOW,
                       jobs=BusyJobs(), limiter=limiter)  # type: ignore[arg-type]
-    agent._start("u1", ("ns", "sb"), lambda: None, priority=agent_module.ROUTINE)
+    agent._start("u1", ("ns", "sb"), lambda: None, priority=agent_module.PRIORITY_ROUTINE)
     limiter.promote.assert_not_called()
-    agent._start("u2", ("ns", "sb"), lambda: None, priority=agent_module.URGENT)
+    agent._start("u2", ("ns", "sb"), lambda: None, priority=agent_module.PRIORITY_STOPPING)
     limiter.promote.assert_called_once_with(("ns", "sb"))
+
+
+def test_a_checkpoint_without_a_namespace_is_in_default_everywhere() -> None:
+    """One rule for a missing namespace (CheckpointView), as for a pod (sandbox_pod)."""
+    from hermit_node.control import collect
+    obj = {"metadata": {"name": "c", "resourceVersion": "7"},
+           "spec": {"sandboxRef": {"name": "s"}}, "status": {"phase": protocol.DUMPING}}
+    view = planner.CheckpointView.from_object(obj)
+    assert view.key == ("default", "c") and view.sandbox_key == ("default", "s")
+    assert view.taken and view.resource_version == "7"
+    assert collect.kept_checkpoints([obj], "default", "s") == {"c"}
+    assert collect.kept_checkpoints([obj], "", "s") == set()
+    assert planner.restore_sources_to_read([], [obj]) == []

@@ -117,16 +117,16 @@ def test_one_prefetch_at_a_time_and_other_work_passes_it() -> None:
         first_running.set()
         release.wait(5)
 
-    jobs.submit(("ns", "p1"), lambda: prefetch("p1"), priority=agent_module.PREFETCH)
+    jobs.submit(("ns", "p1"), lambda: prefetch("p1"), priority=agent_module.PRIORITY_PREFETCH)
     assert first_running.wait(5)
-    jobs.submit(("ns", "p2"), lambda: prefetch("p2"), priority=agent_module.PREFETCH)
+    jobs.submit(("ns", "p2"), lambda: prefetch("p2"), priority=agent_module.PRIORITY_PREFETCH)
     restored = threading.Event()
 
     def restore() -> None:
         order.append("r")
         restored.set()
 
-    jobs.submit(("ns", "r"), restore, priority=agent_module.RESTORE)
+    jobs.submit(("ns", "r"), restore, priority=agent_module.PRIORITY_RESTORE)
     assert restored.wait(5), "a restore waited behind a prefetch"
     time.sleep(0.1)
     assert order == ["p1", "r"], "a second prefetch ran beside the first"

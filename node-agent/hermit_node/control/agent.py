@@ -31,6 +31,8 @@ from hermit_common.errors import (
     CheckpointRefused,
     HermitError,
     RestoreFailed,
+    Retryable,
+    retryable,
 )
 from hermit_common.protocol import KubeObject
 from hermit_common.s3errors import CheckpointNotFound
@@ -156,10 +158,11 @@ class _Progress:
                       self._name, exc)
 
 
-# Job priorities, most urgent first: a stopping checkpoint (a notice or a drain: the node
-# is going away), a restore (a sandbox waits for it), a routine checkpoint (it can wait),
-# a prefetch (an optimisation: at most ``BACKGROUND`` run at once, so workers stay free).
-URGENT, RESTORE, ROUTINE, PREFETCH = 0, 1, 2, 3
+# Job priorities, first served first: a stopping checkpoint (protocol.is_stopping: a
+# notice, a drain or a Suspend), a restore (a sandbox waits for it), a routine checkpoint
+# (it can wait), a prefetch (an optimisation: at most ``BACKGROUND`` run at once, so
+# workers stay free). Not bandwidth.URGENT, which is the migrating reasons only.
+PRIORITY_STOPPING, PRIORITY_RESTORE, PRIORITY_ROUTINE, PRIORITY_PREFETCH = 0, 1, 2, 3
 BACKGROUND = 1
 
 
@@ -174,8 +177,9 @@ class _Queued:
 
 class Jobs:
     """A few worker threads that run at most one job per key (a sandbox) at a time, the
-    most urgent queued job first (``URGENT``, ``RESTORE``, ``ROUTINE``; in submission order
-    within one), and at most ``freezing`` jobs that freeze a sandbox (checkpoints) at once.
+    queued job of the first priority first (``PRIORITY_STOPPING``, ``PRIORITY_RESTORE``,
+    ``PRIORITY_ROUTINE``; in submission order within one), and at most ``freezing`` jobs
+    that freeze a sandbox (checkpoints) at once.
 
     A job only freezes its sandbox once it runs, so a sandbox never stays frozen while it
     waits for a worker; and a stopping checkpoint keeps its sandbox frozen until durable, so
@@ -201,7 +205,7 @@ class Jobs:
             thread.start()
 
     def submit(self, key: tuple[str, str], fn: Callable[[], None], *,
-               priority: int = ROUTINE, freezes: bool = False) -> bool:
+               priority: int = PRIORITY_ROUTINE, freezes: bool = False) -> bool:
         """Queue ``fn`` unless a job for ``key`` is queued or runs; True when queued."""
         with self._cond:
             if key in self._busy or self._closed:
@@ -216,12 +220,12 @@ class Jobs:
     def _next(self) -> _Queued | None:
         """The most urgent queued job that may start now (under the condition's lock)."""
         for job in self._queue:
-            if job.priority >= PREFETCH and self._background >= BACKGROUND:
+            if job.priority >= PRIORITY_PREFETCH and self._background >= BACKGROUND:
                 continue
             if not job.freezes or self._freezing < self._freezing_limit:
                 self._queue.remove(job)
                 self._freezing += job.freezes
-                self._background += job.priority >= PREFETCH
+                self._background += job.priority >= PRIORITY_PREFETCH
                 return job
         return None
 
@@ -242,7 +246,7 @@ class Jobs:
                 with self._cond:
                     self._busy.discard(job.key)
                     self._freezing -= job.freezes
-                    self._background -= job.priority >= PREFETCH
+                    self._background -= job.priority >= PRIORITY_PREFETCH
                     self._cond.notify_all()
 
     def unfrozen(self) -> None:
@@ -354,11 +358,8 @@ class NodeAgent:
                 self._notice = notice
         self.reconcile_once()
 
-    def _drain(self, node: KubeObject | None, pods: list[SandboxPod],
-               checkpoints: list[KubeObject] | None) -> list[KubeObject]:
-        """A cloud notice: taint and cordon. A notice or a drain: make sure every sandbox
-        on the node has a stopping checkpoint request (Preemption or Eviction); returns
-        the requests it made."""
+    def _taint_on_notice(self, node: KubeObject | None) -> None:
+        """A cloud notice: taint and cordon the node, once, so nothing new lands there."""
         with self._lock:
             notice = self._notice
         if notice is not None and not self._tainted and node is not None:
@@ -370,6 +371,15 @@ class NodeAgent:
                 log.info("node %s tainted %s and cordoned", self.node, notice.kind)
             except KubeError as exc:
                 log.warning("cannot taint node %s yet: %s", self.node, exc)
+
+    def _request_stopping_checkpoints(self, node: KubeObject | None, pods: list[SandboxPod],
+                                      checkpoints: list[KubeObject] | None
+                                      ) -> list[KubeObject]:
+        """A cloud notice or a drain of the node: make sure every sandbox on it has a
+        stopping checkpoint request (Preemption or Eviction); neither: only the pods being
+        deleted under the termination hold (Eviction). Returns the requests it made."""
+        with self._lock:
+            notice = self._notice
         reason = protocol.PREEMPTION if notice is not None else (
             planner.node_disruption(node) if node is not None else None)
         held = self._held_now()
@@ -450,8 +460,8 @@ class NodeAgent:
     def _hold(self, pods: list[SandboxPod]) -> None:
         """Pods being deleted under the termination hold (their preStop hook sleeps while
         this agent saves them): each is judged once (``planner.hold_verdict``, one read of
-        its AgentSandbox) and, when it needs it, held: ``_drain`` asks for its Eviction
-        checkpoint and ``_serve`` serves it although the pod is being deleted."""
+        its AgentSandbox) and, when it needs it, held: ``_request_stopping_checkpoints`` asks
+        for its Eviction checkpoint and ``_serve`` serves it although the pod is being deleted."""
         present = {sp.uid for sp in pods}
         with self._lock:
             self._held = {uid: why for uid, why in self._held.items() if uid in present}
@@ -495,7 +505,9 @@ class NodeAgent:
             self._recovered = self._recover(checkpoints, pods)
         self._hold(pods)
         self._settle_restores(pods)
-        made = [*self._drain(node, pods, checkpoints), *self._early(pods, checkpoints)]
+        self._taint_on_notice(node)
+        made = [*self._request_stopping_checkpoints(node, pods, checkpoints),
+                *self._early(pods, checkpoints)]
         self._mark_ready(node)
         if checkpoints is not None:
             self._forget_finished(checkpoints, pods)
@@ -506,7 +518,7 @@ class NodeAgent:
         for sp in planner.pods_to_restore(pods, known):
             self._stop_prefetch(sp.uid)
             self._start(sp.uid, sp.key, functools.partial(self.run_restore, sp),
-                        priority=RESTORE)
+                        priority=PRIORITY_RESTORE)
 
     def next_wait(self, interval: float) -> float:
         """How long the loop may wait for a change: less while a pod here waits for a
@@ -537,7 +549,8 @@ class NodeAgent:
         for ckpt, sp in planner.checkpoints_to_serve(checkpoints, pods, self._held_now()):
             view = CheckpointView.from_object(ckpt)
             self._start(view.uid, sp.key, functools.partial(self.run_checkpoint, ckpt, sp),
-                        priority=URGENT if view.stopping else ROUTINE, freezes=True)
+                        priority=PRIORITY_STOPPING if view.stopping else PRIORITY_ROUTINE,
+                        freezes=True)
 
     # -- prefetch ---------------------------------------------------------------------
 
@@ -558,7 +571,8 @@ class NodeAgent:
                    for uid, sp in waiting.items() if uid not in self._prefetches]
         for sp, stop in new:
             self._jobs.submit((sp.namespace, f"{sp.pod}/prefetch"),
-                              functools.partial(self.run_prefetch, sp, stop), priority=PREFETCH)
+                              functools.partial(self.run_prefetch, sp, stop),
+                              priority=PRIORITY_PREFETCH)
 
     def _stop_prefetch(self, uid: str) -> None:
         with self._lock:
@@ -629,7 +643,7 @@ class NodeAgent:
             with self._lock:
                 self._taken.discard(uid)  # busy with another job: next loop
                 self._running.discard(uid)
-            if priority == URGENT and self._limiter is not None:
+            if priority == PRIORITY_STOPPING and self._limiter is not None:
                 # The job in the way (a routine checkpoint) now uploads as a notice's
                 # does: this sandbox's stopping checkpoint waits for it.
                 self._limiter.promote(key)
@@ -864,8 +878,9 @@ class NodeAgent:
             if current is None or not planner.claimable(current):
                 break
             try:
-                self._kube.claim_checkpoint(namespace, name, status, protocol.meta(
-                    current).get("resourceVersion") or None)
+                self._kube.claim_checkpoint(
+                    namespace, name, status,
+                    CheckpointView.from_object(current).resource_version)
                 return True
             except KubeConflict:
                 current = self._kube.get_checkpoint(namespace, name)
@@ -957,9 +972,10 @@ class NodeAgent:
                 call()
                 return
             except KubeError as exc:
-                # Only a transient error may pass: a deleted object or a refusal will not.
+                # Only a Retryable (transient) error may pass: a deleted object or a refusal
+                # will not, and this loop retries at once, so unclassified is not enough.
                 if (not forever and attempt >= STATUS_ATTEMPTS) or self._stopping.is_set() \
-                        or not isinstance(exc, KubeTransient):
+                        or not isinstance(exc, Retryable):
                     log.error("giving up on %s: %s", what, exc)
                     return
                 log.warning("%s (attempt %d)", exc, attempt)
@@ -1000,10 +1016,10 @@ class NodeAgent:
             metrics.record_restore(time.monotonic() - began, ok=False)
             log.error("restore of %s/%s failed: %s", sp.namespace, sp.pod,
                       protocol.one_line(message))
-            # Refused (corrupt, foreign, incompatible): the same checkpoint never restores.
+            # Permanent (refused: corrupt, foreign, incompatible): the same checkpoint never
+            # restores; anything else may on a new pod (errors.retryable).
             self._annotate(sp, planner.restore_annotations(
-                protocol.RESTORE_FAILED, message,
-                retryable=not isinstance(exc, CheckpointRefused)))
+                protocol.RESTORE_FAILED, message, retryable=retryable(exc)))
             return
         metrics.record_restore(time.monotonic() - began, ok=True)
         metrics.record_chunks(cached=result.chunks_cached, fetched=result.chunks_fetched)

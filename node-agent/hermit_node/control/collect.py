@@ -31,7 +31,7 @@ from hermit_common import protocol
 from hermit_common.errors import HermitError
 from hermit_node.control import planner
 from hermit_node.control.kube import Kube, KubeError
-from hermit_node.control.planner import SandboxPod
+from hermit_node.control.planner import CheckpointView, SandboxPod
 
 if TYPE_CHECKING:
     from hermit_common.gc import CollectResult
@@ -45,24 +45,25 @@ SETTLE_SECONDS = 15.0
 SETTLE_POLL_SECONDS = 1.0
 
 
-def _in(ckpt: Mapping[str, Any], namespace: str, sandbox: str) -> bool:
-    return (str(protocol.meta(ckpt).get("namespace") or "") == namespace
-            and protocol.sandbox_of(ckpt) == sandbox)
+def _of(checkpoints: Iterable[Mapping[str, Any]], namespace: str,
+        sandbox: str) -> list[CheckpointView]:
+    """The sandbox's Checkpoints among ``checkpoints``."""
+    return [v for v in map(CheckpointView.from_object, checkpoints)
+            if v.sandbox_key == (namespace, sandbox)]
 
 
 def kept_checkpoints(checkpoints: Iterable[Mapping[str, Any]], namespace: str,
                      sandbox: str) -> set[str]:
     """Names of the sandbox's Checkpoints that exist: their manifests stay (a fork, a
     fallback or a recovery may read any of them)."""
-    return {protocol.name_of(c) for c in checkpoints if _in(c, namespace, sandbox)}
+    return {v.name for v in _of(checkpoints, namespace, sandbox)}
 
 
 def others_in_flight(checkpoints: Iterable[Mapping[str, Any]], namespace: str, sandbox: str,
                      name: str) -> list[str]:
     """The sandbox's other Checkpoints a node-agent is writing (Dumping, Uploading)."""
-    return sorted(protocol.name_of(c) for c in checkpoints
-                  if _in(c, namespace, sandbox) and protocol.name_of(c) != name
-                  and protocol.phase_of(c) in protocol.ACTIVE)
+    return sorted(v.name for v in _of(checkpoints, namespace, sandbox)
+                  if v.name != name and v.phase in protocol.ACTIVE)
 
 
 def recorded(sandbox: Mapping[str, Any] | None, name: str) -> bool:

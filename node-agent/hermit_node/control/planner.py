@@ -116,24 +116,67 @@ class CheckpointView:
     """A Checkpoint as the node-agent's jobs read it (read-only). What writes or resolves
     the Checkpoint (its status, its Events, its store) still takes the object itself."""
 
-    namespace: str
+    namespace: str  # "default" when absent, as for a pod (sandbox_pod)
     name: str
     uid: str
     reason: str  # spec.reason
     sandbox: str  # spec.sandboxRef.name; "" when absent
     phase: str  # status.phase; an empty status is Pending
+    taken: bool = False  # status.phase is set: a node-agent took the request
+    incarnation: int | None = None  # its incarnation label (protocol.incarnation_of)
+    incarnation_label: str | None = None  # the same label as written (None: absent)
+    node: str | None = None  # its node label: whose node-agent serves it
+    status_node: str = ""  # status.nodeName: the node that took it
+    created: str = ""  # metadata.creationTimestamp
+    completed_at: str = ""  # status.completedAt: when it became Completed or Failed
+    deleting: bool = False  # metadata.deletionTimestamp is set
+    verified: bool = False  # the operator's mark (``verified``)
+    manifest_digest: str = ""  # status.manifestDigest, once durable
+    parent: str = ""  # status.parent
+    lineage: tuple[str, ...] | None = None  # status.lineage, when recorded
+    resource_version: str | None = None  # the version read: a claim is made on it only
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> CheckpointView:
         meta = protocol.meta(obj)
-        return cls(namespace=str(meta.get("namespace")), name=protocol.name_of(obj),
-                   uid=str(meta.get("uid") or ""), reason=protocol.reason_of(obj),
-                   sandbox=protocol.sandbox_of(obj) or "", phase=protocol.phase_of(obj))
+        status = obj.get("status") or {}
+        label = (meta.get("labels") or {}).get(protocol.LABEL_INCARNATION)
+        lineage = status.get("lineage")
+        return cls(namespace=str(meta.get("namespace") or "default"),
+                   name=protocol.name_of(obj), uid=str(meta.get("uid") or ""),
+                   reason=protocol.reason_of(obj), sandbox=protocol.sandbox_of(obj) or "",
+                   phase=protocol.phase_of(obj), taken=bool(status.get("phase")),
+                   incarnation=protocol.incarnation_of(obj),
+                   incarnation_label=None if label is None else str(label),
+                   node=protocol.node_of(obj), status_node=str(status.get("nodeName") or ""),
+                   created=str(meta.get("creationTimestamp") or ""),
+                   completed_at=str(status.get("completedAt") or ""),
+                   deleting=bool(meta.get("deletionTimestamp")), verified=verified(obj),
+                   manifest_digest=str(status.get("manifestDigest") or ""),
+                   parent=str(status.get("parent") or ""),
+                   lineage=tuple(str(u) for u in lineage)
+                   if isinstance(lineage, (list, tuple)) and lineage else None,
+                   resource_version=str(meta.get("resourceVersion") or "") or None)
 
     @property
     def stopping(self) -> bool:
         """A Preemption or Eviction checkpoint: its tree ends once it is durable."""
         return protocol.is_stopping(self.reason)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(namespace, name): how pods (restore_from) and jobs name it."""
+        return self.namespace, self.name
+
+    @property
+    def sandbox_key(self) -> tuple[str, str]:
+        """(namespace, sandbox): the sandbox it is of."""
+        return self.namespace, self.sandbox
+
+    def of_incarnation(self, sp: SandboxPod) -> bool:
+        """Of ``sp``'s sandbox and incarnation."""
+        return (self.namespace == sp.namespace and self.sandbox == sp.sandbox
+                and self.incarnation == sp.incarnation)
 
 
 def _first_container_status(pod: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -231,11 +274,11 @@ def stop_requests(pods: Iterable[SandboxPod], reason: str,
     listed = list(checkpoints or [])
     out = []
     for sp in pods_to_checkpoint_on_notice(pods, held):
-        made = [c for c in listed if _request_of(c, sp, reason)]
+        made = [c for c in listed if _request_of(CheckpointView.from_object(c), sp, reason)]
         if checkpoints is None:
             out.append((sp, ""))
             continue
-        if any(protocol.phase_of(c) != protocol.FAILED for c in made):
+        if any(CheckpointView.from_object(c).phase != protocol.FAILED for c in made):
             continue  # in flight or done: nothing to add
         attempts = max((request_attempt(c) for c in made), default=0)
         if attempts >= STOP_ATTEMPTS:
@@ -253,25 +296,22 @@ _ATTEMPT_TAG = re.compile(r"-r([0-9]+)(?:-[0-9a-f]+)?$")
 
 def request_attempt(ckpt: Mapping[str, Any]) -> int:
     """Which attempt of its pod's stopping request ``ckpt`` is: n for ``-r<n>``, else 1."""
-    found = _ATTEMPT_TAG.search(str(protocol.meta(ckpt).get("name") or ""))
+    found = _ATTEMPT_TAG.search(CheckpointView.from_object(ckpt).name)
     return int(found.group(1)) if found else 1
 
 
-def _request_of(ckpt: Mapping[str, Any], sp: SandboxPod, reason: str) -> bool:
-    """Whether ``ckpt`` is a request of ``reason`` for ``sp``'s incarnation."""
-    return (str(protocol.meta(ckpt).get("namespace") or "default") == sp.namespace
-            and protocol.sandbox_of(ckpt) == sp.sandbox
-            and protocol.incarnation_of(ckpt) == sp.incarnation
-            and protocol.reason_of(ckpt) == reason)
+def _request_of(view: CheckpointView, sp: SandboxPod, reason: str) -> bool:
+    """Whether the Checkpoint is a request of ``reason`` for ``sp``'s incarnation."""
+    return view.of_incarnation(sp) and view.reason == reason
 
 
 def _failed_at(ckpt: Mapping[str, Any]) -> str:
-    return str((ckpt.get("status") or {}).get("completedAt") or "")
+    return CheckpointView.from_object(ckpt).completed_at
 
 
 def _backed_off(failed: Mapping[str, Any], failures: int, now: datetime | None) -> bool:
     """The failed request's backoff has passed (or its failure time is unknown)."""
-    at = protocol.parse_time((failed.get("status") or {}).get("completedAt"))
+    at = protocol.parse_time(CheckpointView.from_object(failed).completed_at or None)
     if now is None or at is None:
         return True
     return (now - at).total_seconds() >= stop_backoff(failures)
@@ -320,15 +360,11 @@ def early_requests(pods: Iterable[SandboxPod],
     With no list of checkpoints (the API did not answer), none: the caller tries again."""
     if checkpoints is None:
         return []
-    listed = list(checkpoints)
-    busy: set[tuple[str, str]] = set()
-    for c in listed:
-        if protocol.phase_of(c) in protocol.IN_FLIGHT:
-            busy.add((str(protocol.meta(c).get("namespace") or "default"),
-                      str(protocol.sandbox_of(c) or "")))
+    views = [CheckpointView.from_object(c) for c in checkpoints]
+    busy = {view.sandbox_key for view in views if view.phase in protocol.IN_FLIGHT}
     out = []
     for sp in pods_to_checkpoint_on_notice(pods):
-        made = any(_request_of(c, sp, protocol.REBALANCE) for c in listed)
+        made = any(_request_of(view, sp, protocol.REBALANCE) for view in views)
         if not made and sp.key not in busy:
             out.append((sp, ""))
     return out
@@ -389,57 +425,49 @@ def checkpoints_to_serve(checkpoints: Iterable[Mapping[str, Any]],
     current = current_pods(pods, held)
     chosen: dict[tuple[str, str], tuple[KubeObject, SandboxPod]] = {}
     pending = sorted(
-        (c for c in checkpoints if claimable(c)),
-        key=lambda c: (not protocol.is_stopping(protocol.reason_of(c)),
-                       str(protocol.meta(c).get("creationTimestamp") or ""),
-                       protocol.name_of(c)))
-    for ckpt in pending:
-        ref = ((ckpt.get("spec") or {}).get("sandboxRef") or {}).get("name")
-        key = (str(protocol.meta(ckpt).get("namespace") or "default"), str(ref))
+        ((CheckpointView.from_object(c), c) for c in checkpoints if claimable(c)),
+        key=lambda vc: (not vc[0].stopping, vc[0].created, vc[0].name))
+    for view, ckpt in pending:
+        key = view.sandbox_key
         sp = current.get(key)
-        if sp is not None and sp.terminating and not protocol.is_stopping(
-                protocol.reason_of(ckpt)):
+        if sp is not None and sp.terminating and not view.stopping:
             continue  # a held pod gets its stopping checkpoint only
-        if (ref and sp is not None and key not in chosen and _for_incarnation(ckpt, sp)
-                and protocol.node_of(ckpt) == sp.node):
+        if (view.sandbox and sp is not None and key not in chosen
+                and _for_incarnation(view, sp) and view.node == sp.node):
             chosen[key] = (dict(ckpt), sp)
     return list(chosen.values())
 
 
 def claimable(ckpt: Mapping[str, Any]) -> bool:
     """Still a Pending request nobody took: no status phase, not being deleted."""
-    return not (ckpt.get("status") or {}).get("phase") and \
-        not protocol.meta(ckpt).get("deletionTimestamp")
+    view = CheckpointView.from_object(ckpt)
+    return not view.taken and not view.deleting
 
 
 def awaiting(checkpoints: Iterable[Mapping[str, Any]], pods: Iterable[SandboxPod]) -> set[str]:
     """The uids of what still waits for this node-agent: Pending Checkpoints (empty
     status) and pods asking for a restore nobody has started. A job's object leaves this
     set once the status or annotation the job wrote is seen."""
-    out = {str(protocol.meta(c).get("uid") or "") for c in checkpoints
-           if not (c.get("status") or {}).get("phase")}
+    out = {view.uid for view in map(CheckpointView.from_object, checkpoints)
+           if not view.taken}
     out.update(sp.uid for sp in pods if sp.restore_from and sp.restore_phase is None)
     return out
 
 
-def _for_incarnation(ckpt: Mapping[str, Any], sp: SandboxPod) -> bool:
+def _for_incarnation(view: CheckpointView, sp: SandboxPod) -> bool:
     """A request labelled with an incarnation is for that pod only: a preemption request
     of incarnation N must never stop incarnation N+1 on another node."""
-    label = (protocol.meta(ckpt).get("labels") or {}).get(protocol.LABEL_INCARNATION)
-    return label is None or label == str(sp.incarnation)
+    return view.incarnation_label is None or view.incarnation_label == str(sp.incarnation)
 
 
 def completed_stop_of(checkpoints: Iterable[Mapping[str, Any]], sp: SandboxPod) -> str | None:
     """The name of a Completed stopping checkpoint of this pod's incarnation, if any: the
     pod's tree must not run on (it would fork the sandbox's history)."""
-    for c in checkpoints:
-        ref = ((c.get("spec") or {}).get("sandboxRef") or {}).get("name")
-        if (protocol.phase_of(c) == protocol.COMPLETED
-                and protocol.is_stopping(protocol.reason_of(c))
-                and ref == sp.sandbox and str(protocol.meta(c).get("namespace")) == sp.namespace
-                and (protocol.meta(c).get("labels") or {}).get(protocol.LABEL_INCARNATION)
-                == str(sp.incarnation)):
-            return str(protocol.meta(c).get("name"))
+    for view in map(CheckpointView.from_object, checkpoints):
+        if (view.phase == protocol.COMPLETED and view.stopping
+                and view.sandbox_key == (sp.namespace, sp.sandbox)
+                and view.incarnation_label == str(sp.incarnation)):
+            return view.name
     return None
 
 
@@ -447,9 +475,8 @@ def stale_checkpoints(checkpoints: Iterable[Mapping[str, Any]], node: str,
                       in_flight: set[tuple[str, str]]) -> list[KubeObject]:
     """Checkpoints this node left Dumping/Uploading with no job running (the agent restarted)."""
     return [dict(c) for c in checkpoints
-            if (c.get("status") or {}).get("phase") in protocol.ACTIVE
-            and (c.get("status") or {}).get("nodeName") == node
-            and (str(protocol.meta(c).get("namespace")), protocol.name_of(c)) not in in_flight]
+            if (view := CheckpointView.from_object(c)).phase in protocol.ACTIVE
+            and view.status_node == node and view.key not in in_flight]
 
 
 def upload_deadline(notice_deadline: float | None, now: float, reason: str,
@@ -488,8 +515,7 @@ def pods_to_restore(pods: Iterable[SandboxPod],
     ``checkpoints`` None (not listed this loop): nothing starts until the next loop."""
     if checkpoints is None:
         return []
-    in_flight = {(str(protocol.meta(c).get("namespace") or "default"), protocol.name_of(c))
-                 for c in checkpoints if protocol.phase_of(c) in protocol.IN_FLIGHT}
+    in_flight = _in_flight(checkpoints)
     return [sp for sp in pods
             if sp.restore_from and sp.restore_phase is None and sp.running
             and (sp.namespace, sp.restore_from) not in in_flight]
@@ -504,11 +530,16 @@ def restore_sources_to_read(pods: Iterable[SandboxPod],
     ``pods_to_prefetch`` starts the prefetch while it is taken."""
     if checkpoints is None:
         return []
-    known = {(str(protocol.meta(c).get("namespace") or "default"), protocol.name_of(c))
-             for c in checkpoints}
+    known = {CheckpointView.from_object(c).key for c in checkpoints}
     wanted = {(sp.namespace, str(sp.restore_from)) for sp in pods
               if sp.restore_from and sp.restore_phase is None}
     return sorted(wanted - known)
+
+
+def _in_flight(checkpoints: Iterable[Mapping[str, Any]]) -> set[tuple[str, str]]:
+    """(namespace, name) of the Checkpoints still being taken (protocol.IN_FLIGHT)."""
+    return {view.key for view in map(CheckpointView.from_object, checkpoints)
+            if view.phase in protocol.IN_FLIGHT}
 
 
 def pods_to_prefetch(pods: Iterable[SandboxPod],
@@ -519,8 +550,7 @@ def pods_to_prefetch(pods: Iterable[SandboxPod],
     run yet: it is scheduled here."""
     if checkpoints is None:
         return []
-    in_flight = {(str(protocol.meta(c).get("namespace") or "default"), protocol.name_of(c))
-                 for c in checkpoints if protocol.phase_of(c) in protocol.IN_FLIGHT}
+    in_flight = _in_flight(checkpoints)
     return [sp for sp in pods
             if sp.restore_from and sp.restore_phase is None
             and (sp.namespace, sp.restore_from) in in_flight]
@@ -592,9 +622,10 @@ def restore_authority(sp: SandboxPod, sandbox: Mapping[str, Any] | None,
     current = named == sp.pod and incarnation == sp.incarnation
     next_pod = (sp.incarnation == incarnation + 1
                 and sp.pod == operator_pod_name(sp.sandbox, sp.incarnation))
-    replacement = (next_pod and ckpt is not None and protocol.sandbox_of(ckpt) == sp.sandbox
-                   and protocol.reason_of(ckpt) in protocol.MIGRATING_REASONS
-                   and protocol.incarnation_of(ckpt) == incarnation)
+    view = None if ckpt is None else CheckpointView.from_object(ckpt)
+    replacement = (next_pod and view is not None and view.sandbox == sp.sandbox
+                   and view.reason in protocol.MIGRATING_REASONS
+                   and view.incarnation == incarnation)
     waited = _age(sp, now) >= AUTHORITY_WAIT_SECONDS
     if not (current or replacement):
         message = (f"pod {where} is not the pod of AgentSandbox {sp.sandbox} its status names "
@@ -603,7 +634,7 @@ def restore_authority(sp: SandboxPod, sandbox: Mapping[str, Any] | None,
         if next_pod and not waited:  # just created: the status is written after the pod
             return Authority(WAIT, message)
         return Authority(REFUSE, f"refused: {message}")
-    if ckpt is None or protocol.phase_of(ckpt) != protocol.COMPLETED or verified(ckpt):
+    if view is None or view.phase != protocol.COMPLETED or view.verified:
         return Authority(ALLOW)
     message = (f"Checkpoint {sp.restore_from} is not marked {protocol.ANNOTATION_NODE_VERIFIED} "
                "by the operator (its node label was never seen to match the node its "
@@ -635,16 +666,16 @@ def prefetch_source(checkpoints: Iterable[Mapping[str, Any]],
     Only a cache is filled from it: the restore verifies every chunk it takes from there."""
     best: tuple[str, str, RestoreOrigin, Mapping[str, Any]] | None = None
     for ckpt in checkpoints:
-        name = protocol.name_of(ckpt)
-        if (str(protocol.meta(ckpt).get("namespace") or "default") != sp.namespace
-                or protocol.sandbox_of(ckpt) != sp.sandbox or name == sp.restore_from):
+        view = CheckpointView.from_object(ckpt)
+        name = view.name
+        if view.sandbox_key != (sp.namespace, sp.sandbox) or name == sp.restore_from:
             continue
-        if not verified(ckpt):  # a node may create Checkpoints for any sandbox: not read
+        if not view.verified:  # a node may create Checkpoints for any sandbox: not read
             continue
         origin = restore_origin(ckpt, name)
         if isinstance(origin, str) or origin.sandbox != sp.sandbox:
             continue
-        done = str((ckpt.get("status") or {}).get("completedAt") or "")
+        done = view.completed_at
         if best is None or (done, name) > best[:2]:
             best = (done, name, origin, ckpt)
     return None if best is None else PrefetchSource(best[1], best[2], best[3])
@@ -693,18 +724,13 @@ def restore_origin(ckpt: Mapping[str, Any] | None, name: str) -> RestoreOrigin |
     """The source of a restore from Checkpoint ``name``, or why it cannot be used."""
     if ckpt is None:
         return f"Checkpoint {name} does not exist"
-    status = ckpt.get("status") or {}
-    phase = protocol.phase_of(ckpt)
-    if phase != protocol.COMPLETED:
-        return f"Checkpoint {name} is {phase}, not Completed"
-    digest = status.get("manifestDigest")
-    sandbox = ((ckpt.get("spec") or {}).get("sandboxRef") or {}).get("name")
-    if not digest or not sandbox:
+    view = CheckpointView.from_object(ckpt)
+    if view.phase != protocol.COMPLETED:
+        return f"Checkpoint {name} is {view.phase}, not Completed"
+    if not view.manifest_digest or not view.sandbox:
         return f"Checkpoint {name} records no manifestDigest or sandboxRef"
-    lineage = status.get("lineage")
-    return RestoreOrigin(sandbox=str(sandbox), manifest_digest=str(digest),
-                         parent=str(status.get("parent") or ""),
-                         lineage=tuple(str(u) for u in lineage) if lineage else None)
+    return RestoreOrigin(sandbox=view.sandbox, manifest_digest=view.manifest_digest,
+                         parent=view.parent, lineage=view.lineage)
 
 
 def restored_message(name: str, result: RestoreResult) -> str:
@@ -848,12 +874,9 @@ def holds(sp: SandboxPod) -> bool:
     return sp.hold and held_tree(sp)
 
 
-def _stop_of(ckpt: Mapping[str, Any], sp: SandboxPod) -> bool:
+def _stop_of(view: CheckpointView, sp: SandboxPod) -> bool:
     """A stopping checkpoint of ``sp``'s incarnation (any stopping reason)."""
-    return (str(protocol.meta(ckpt).get("namespace") or "default") == sp.namespace
-            and protocol.sandbox_of(ckpt) == sp.sandbox
-            and protocol.incarnation_of(ckpt) == sp.incarnation
-            and protocol.is_stopping(protocol.reason_of(ckpt)))
+    return view.of_incarnation(sp) and view.stopping
 
 
 def hold_verdict(sp: SandboxPod, sandbox: Mapping[str, Any] | None) -> str | None:
@@ -884,6 +907,6 @@ def hold_requests(pods: Iterable[SandboxPod], held: Set[str],
     Suspend, a notice's)."""
     listed = list(checkpoints or [])
     todo = [sp for sp in pods if sp.uid in held and holds(sp)
-            and not any(_stop_of(c, sp) and protocol.phase_of(c) != protocol.FAILED
-                        for c in listed)]
+            and not any(_stop_of(view, sp) and view.phase != protocol.FAILED
+                        for view in map(CheckpointView.from_object, listed))]
     return stop_requests(todo, protocol.EVICTION, checkpoints, now, held)

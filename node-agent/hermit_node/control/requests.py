@@ -30,7 +30,7 @@ from typing import Any, Final, Protocol
 from hermit_common import protocol
 from hermit_common.errors import HermitError
 from hermit_common.protocol import KubeObject
-from hermit_node.control.planner import SandboxPod
+from hermit_node.control.planner import CheckpointView, SandboxPod
 
 # Drawn once per process: the tag of a name another node took first.
 _KEY: Final = secrets.token_bytes(32)
@@ -49,12 +49,8 @@ class NameTaken(HermitError):
 def own_request(ckpt: Mapping[str, Any], sp: SandboxPod, reason: str, node: str) -> bool:
     """Whether ``ckpt`` (what a create answered, maybe an object that existed) is this node's
     request of ``reason`` for ``sp``'s incarnation."""
-    labels = protocol.meta(ckpt).get("labels") or {}
-    return (labels.get(protocol.LABEL_NODE) == node
-            and str(protocol.meta(ckpt).get("namespace") or sp.namespace) == sp.namespace
-            and protocol.sandbox_of(ckpt) == sp.sandbox
-            and protocol.incarnation_of(ckpt) == sp.incarnation
-            and protocol.reason_of(ckpt) == reason)
+    view = CheckpointView.from_object(ckpt)
+    return view.node == node and view.of_incarnation(sp) and view.reason == reason
 
 
 def tag(namespace: str, name: str, key: bytes = _KEY) -> str:

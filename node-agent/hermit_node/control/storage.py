@@ -47,6 +47,7 @@ from hermit_common.settings import StoreSettings
 from hermit_common.store import CheckpointStore, make_s3_client
 from hermit_common.storecreds import CredentialCache
 from hermit_common.storecreds import Credentials as VendedCredentials
+from hermit_node.control.planner import CheckpointView
 
 __all__ = ["CHECKPOINT", "SPEC", "SPEC_PATH", "ClientKey", "Credentials", "Location",
            "SandboxStorage", "SandboxVendor", "StorageError", "Stores", "client_key",
@@ -120,8 +121,9 @@ class Stores:
         """The store to read checkpoint ``ckpt`` from (``owner``: its sandbox, or None)."""
         wanted = restore_storage(recorded_location(ckpt), owner, self._defaults,
                                  allowed=self._allowed)
-        return self._store(wanted, str(protocol.meta(ckpt).get("namespace") or ""),
-                           {"storage": CHECKPOINT, "checkpoint": protocol.name_of(ckpt)})
+        view = CheckpointView.from_object(ckpt)
+        return self._store(wanted, view.namespace,
+                           {"storage": CHECKPOINT, "checkpoint": view.name})
 
     def _store(self, wanted: SandboxStorage, namespace: str,
                selector: dict[str, str]) -> CheckpointStore:

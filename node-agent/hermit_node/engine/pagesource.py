@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hermit_common.errors import Retryable
 from hermit_node.host.criu import PageMap
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,10 @@ PAGES_IMAGE = re.compile(r"pages-\d+\.img")  # the files a lazy restore streams
 WaitFor = Callable[[str, int, int], None]
 
 
-class PageSourceError(Exception):
-    """The lazy-pages daemon asked for something the images do not have."""
+class PageSourceError(Retryable):
+    """The lazy-pages daemon asked for something the images do not have, or its pages did
+    not arrive in time. Retryable: the checkpoint was admitted whole; the restore may work
+    on a new pod."""
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Final
 
+from hermit_common.errors import Permanent
 from hermit_node.host import protowire
 
 PAGEMAP_MAGIC: Final = 0x56084025
@@ -43,8 +44,9 @@ _PAGEMAP_RE: Final = re.compile(r"^pagemap-[A-Za-z0-9_-]+\.img$")
 Run = tuple[int, int]  # (virtual address, bytes) of pages held back to back in pages-*.img
 
 
-class PagemapError(ValueError):
-    """A pagemap image this module cannot read (the caller keeps fixed-size chunks)."""
+class PagemapError(Permanent, ValueError):
+    """A pagemap image this module cannot read (the caller keeps fixed-size chunks).
+    Permanent: the same bytes never parse; still a ValueError for the callers that catch it."""
 
 
 def _fields(message: bytes) -> dict[int, int]:

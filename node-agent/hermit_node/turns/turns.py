@@ -83,8 +83,9 @@ def _too_many(limiter: turnlimits.RateLimiter, key: str, who: str) -> Refused:
                    retryAfterSeconds=wait)
 
 
-class Refused(Exception):
-    """A request answered with an HTTP error: ``status`` and a one-line message."""
+class Refused(HermitError):
+    """A request answered with an HTTP error: ``status`` and a one-line message. Neither
+    Retryable nor Permanent: whether to ask again is the client's, by ``status`` (429)."""
 
     def __init__(self, status: int, message: str, **extra: Any) -> None:
         super().__init__(message)
