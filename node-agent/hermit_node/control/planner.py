@@ -160,7 +160,7 @@ class CheckpointView:
 
     @property
     def stopping(self) -> bool:
-        """A Preemption or Eviction checkpoint: its tree ends once it is durable."""
+        """A Preemption, Eviction or Suspend checkpoint: its tree ends once it is durable."""
         return protocol.is_stopping(self.reason)
 
     @property
@@ -271,19 +271,19 @@ def stop_requests(pods: Iterable[SandboxPod], reason: str,
     follows the highest one made (``request_attempt``), not their count: retention deletes
     the oldest Failed ones, and a count would name a request that exists. With no list of
     checkpoints (the API did not answer), only first requests."""
-    listed = list(checkpoints or [])
+    views = [CheckpointView.from_object(c) for c in checkpoints or []]
     out = []
     for sp in pods_to_checkpoint_on_notice(pods, held):
-        made = [c for c in listed if _request_of(CheckpointView.from_object(c), sp, reason)]
+        made = [view for view in views if _request_of(view, sp, reason)]
         if checkpoints is None:
             out.append((sp, ""))
             continue
-        if any(CheckpointView.from_object(c).phase != protocol.FAILED for c in made):
+        if any(view.phase != protocol.FAILED for view in made):
             continue  # in flight or done: nothing to add
-        attempts = max((request_attempt(c) for c in made), default=0)
+        attempts = max((_attempt(view.name) for view in made), default=0)
         if attempts >= STOP_ATTEMPTS:
             continue
-        if made and not _backed_off(max(made, key=_failed_at), attempts, now):
+        if made and not _backed_off(max(made, key=lambda v: v.completed_at), attempts, now):
             continue
         out.append((sp, f"-r{attempts + 1}" if made else ""))
     return out
@@ -296,7 +296,11 @@ _ATTEMPT_TAG = re.compile(r"-r([0-9]+)(?:-[0-9a-f]+)?$")
 
 def request_attempt(ckpt: Mapping[str, Any]) -> int:
     """Which attempt of its pod's stopping request ``ckpt`` is: n for ``-r<n>``, else 1."""
-    found = _ATTEMPT_TAG.search(CheckpointView.from_object(ckpt).name)
+    return _attempt(CheckpointView.from_object(ckpt).name)
+
+
+def _attempt(name: str) -> int:
+    found = _ATTEMPT_TAG.search(name)
     return int(found.group(1)) if found else 1
 
 
@@ -305,13 +309,9 @@ def _request_of(view: CheckpointView, sp: SandboxPod, reason: str) -> bool:
     return view.of_incarnation(sp) and view.reason == reason
 
 
-def _failed_at(ckpt: Mapping[str, Any]) -> str:
-    return CheckpointView.from_object(ckpt).completed_at
-
-
-def _backed_off(failed: Mapping[str, Any], failures: int, now: datetime | None) -> bool:
+def _backed_off(failed: CheckpointView, failures: int, now: datetime | None) -> bool:
     """The failed request's backoff has passed (or its failure time is unknown)."""
-    at = protocol.parse_time(CheckpointView.from_object(failed).completed_at or None)
+    at = protocol.parse_time(failed.completed_at or None)
     if now is None or at is None:
         return True
     return (now - at).total_seconds() >= stop_backoff(failures)
