@@ -23,6 +23,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from hermit_common.pin import Pin
 from hermit_common.store import CheckpointStore
 from hermit_node.engine.checkpoint import CheckpointEngine, CheckpointResult, CheckpointTarget
 from hermit_node.engine.restore import RestoreEngine, RestoreResult, RestoreTarget
@@ -78,8 +79,8 @@ def measure(base: Path, mem_mb: int, criu: Criu, store: CheckpointStore,
 
     restored_box = start_sandbox(node_b, network, name, restore=True, env=env)
     restored = RestoreEngine(criu, store, node_b.work_dir).restore(RestoreTarget(
-        namespace="bench", sandbox=moved, sandbox_uid=uid, checkpoint="c3",
-        init_pid=restored_box.init_pid, image_digest=node_b.image_digest()))
+        pin=Pin("bench", moved, "c3", uid=uid), init_pid=restored_box.init_pid,
+        image_digest=node_b.image_digest()))
     ticks = restored_box.wait_ticks(at_checkpoint + 3, timeout=120)
     continued = ticks == list(range(1, len(ticks) + 1)) and restored_box.container.alive()
     destroy_sandbox(restored_box, network)

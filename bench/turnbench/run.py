@@ -20,6 +20,7 @@ from bench.turnbench import sandbox
 from bench.turnbench.contenders import NAMESPACE, Policy, Taken, make_policy
 from bench.turnbench.sandbox import Box
 from bench.turnbench.trace import Trace
+from hermit_common.pin import Pin
 from hermit_common.store import CheckpointStore
 from hermit_node.engine.checkpoint import CheckpointEngine, CheckpointResult
 from hermit_node.engine.inspector import Decision
@@ -133,8 +134,8 @@ def _restore(env: Env, policy: Policy, name: str, box: Box, check: Check) -> Non
 
     began = time.monotonic()
     result = engine.restore(
-        RestoreTarget(namespace=NAMESPACE, sandbox=policy.box_name, sandbox_uid=policy.uid,
-                      checkpoint=name, init_pid=box.container.init_pid,
+        RestoreTarget(pin=Pin(NAMESPACE, policy.box_name, name, uid=policy.uid),
+                      init_pid=box.container.init_pid,
                       image_digest=env.nodes[1].image_digest()),
         on_filled=on_filled)
     check.restore_ms = result.total_ms

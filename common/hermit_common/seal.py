@@ -47,9 +47,10 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from hermit_common import bounded
 from hermit_common.errors import CheckpointRefused, SettingsError
+from hermit_common.pin import Pin
 from hermit_common.settings import SealSettings
 
-__all__ = ["CURRENT_KEY", "Bound", "ChunkCipher", "Context", "Expected", "KeyWrapper", "Keyring",
+__all__ = ["CURRENT_KEY", "Bound", "ChunkCipher", "Context", "KeyWrapper", "Keyring",
            "KeyringWrapper", "Opened", "Sealing", "Wrapped", "b64", "bound_of_context",
            "bound_of_signed", "check_lineage", "is_sealed",
            "new_dek", "open_manifest", "seal_manifest", "sealing_from", "unb64"]
@@ -477,19 +478,6 @@ def _parse_envelope(raw: bytes) -> dict[str, Any]:
     return data
 
 
-@dataclass(frozen=True)
-class Expected:
-    """What a restore expects a sealed manifest to be bound to. ``uid``, ``parent`` and
-    ``lineage`` are checked when not None (``parent`` "": restored from nothing)."""
-
-    namespace: str
-    sandbox: str
-    checkpoint: str
-    uid: str | None = None
-    parent: str | None = None
-    lineage: tuple[str, ...] | None = None
-
-
 def _claimed_context(claimed: object, sealed_format: int) -> Context:
     names = {"namespace", "sandbox", "sandbox_uid", "checkpoint"}
     if sealed_format != SEALED_FORMAT_V1:
@@ -503,7 +491,7 @@ def _claimed_context(claimed: object, sealed_format: int) -> Context:
     return Context(**{**claimed, "lineage": lineage})
 
 
-def _check_context(got: Context, expect: Expected) -> None:
+def _check_context(got: Context, expect: Pin) -> None:
     want = (expect.namespace, expect.sandbox, expect.checkpoint,
             expect.uid if expect.uid is not None else got.sandbox_uid)
     if (got.namespace, got.sandbox, got.checkpoint, got.sandbox_uid) != want:
@@ -532,7 +520,7 @@ class Opened:
     context: Context
 
 
-def open_manifest(wrapper: KeyWrapper, raw: bytes, expect: Expected) -> Opened:
+def open_manifest(wrapper: KeyWrapper, raw: bytes, expect: Pin) -> Opened:
     """Verifies and decrypts a sealed manifest read where ``expect`` says.
 
     Formats 1 and 2 (signed under the KEK): the signature is checked first, then that

@@ -79,14 +79,15 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _cmd_restore(args: argparse.Namespace) -> int:
+    from hermit_common.pin import Pin
     from hermit_node.engine.restore import RestoreEngine, RestoreTarget
 
     criu, store, work_dir, cgroup_root = _engine_parts()
     engine = RestoreEngine(criu, store, work_dir, cgroup_root=cgroup_root)
     result = engine.restore(RestoreTarget(
-        namespace=args.namespace, sandbox=args.sandbox, sandbox_uid=args.uid,
-        checkpoint=args.name, init_pid=args.pid, bundle=args.bundle,
-        image_digest=args.image_digest, expect_manifest_digest=args.manifest_digest,
+        pin=Pin(args.namespace, args.sandbox, args.name, uid=args.uid,
+                digest=args.manifest_digest),
+        init_pid=args.pid, bundle=args.bundle, image_digest=args.image_digest,
         workspace_path=args.workspace or None,
     ))
     print(json.dumps(dataclasses.asdict(result)))

@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 from hermit_common.errors import HermitError
+from hermit_common.pin import Pin
 from hermit_common.store import CheckpointStore
 from hermit_node.engine.checkpoint import CheckpointEngine, CheckpointTarget
 from hermit_node.engine.restore import RestoreEngine, RestoreTarget
@@ -82,8 +83,8 @@ def run_demo(base: Path, mem_mb: int, warmup_ticks: int) -> None:
             say("node-a: container, network namespace, workspace and local images deleted")
             target = start_sandbox(node_b, network, "sandbox", restore=True, env=env)
             restored = RestoreEngine(criu, store, node_b.work_dir).restore(RestoreTarget(
-                namespace="demo", sandbox="sandbox", sandbox_uid=uid, checkpoint="ckpt-1",
-                init_pid=target.init_pid, image_digest=node_b.image_digest()))
+                pin=Pin("demo", "sandbox", "ckpt-1", uid=uid), init_pid=target.init_pid,
+                image_digest=node_b.image_digest()))
             say(f"node-b: restored in {restored.total_ms} ms (download {restored.download_ms} "
                 f"ms, files {restored.apply_ms} ms, criu {restored.restore_ms} ms)")
             ticks = target.wait_ticks(at_checkpoint + 5)

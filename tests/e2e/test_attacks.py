@@ -45,6 +45,7 @@ import pytest
 from hermit_common import api, protocol
 from hermit_common.kubeapi import KubeConflict
 from hermit_common.manifest import Manifest
+from hermit_common.pin import Pin
 from hermit_common.seal import Keyring, KeyringWrapper, Sealing
 from hermit_common.settings import StoreSettings
 from hermit_common.store import CheckpointStore, UploadResult
@@ -130,10 +131,10 @@ def _download(store: CheckpointStore, ns: str, uid: str, ckpt: dict[str, Any],
               dest: Path) -> Manifest:
     status = ckpt["status"]
     lineage = status.get("lineage")
-    return store.download(ns, ckpt["spec"]["sandboxRef"]["name"], ckpt["metadata"]["name"],
-                          dest, expect_uid=uid, expect_digest=status["manifestDigest"],
-                          expect_parent=str(status.get("parent") or ""),
-                          expect_lineage=tuple(lineage) if lineage else None)
+    return store.download(Pin(ns, ckpt["spec"]["sandboxRef"]["name"], ckpt["metadata"]["name"],
+                              uid=uid, digest=status["manifestDigest"],
+                              parent=str(status.get("parent") or ""),
+                              lineage=tuple(lineage) if lineage else None), dest)
 
 
 def _leaks(root: Path, secrets: list[bytes]) -> list[str]:

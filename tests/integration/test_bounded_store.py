@@ -32,6 +32,7 @@ SLACK = 8 * MIB  # what "a few MiB" allows: buffers, the HTTP client, the alloca
 
 _READER = r"""
 import json, sys, time, tracemalloc
+from hermit_common.pin import Pin
 from hermit_common.settings import StoreSettings
 from hermit_common.store import CheckpointStore
 
@@ -51,7 +52,7 @@ started = time.monotonic()
 outcome = "returned"
 try:
     if what == "manifest":
-        store.read_manifest(*args)
+        store.read_manifest(Pin(*args))
     elif what == "key":
         outcome = "key: " + repr(store._read_sandbox_key(args[0]))
     elif what == "collect":

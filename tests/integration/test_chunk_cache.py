@@ -18,6 +18,7 @@ import pytest
 from hermit_common.chunkcache import CacheTally, ChunkCache
 from hermit_common.errors import CheckpointRefused
 from hermit_common.manifest import Binding, Manifest
+from hermit_common.pin import Pin
 from hermit_common.seal import Keyring, KeyringWrapper, Sealing
 from hermit_common.store import CheckpointStore
 from tests.support.minio import MinioServer
@@ -93,18 +94,18 @@ def test_a_download_after_a_prefetch_fetches_only_the_changed_chunks(
     assert len(only_b) == 2  # the rewritten page chunk and core-1.img
 
     prefetched = CacheTally()
-    stored = reader.prefetch(NS, BOX, "a", expect_uid=UID, stop=threading.Event(),
-                             expect_digest=a.manifest_digest, tally=prefetched)
+    stored = reader.prefetch(Pin(NS, BOX, "a", uid=UID, digest=a.manifest_digest),
+                             stop=threading.Event(), tally=prefetched)
     assert stored == prefetched.stored_bytes == a.stored_bytes > 0
     assert set(counting.chunk_gets()) == _keys(writer, a.manifest)
     counting.gets.clear()
     # A second prefetch finds everything there.
-    assert reader.prefetch(NS, BOX, "a", expect_uid=UID, stop=threading.Event()) == 0
+    assert reader.prefetch(Pin(NS, BOX, "a", uid=UID), stop=threading.Event()) == 0
     assert counting.chunk_gets() == Counter()
 
     tally = CacheTally()
-    reader.download_deferred(NS, BOX, "b", tmp_path / "restored", expect_uid=UID,
-                             expect_digest=b.manifest_digest, tally=tally)
+    reader.download_deferred(Pin(NS, BOX, "b", uid=UID, digest=b.manifest_digest),
+                             tmp_path / "restored", tally=tally)
     assert set(counting.chunk_gets()) == only_b, "a chunk in the cache was fetched from S3"
     assert (tally.hits, tally.misses) == (len(b.manifest.chunk_digests()) - 2, 2)
     assert (tmp_path / "restored" / "criu" / "pages-1.img").read_bytes() == \
@@ -118,7 +119,7 @@ def test_a_corrupted_cache_entry_is_fetched_again_and_replaced(
 ) -> None:
     writer, reader, counting = stores
     a = writer.upload(_binding("a"), _tree(tmp_path / "a"), {})
-    reader.prefetch(NS, BOX, "a", expect_uid=UID, stop=threading.Event())
+    reader.prefetch(Pin(NS, BOX, "a", uid=UID), stop=threading.Event())
     cache = reader.cache
     assert cache is not None
     entry = next(e for e in a.manifest.sections["criu"] if e.path == "pages-1.img")
@@ -129,8 +130,8 @@ def test_a_corrupted_cache_entry_is_fetched_again_and_replaced(
     counting.gets.clear()
 
     tally = CacheTally()
-    reader.download(NS, BOX, "a", tmp_path / "restored", expect_uid=UID)
-    reader.download_deferred(NS, BOX, "a", tmp_path / "again", expect_uid=UID, tally=tally)
+    reader.download(Pin(NS, BOX, "a", uid=UID), tmp_path / "restored")
+    reader.download_deferred(Pin(NS, BOX, "a", uid=UID), tmp_path / "again", tally=tally)
     assert counting.chunk_gets() == Counter({victim: 1}), "only the bad entry is re-fetched"
     assert (cache.root / name).read_bytes() == good, "the bad entry was not replaced"
     assert tally.misses == 0
@@ -147,13 +148,13 @@ def test_a_prefetch_opens_the_manifest_as_a_restore_does_and_stops_when_told(
     cache = reader.cache
     assert cache is not None
     with pytest.raises(CheckpointRefused, match="uid"):
-        reader.prefetch(NS, BOX, "a", expect_uid="someone-else", stop=threading.Event())
+        reader.prefetch(Pin(NS, BOX, "a", uid="someone-else"), stop=threading.Event())
     with pytest.raises(CheckpointRefused, match="manifest digest"):
-        reader.prefetch(NS, BOX, "a", expect_uid=UID, stop=threading.Event(),
-                        expect_digest="sha256:" + "0" * 64)
+        reader.prefetch(Pin(NS, BOX, "a", uid=UID, digest="sha256:" + "0" * 64),
+                        stop=threading.Event())
     stop = threading.Event()
     stop.set()
-    assert reader.prefetch(NS, BOX, "a", expect_uid=UID, stop=stop) == 0
+    assert reader.prefetch(Pin(NS, BOX, "a", uid=UID), stop=stop) == 0
     assert len(cache) == 0 and counting.chunk_gets() == Counter()
 
 
@@ -172,8 +173,8 @@ def test_a_sealed_store_caches_sealed_objects_and_verifies_them(
                              cache=ChunkCache(tmp_path / "chunk-cache", 64 * CHUNK))
     a = writer.upload(_binding("a"), _tree(tmp_path / "a"), {})
     b = writer.upload(_binding("b"), _tree(tmp_path / "b", changed=5), {})
-    assert reader.prefetch(NS, BOX, "a", expect_uid=UID, stop=threading.Event(),
-                           expect_digest=a.manifest_digest) > 0
+    assert reader.prefetch(Pin(NS, BOX, "a", uid=UID, digest=a.manifest_digest),
+                           stop=threading.Event()) > 0
     cache = reader.cache
     assert cache is not None
     pages = (tmp_path / "a" / "criu" / "pages-1.img").read_bytes()
@@ -181,8 +182,8 @@ def test_a_sealed_store_caches_sealed_objects_and_verifies_them(
         assert pages[:64] not in (cache.root / entry).read_bytes()
     counting.gets.clear()
     tally = CacheTally()
-    reader.download_deferred(NS, BOX, "b", tmp_path / "restored", expect_uid=UID,
-                             expect_digest=b.manifest_digest, tally=tally)
+    reader.download_deferred(Pin(NS, BOX, "b", uid=UID, digest=b.manifest_digest),
+                             tmp_path / "restored", tally=tally)
     assert len(counting.chunk_gets()) == 2 and tally.misses == 2 and tally.hits > 0
     assert (tmp_path / "restored" / "criu" / "pages-1.img").read_bytes() == \
         (tmp_path / "b" / "criu" / "pages-1.img").read_bytes()

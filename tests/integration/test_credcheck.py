@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from hermit_common.errors import CheckpointRefused
+from hermit_common.pin import Pin
 from hermit_common.settings import StoreSettings
 from hermit_common.store import CheckpointStore
 from hermit_node.engine.checkpoint import CheckpointEngine, CheckpointTarget
@@ -115,8 +116,8 @@ def _checkpoint(node: Node, criu: Criu, store: CheckpointStore, source: Sandbox,
 
 
 def _restore_target(node: Node, target: Sandbox, uid: str, name: str) -> RestoreTarget:
-    return RestoreTarget(namespace=NAMESPACE, sandbox="sbx", sandbox_uid=uid, checkpoint=name,
-                         init_pid=target.init_pid, image_digest=node.image_digest())
+    return RestoreTarget(pin=Pin(NAMESPACE, "sbx", name, uid=uid), init_pid=target.init_pid,
+                         image_digest=node.image_digest())
 
 
 def _restore(node: Node, criu_bin: Path, store: CheckpointStore, target: Sandbox, uid: str,

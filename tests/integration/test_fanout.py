@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from hermit_common.pin import Pin
 from hermit_common.settings import StoreSettings
 from hermit_common.store import CheckpointStore
 from hermit_node.engine.checkpoint import CheckpointEngine, CheckpointTarget
@@ -79,9 +80,9 @@ def test_one_checkpoint_restores_into_several_containers_of_a_node_at_once(
     try:
         for i in range(FORKS):
             forks.append(start_sandbox(node_b, cni_network, f"fork-{i}", restore=True))
-        targets = [RestoreTarget(namespace=NAMESPACE, sandbox="sbx", sandbox_uid=uid,
-                                 checkpoint="manual-1", init_pid=fork.init_pid,
-                                 image_digest=node_b.image_digest()) for fork in forks]
+        targets = [RestoreTarget(pin=Pin(NAMESPACE, "sbx", "manual-1", uid=uid),
+                                 init_pid=fork.init_pid, image_digest=node_b.image_digest())
+                   for fork in forks]
         assert len({engine.local_dir(t) for t in targets}) == FORKS
         start = threading.Barrier(FORKS)
 

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from hermit_common.errors import CheckpointRefused
-from hermit_common.seal import Context, Expected, new_dek, open_manifest, seal_manifest
+from hermit_common.pin import Pin
+from hermit_common.seal import Context, new_dek, open_manifest, seal_manifest
 from hermit_common.settings import KeyServiceSettings
 from hermit_operator import kms
 from hermit_operator.kms import AwsKmsWrapper, KmsUnavailable
@@ -103,7 +104,7 @@ def test_manifests_are_signed_and_verified_with_the_kms_hmac_key(
     ctx = dataclasses.replace(CTX, checkpoint="cp-1")
     dek = new_dek()
     raw = seal_manifest(dek, kw.wrap(dek, ctx.sandbox_bytes()), ctx, b'{"m":1}')
-    opened = open_manifest(kw, raw, Expected("tenants", "box", "cp-1", uid="uid-box"))
+    opened = open_manifest(kw, raw, Pin("tenants", "box", "cp-1", uid="uid-box"))
     assert (opened.dek, opened.plain) == (dek, b'{"m":1}')
 
 

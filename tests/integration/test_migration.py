@@ -7,6 +7,7 @@ survives before B restores, so everything B gets comes from S3.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -22,6 +23,7 @@ import pytest
 import zstandard
 
 from hermit_common.errors import CheckpointFailed, CheckpointRefused
+from hermit_common.pin import Pin
 from hermit_common.settings import StoreSettings
 from hermit_common.store import CheckpointStore, make_s3_client
 from hermit_node.engine.checkpoint import CheckpointEngine, CheckpointTarget
@@ -99,8 +101,8 @@ def checkpoint_target(sandbox: Sandbox, uid: str, name: str) -> CheckpointTarget
 
 
 def restore_target(sandbox: Sandbox, uid: str, name: str) -> RestoreTarget:
-    return RestoreTarget(namespace=NAMESPACE, sandbox="sbx", sandbox_uid=uid, checkpoint=name,
-                         init_pid=sandbox.init_pid, image_digest=sandbox.node.image_digest())
+    return RestoreTarget(pin=Pin(NAMESPACE, "sbx", name, uid=uid), init_pid=sandbox.init_pid,
+                         image_digest=sandbox.node.image_digest())
 
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["full", "lazy"])
@@ -396,18 +398,17 @@ def test_foreign_or_tampered_checkpoint_is_refused_before_criu(
         source.wait_ticks(5)
         result = ckpt_a.checkpoint(checkpoint_target(source, uid, "ckpt-t"))
         assert source.container.alive(), "a routine checkpoint leaves the sandbox running"
-        wanted = RestoreTarget(namespace=NAMESPACE, sandbox="sbx", sandbox_uid=uid,
-                               checkpoint="ckpt-t", init_pid=target.init_pid,
-                               image_digest=node_b.image_digest())
+        wanted = RestoreTarget(pin=Pin(NAMESPACE, "sbx", "ckpt-t", uid=uid),
+                               init_pid=target.init_pid, image_digest=node_b.image_digest())
 
         # A checkpoint of another sandbox (other uid) is refused.
-        foreign = RestoreTarget(**{**wanted.__dict__, "sandbox_uid": str(uuid.uuid4())})
+        foreign = dataclasses.replace(wanted, pin=wanted.pin.with_uid(str(uuid.uuid4())))
         with pytest.raises(CheckpointRefused, match="belongs to sandbox"):
             restore_b.restore(foreign)
 
         # A manifest digest other than the one recorded is refused.
-        wrong_digest = RestoreTarget(**{**wanted.__dict__,
-                                        "expect_manifest_digest": "sha256:" + "0" * 64})
+        wrong_digest = dataclasses.replace(
+            wanted, pin=dataclasses.replace(wanted.pin, digest="sha256:" + "0" * 64))
         with pytest.raises(CheckpointRefused):
             restore_b.restore(wrong_digest)
 
@@ -417,8 +418,8 @@ def test_foreign_or_tampered_checkpoint_is_refused_before_criu(
 
         # A tampered chunk is refused, naming the chunk.
         store = CheckpointStore(store_settings)
-        manifest_files = store.download(NAMESPACE, "sbx", "ckpt-t",
-                                        node_b.work_dir / "peek", expect_uid=uid)
+        manifest_files = store.download(Pin(NAMESPACE, "sbx", "ckpt-t", uid=uid),
+                                        node_b.work_dir / "peek")
         digest = next(iter(sorted(manifest_files.chunk_digests())))
         client = make_s3_client(store_settings)
         key = store.chunk_key(NAMESPACE, "sbx", digest)

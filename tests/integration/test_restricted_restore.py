@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from hermit_common.errors import CheckpointFailed
+from hermit_common.pin import Pin
 from hermit_common.settings import StoreSettings
 from hermit_common.store import CheckpointStore
 from hermit_node.engine.checkpoint import CheckpointEngine, CheckpointTarget
@@ -191,8 +192,8 @@ def test_a_restricted_sandbox_is_checkpointed_and_restored_without_root(
         restored = RestoreEngine(Criu(str(criu_bin)), CheckpointStore(settings),
                                  node_b.work_dir,
                                  cgroup_root=node_b.containerd.cgroup_root).restore(RestoreTarget(
-            namespace=NAMESPACE, sandbox="sbx", sandbox_uid=uid, checkpoint="ckpt-1",
-            init_pid=target.init_pid, image_digest=node_b.image_digest()))
+            pin=Pin(NAMESPACE, "sbx", "ckpt-1",
+                    uid=uid), init_pid=target.init_pid, image_digest=node_b.image_digest()))
         assert restored.restored_pid > 0
         ticks = target.wait_ticks(last + 10)
         assert ticks == list(range(1, len(ticks) + 1)), "ticks.log has a gap or a duplicate"

@@ -25,6 +25,7 @@ from kubernetes.client.rest import ApiException
 
 from hermit_common import api, protocol
 from hermit_common.manifest import Binding
+from hermit_common.pin import Pin
 from hermit_common.seal import Keyring, KeyringWrapper, Sealing
 from hermit_common.settings import KeyServiceSettings
 from hermit_common.store import CheckpointStore
@@ -232,8 +233,8 @@ def test_the_serving_node_checkpoints_and_restores_with_vended_credentials_only(
     # A restore (a new pod of box-a on node A) reads where the Checkpoint recorded.
     ckpt = world.checkpoint("box-a-1-manual", "box-a", where)
     reading = stores.for_checkpoint(ckpt, box_a)
-    reading.download(NS, "box-a", "box-a-1-manual", tmp_path / "restored", expect_uid=uid,
-                     expect_digest=result.manifest_digest)
+    reading.download(Pin(NS, "box-a", "box-a-1-manual", uid=uid, digest=result.manifest_digest),
+                     tmp_path / "restored")
     assert (tmp_path / "restored" / "workspace" / "notes.txt").read_bytes() == b"notes of box-a"
     # read-only: a restore never writes through those credentials
     ro = reading._objects.s3(f"hermit/{NS}/box-a/chunks/x")

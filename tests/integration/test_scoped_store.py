@@ -24,7 +24,8 @@ import pytest
 from botocore.exceptions import ClientError
 
 from hermit_common.manifest import Binding
-from hermit_common.seal import Expected, Keyring, KeyringWrapper, Sealing
+from hermit_common.pin import Pin
+from hermit_common.seal import Keyring, KeyringWrapper, Sealing
 from hermit_common.settings import KeyServiceSettings, StoreSettings
 from hermit_common.store import CheckpointStore, make_s3_client
 from hermit_common.storecreds import CredentialCache, Credentials, StoreCredentialsUnavailable
@@ -147,8 +148,8 @@ def test_a_node_agent_checkpoints_restores_forks_and_collects_with_scoped_creden
                       {"engine": 1}, parent="box-a-1")
     assert c2.chunks_uploaded == 1  # it listed box-a's chunks: only the new one went
     assert store.list_checkpoints(NS, "box-a") == ["box-a-1", "box-a-2"]
-    store.download(NS, "box-a", "box-a-2", tmp_path / "out", expect_uid=world.uid("box-a"),
-                   expect_digest=c2.manifest_digest)
+    store.download(Pin(NS, "box-a", "box-a-2", uid=world.uid("box-a"), digest=c2.manifest_digest),
+                   tmp_path / "out")
     assert (tmp_path / "out" / "workspace" / "notes.txt").read_bytes() == b"changed"
     # Garbage collection: box-a-1's manifest and its own chunk go.
     gc = store.collect(NS, "box-a", keep={"box-a-2"})
@@ -161,12 +162,10 @@ def test_a_node_agent_checkpoints_restores_forks_and_collects_with_scoped_creden
     # Node A restores the fork from it (read-only access to source's prefix), gives the
     # fork the source's data key, and the fork's first checkpoint copies the source's
     # chunks inside the bucket (credentials for fork plus read-only source).
-    expect = Expected(NS, "source", "source-1-manual", world.uid("source"), "",
-                      (world.uid("source"),))
-    store.download(NS, "source", "source-1-manual", tmp_path / "fork-in",
-                   expect_uid=world.uid("source"), expect_digest=src.manifest_digest)
-    assert store.inherit_data_key(expect, src.manifest_digest, store, NS, "fork",
-                                  world.uid("fork"))
+    expect = Pin(NS, "source", "source-1-manual", world.uid("source"), "",
+                 (world.uid("source"),), src.manifest_digest)
+    store.download(expect, tmp_path / "fork-in")
+    assert store.inherit_data_key(expect, store, NS, "fork", world.uid("fork"))
     fork = store.upload(_binding("fork", world.uid("fork"), "fork-1"), src_sections,
                         {"engine": 1}, parent="source-1-manual")
     print(f"\nfork's first checkpoint with scoped credentials: {fork.chunks_copied} chunks "

@@ -16,7 +16,8 @@ import zstandard
 
 from hermit_common.errors import CheckpointRefused
 from hermit_common.manifest import Binding
-from hermit_common.seal import Expected, Keyring, KeyringWrapper, Sealing
+from hermit_common.pin import Pin
+from hermit_common.seal import Keyring, KeyringWrapper, Sealing
 from hermit_common.store import CheckpointStore, make_s3_client
 from tests.support import attacks
 from tests.support.minio import MinioServer
@@ -113,9 +114,9 @@ def _get(minio: MinioServer, bucket: str, key: str) -> bytes:
 def _refused(store: CheckpointStore, dest: Path, checkpoint: str, match: str,
              namespace: str = NS, uid: str = UID, **kwargs: Any) -> None:
     with pytest.raises(CheckpointRefused, match=match):
-        store.read_manifest(namespace, BOX, checkpoint, expect_uid=uid)
+        store.read_manifest(Pin(namespace, BOX, checkpoint, uid=uid))
     with pytest.raises(CheckpointRefused, match=match):
-        store.download(namespace, BOX, checkpoint, dest, expect_uid=uid, **kwargs)
+        store.download(Pin(namespace, BOX, checkpoint, uid=uid), dest, **kwargs)
     assert not dest.exists() or not any(dest.iterdir()), "nothing may be written"
 
 
@@ -138,8 +139,7 @@ def test_sealed_round_trip_leaves_no_plaintext(minio_server: MinioServer, bucket
     assert not chunk_names & digests
 
     dest = tmp_path / "out"
-    manifest = store.download(NS, BOX, "c1", dest, expect_uid=UID,
-                              expect_digest=result.manifest_digest)
+    manifest = store.download(Pin(NS, BOX, "c1", uid=UID, digest=result.manifest_digest), dest)
     assert manifest == result.manifest
     for name, root in sections.items():
         for path in root.rglob("*"):
@@ -203,7 +203,7 @@ def test_tampered_chunk_is_refused(minio_server: MinioServer, bucket: str,
     body[-1] ^= 0x01
     _put(minio_server, bucket, chunk, bytes(body))
     with pytest.raises(CheckpointRefused, match="does not decrypt") as refused:
-        store.download(NS, BOX, "c1", tmp_path / "out", expect_uid=UID)
+        store.download(Pin(NS, BOX, "c1", uid=UID), tmp_path / "out")
     left = [p for p in (tmp_path / "out").rglob("*") if not p.is_dir()]
     assert left == [], f"a refused download left files behind: {left}"
     attack.record("bucket: a tampered chunk", tried="one bit flipped in a sealed chunk in real "
@@ -220,8 +220,7 @@ def test_rotation(minio_server: MinioServer, bucket: str, tmp_path: Path) -> Non
     old = store.upload(_binding("c-old"), sections, {"engine": 1})
 
     secret.add("2")  # rotate: 2 is current, 1 stays for the old checkpoints
-    store.download(NS, BOX, "c-old", tmp_path / "o1", expect_uid=UID,
-                   expect_digest=old.manifest_digest)
+    store.download(Pin(NS, BOX, "c-old", uid=UID, digest=old.manifest_digest), tmp_path / "o1")
     new = store.upload(_binding("c-new"), sections, {"engine": 1})
     assert new.chunks_uploaded == 0  # the data key was re-wrapped, not replaced: dedup holds
     raw = _get(minio_server, bucket, store.manifest_key(NS, BOX, "c-new"))
@@ -230,7 +229,7 @@ def test_rotation(minio_server: MinioServer, bucket: str, tmp_path: Path) -> Non
 
     del secret.data["1"]  # 1 removed: what it sealed is refused, naming it
     _refused(store, tmp_path / "o2", "c-old", "sealing key '1' is not in the sealing Secret")
-    store.download(NS, BOX, "c-new", tmp_path / "o3", expect_uid=UID)
+    store.download(Pin(NS, BOX, "c-new", uid=UID), tmp_path / "o3")
     with pytest.raises(CheckpointRefused, match="sealing key '1'"):
         store.collect_garbage(NS, BOX)  # an unreadable manifest: nothing is deleted
 
@@ -248,7 +247,7 @@ def test_plain_checkpoints_need_the_migration_setting(
     _refused(_store(minio_server, bucket, secret.sealing()), tmp_path / "d1", "c-plain",
              "is not sealed; .*HERMIT_SEAL_ACCEPT_PLAIN=true")
     migrating = _store(minio_server, bucket, secret.sealing(accept_plain=True))
-    migrating.download(NS, BOX, "c-plain", tmp_path / "d2", expect_uid=UID)
+    migrating.download(Pin(NS, BOX, "c-plain", uid=UID), tmp_path / "d2")
     sealed = migrating.upload(_binding("c-sealed"), _sections(tmp_path / "src2"),
                               {"engine": 1})
     assert b'"sealed":3' in _get(minio_server, bucket, migrating.manifest_key(NS, BOX,
@@ -274,9 +273,9 @@ def test_a_fork_inherits_its_sources_data_key_and_uploads_almost_nothing(
     assert source.lineage == (UID,)
 
     # The fork is restored from c1 (verified as a restore verifies it) and inherits its key.
-    c1 = Expected(NS, BOX, "c1", UID, "", (UID,))
-    assert store.inherit_data_key(c1, source.manifest_digest, store, NS, "fork", "fork-uid")
-    assert not store.inherit_data_key(c1, source.manifest_digest, store, NS, "fork", "fork-uid")
+    c1 = Pin(NS, BOX, "c1", UID, "", (UID,), source.manifest_digest)
+    assert store.inherit_data_key(c1, store, NS, "fork", "fork-uid")
+    assert not store.inherit_data_key(c1, store, NS, "fork", "fork-uid")
     (sections["workspace"] / "notes.txt").write_bytes(b"the fork wrote this\n")
     fork = store.upload(_binding("f1", uid="fork-uid", sandbox="fork"), sections,
                         {"engine": 1}, parent="c1")
@@ -295,14 +294,13 @@ def test_a_fork_inherits_its_sources_data_key_and_uploads_almost_nothing(
     store.delete_checkpoint(NS, BOX, "c1")
     assert store.collect_garbage(NS, BOX) == source.chunks_uploaded
     dest = tmp_path / "out"
-    store.download(NS, "fork", "f1", dest, expect_uid="fork-uid", expect_parent="c1",
-                   expect_lineage=(UID, "fork-uid"), expect_digest=fork.manifest_digest)
+    store.download(Pin(NS, "fork", "f1", uid="fork-uid", parent="c1", lineage=(UID, "fork-uid"),
+                       digest=fork.manifest_digest), dest)
     _same_files(sections, dest)
     with pytest.raises(CheckpointRefused, match="parent checkpoint 'c1'"):
-        store.read_manifest(NS, "fork", "f1", expect_uid="fork-uid", expect_parent="c9")
+        store.read_manifest(Pin(NS, "fork", "f1", uid="fork-uid", parent="c9"))
     with pytest.raises(CheckpointRefused, match="lineage 5e2d-uid/fork-uid"):
-        store.read_manifest(NS, "fork", "f1", expect_uid="fork-uid",
-                            expect_lineage=("fork-uid",))
+        store.read_manifest(Pin(NS, "fork", "f1", uid="fork-uid", lineage=("fork-uid",)))
 
     # ...and its key record opens for no other sandbox: copied into another lineage's
     # slot it is unusable, and that sandbox gets a key of its own (other chunk names).

@@ -21,6 +21,7 @@ import pytest
 
 from hermit_common.errors import StoreUnavailable
 from hermit_common.manifest import Binding
+from hermit_common.pin import Pin
 from hermit_common.seal import Keyring, KeyringWrapper, Sealing
 from hermit_common.store import CheckpointStore
 from hermit_common.storecreds import Credentials
@@ -125,8 +126,8 @@ def test_each_sandbox_writes_only_to_its_own_bucket_and_reads_it_back(
             "status": {"storage": written["box-a"].to_status()}}
     store = stores.for_checkpoint(ckpt, moved)
     assert store.settings.bucket == a_bucket
-    manifest = store.download(NS, "box-a", "box-a-1-preempt", tmp_path / "restored",
-                              expect_uid="uid-box-a")
+    manifest = store.download(Pin(NS, "box-a", "box-a-1-preempt", uid="uid-box-a"),
+                              tmp_path / "restored")
     assert manifest.binding.sandbox == "box-a"
     assert (tmp_path / "restored" / "criu" / "pages-1.img").read_bytes() == b"box-a" * 5000
 
@@ -171,5 +172,5 @@ def test_a_sandbox_store_seals_with_the_node_agents_keys(
     ckpt = {"metadata": {"name": "box-a-1-manual", "namespace": NS},
             "status": {"storage": where.to_status()}}
     back = stores.for_checkpoint(ckpt, None)
-    back.download(NS, "box-a", "box-a-1-manual", tmp_path / "restored", expect_uid="uid-box-a")
+    back.download(Pin(NS, "box-a", "box-a-1-manual", uid="uid-box-a"), tmp_path / "restored")
     assert (tmp_path / "restored" / "criu" / "pages-1.img").read_bytes() == marker.encode() * 5000

@@ -14,6 +14,7 @@ import zstandard
 
 from hermit_common.errors import CheckpointFailed, CheckpointRefused, StoreUnavailable
 from hermit_common.manifest import Binding
+from hermit_common.pin import Pin
 from hermit_common.settings import StoreSettings
 from hermit_common.store import CheckpointNotFound, CheckpointStore, UploadProgress
 from tests.support.minio import MinioServer, start_minio, stop_minio
@@ -106,8 +107,7 @@ def test_round_trip(store: CheckpointStore, tmp_path: Path) -> None:
     assert store.list_checkpoints(NS, BOX) == ["c1"]
 
     dest = tmp_path / "dest"
-    manifest = store.download(NS, BOX, "c1", dest, expect_uid=UID,
-                              expect_digest=result.manifest_digest)
+    manifest = store.download(Pin(NS, BOX, "c1", uid=UID, digest=result.manifest_digest), dest)
     assert manifest == result.manifest
     assert manifest.restore == {"pid": 42, "pipes": ["pipe:[7]"]}
     for name, src in sections.items():
@@ -141,7 +141,7 @@ def test_unchanged_tree_uploads_only_the_manifest(store: CheckpointStore, tmp_pa
     assert store.list_checkpoints(NS, BOX) == ["c1", "c2", "c3"]
 
     out = tmp_path / "out"
-    store.download(NS, BOX, "c3", out, expect_uid=UID)
+    store.download(Pin(NS, BOX, "c3", uid=UID), out)
     assert (out / "criu" / "pages-1.img").read_bytes() == pages.read_bytes()
 
 
@@ -168,7 +168,7 @@ def test_files_cut_at_chosen_places_share_their_chunks(store: CheckpointStore,
     assert entries["pages-2.img"].chunk_lengths == (3000,) + (CHUNK,) * 4 + (7,)
     assert entries["pages-3.img"].chunk_lengths == ()
     out = tmp_path / "out"
-    store.download(NS, BOX, "c1", out, expect_uid=UID, expect_digest=result.manifest_digest)
+    store.download(Pin(NS, BOX, "c1", uid=UID, digest=result.manifest_digest), out)
     for name in ("pages-1.img", "pages-2.img", "pages-3.img"):
         assert (out / "criu" / name).read_bytes() == (criu / name).read_bytes(), name
 
@@ -191,7 +191,7 @@ def test_chunks_staged_while_the_file_is_written_are_the_manifests(
     assert result.chunks_uploaded == 4 and len(store.list_chunks(NS, BOX)) == 4
     assert result.uploaded_bytes == result.stored_bytes + len(result.manifest.to_json())
     out = tmp_path / "out"
-    store.download(NS, BOX, "c1", out, expect_uid=UID, expect_digest=result.manifest_digest)
+    store.download(Pin(NS, BOX, "c1", uid=UID, digest=result.manifest_digest), out)
     assert (out / "criu" / "pages-1.img").read_bytes() == pages.read_bytes()
 
 
@@ -206,30 +206,29 @@ def test_tampered_chunk_is_refused(store: CheckpointStore, tmp_path: Path) -> No
     client.put_object(Bucket=store.settings.bucket, Key=key, Body=evil)
     dest = tmp_path / "dest"
     with pytest.raises(CheckpointRefused, match=rf"chunk {victim} of criu/pages-1.img is corrupt"):
-        store.download(NS, BOX, "c1", dest, expect_uid=UID)
+        store.download(Pin(NS, BOX, "c1", uid=UID), dest)
     assert not (dest / "criu").exists() and not (dest / "fs").exists()
 
     client.put_object(Bucket=store.settings.bucket, Key=key, Body=b"not zstd at all")
     with pytest.raises(CheckpointRefused, match=rf"chunk {victim} .* cannot decompress"):
-        store.download(NS, BOX, "c1", dest, expect_uid=UID)
+        store.download(Pin(NS, BOX, "c1", uid=UID), dest)
 
     client.delete_object(Bucket=store.settings.bucket, Key=key)
     with pytest.raises(CheckpointRefused, match=rf"chunk {victim} .* missing from the store"):
-        store.download(NS, BOX, "c1", dest, expect_uid=UID)
+        store.download(Pin(NS, BOX, "c1", uid=UID), dest)
 
 
 def test_foreign_or_altered_manifest_is_refused(store: CheckpointStore, tmp_path: Path) -> None:
     result = store.upload(_binding("c1"), _make_tree(tmp_path / "src"), {})
     with pytest.raises(CheckpointRefused) as info:
-        store.download(NS, BOX, "c1", tmp_path / "d1", expect_uid="someone-else")
+        store.download(Pin(NS, BOX, "c1", uid="someone-else"), tmp_path / "d1")
     msg = str(info.value)
     assert msg == (f"checkpoint {NS}/c1 belongs to sandbox {NS}/{BOX} (uid {UID}, checkpoint c1),"
                    f" not {NS}/{BOX} (uid someone-else)")
     assert not (tmp_path / "d1").exists() or not any((tmp_path / "d1").iterdir())
 
     with pytest.raises(CheckpointRefused, match=r"manifest digest .* does not match"):
-        store.download(NS, BOX, "c1", tmp_path / "d2", expect_uid=UID,
-                       expect_digest="sha256:" + "1" * 64)
+        store.download(Pin(NS, BOX, "c1", uid=UID, digest="sha256:" + "1" * 64), tmp_path / "d2")
 
     # A manifest copied under another sandbox's prefix is refused by its binding.
     other_key = store.manifest_key(NS, "agent-2", "c1")
@@ -237,10 +236,10 @@ def test_foreign_or_altered_manifest_is_refused(store: CheckpointStore, tmp_path
                               CopySource={"Bucket": store.settings.bucket,
                                           "Key": result.manifest_uri.split("/", 3)[3]})
     with pytest.raises(CheckpointRefused, match=f"belongs to sandbox {NS}/{BOX}"):
-        store.download(NS, "agent-2", "c1", tmp_path / "d3", expect_uid=UID)
+        store.download(Pin(NS, "agent-2", "c1", uid=UID), tmp_path / "d3")
 
     with pytest.raises(CheckpointNotFound, match=f"checkpoint {NS}/nope .* not found"):
-        store.download(NS, BOX, "nope", tmp_path / "d4", expect_uid=UID)
+        store.download(Pin(NS, BOX, "nope", uid=UID), tmp_path / "d4")
 
 
 def test_failed_read_leaves_no_manifest(store: CheckpointStore, tmp_path: Path) -> None:
@@ -260,7 +259,7 @@ def test_failed_read_leaves_no_manifest(store: CheckpointStore, tmp_path: Path) 
         store.upload(_binding("c1"), {"criu": src}, {}, on_progress=shrink)
     assert store.list_checkpoints(NS, BOX) == []
     with pytest.raises(CheckpointNotFound):
-        store.download(NS, BOX, "c1", tmp_path / "d", expect_uid=UID)
+        store.download(Pin(NS, BOX, "c1", uid=UID), tmp_path / "d")
 
 
 def test_s3_dying_mid_upload_leaves_no_manifest(tmp_path: Path) -> None:
@@ -287,7 +286,7 @@ def test_s3_dying_mid_upload_leaves_no_manifest(tmp_path: Path) -> None:
         assert len(store.list_chunks(NS, BOX)) >= 1  # some chunks did land
         assert store.list_checkpoints(NS, BOX) == []
         with pytest.raises(CheckpointNotFound):
-            store.download(NS, BOX, "c1", tmp_path / "d", expect_uid=UID)
+            store.download(Pin(NS, BOX, "c1", uid=UID), tmp_path / "d")
     finally:
         stop_minio(server)
 
@@ -305,7 +304,7 @@ def test_unreachable_endpoint_fails_fast_with_one_line(tmp_path: Path) -> None:
         store.upload(_binding("c1"), {"criu": src}, {})
     assert str(info.value) == "cannot reach S3 endpoint http://127.0.0.1:1: connection refused"
     with pytest.raises(StoreUnavailable) as info:
-        store.download(NS, BOX, "c1", tmp_path / "d", expect_uid=UID)
+        store.download(Pin(NS, BOX, "c1", uid=UID), tmp_path / "d")
     assert str(info.value) == "cannot reach S3 endpoint http://127.0.0.1:1: connection refused"
     assert time.monotonic() - started < 10
 
@@ -338,7 +337,7 @@ def test_delete_and_collect_garbage(store: CheckpointStore, tmp_path: Path) -> N
     assert store.collect_garbage(NS, BOX, min_age_seconds=3600) == 0  # too young
     assert store.collect_garbage(NS, BOX) == len(only_first)
     assert set(store.list_chunks(NS, BOX)) == second.manifest.chunk_digests()
-    store.download(NS, BOX, "c2", tmp_path / "dest", expect_uid=UID)
+    store.download(Pin(NS, BOX, "c2", uid=UID), tmp_path / "dest")
     assert (tmp_path / "dest" / "criu" / "pages-1.img").read_bytes() == \
         (sections["criu"] / "pages-1.img").read_bytes()
 
@@ -349,5 +348,5 @@ def test_download_refuses_existing_destination(store: CheckpointStore, tmp_path:
     (dest / "fs").mkdir(parents=True)
     (dest / "fs" / "keep").write_text("mine")
     with pytest.raises(CheckpointFailed, match="already exists"):
-        store.download(NS, BOX, "c1", dest, expect_uid=UID)
+        store.download(Pin(NS, BOX, "c1", uid=UID), dest)
     assert (dest / "fs" / "keep").read_text() == "mine"

@@ -11,6 +11,7 @@ import pytest
 
 from hermit_common.errors import CheckpointFailed
 from hermit_common.manifest import Binding
+from hermit_common.pin import Pin
 from hermit_common.store import CheckpointStore
 from tests.support.minio import MinioServer
 
@@ -79,7 +80,7 @@ def test_twenty_checkpoints_retain_three_leave_only_the_kept_ones(
     assert _bucket_keys(store) == expected
     assert store.list_checkpoints(NS, BOX) == kept
     for n in kept:  # every kept checkpoint still restores, byte for byte
-        manifest = store.download(NS, BOX, n, tmp_path / "out" / n, expect_uid=UID)
+        manifest = store.download(Pin(NS, BOX, n, uid=UID), tmp_path / "out" / n)
         assert manifest.binding.checkpoint == n
 
 
@@ -102,6 +103,6 @@ def test_a_second_writer_of_a_manifest_fails_and_does_not_overwrite(
     first = store.upload(_binding("c1"), _sections(tmp_path / "a", 1), {})
     with pytest.raises(CheckpointFailed, match="exists there already"):
         store.upload(_binding("c1"), _sections(tmp_path / "b", 2), {})
-    manifest, digest = store.read_manifest(NS, BOX, "c1", expect_uid=UID)
+    manifest, digest = store.read_manifest(Pin(NS, BOX, "c1", uid=UID))
     assert digest == first.manifest_digest
     assert manifest.created_at == first.manifest.created_at

@@ -267,10 +267,11 @@ class FakeManifests:
     def __init__(self, durable: set[str]) -> None:
         self.durable = durable
 
-    def read_manifest(self, namespace: str, sandbox: str, checkpoint: str) -> tuple[Any, str]:
+    def read_manifest(self, pin: Any) -> tuple[Any, str]:
         from hermit_common.manifest import Binding, Manifest, Totals
         from hermit_common.s3errors import CheckpointNotFound
 
+        namespace, sandbox, checkpoint = pin.namespace, pin.sandbox, pin.checkpoint
         if checkpoint not in self.durable:
             raise CheckpointNotFound(f"checkpoint {namespace}/{checkpoint} not found")
         binding = Binding(namespace=namespace, sandbox=sandbox, sandbox_uid="sbx-uid",

@@ -14,6 +14,7 @@ import pytest
 from hermit_common import bounded
 from hermit_common.errors import CheckpointRefused
 from hermit_common.manifest import Binding, Manifest, ManifestError, Totals, digest_bytes
+from hermit_common.pin import Pin
 from hermit_common.seal import Wrapped, is_sealed
 from hermit_common.settings import StoreSettings
 from hermit_common.store import CheckpointStore
@@ -113,7 +114,7 @@ def test_an_oversize_manifest_is_refused_on_its_length_before_its_body_is_read()
     key = store.manifest_key("ns", "sbx", "big")
     s3.objects[key] = b" " * (bounded.STORED_MANIFEST_MAX_BYTES + 1)
     with pytest.raises(bounded.TooLarge, match="larger than the limit"):
-        store.read_manifest("ns", "sbx", "big")
+        store.read_manifest(Pin("ns", "sbx", "big"))
     assert s3.reads == [], "not a byte of the body was read"
 
 
@@ -130,13 +131,13 @@ def test_the_pinned_digest_is_checked_before_the_manifest_is_parsed() -> None:
     store, s3 = _store()
     raw = _manifest("c1", ("a" * 64,))
     s3.objects[store.manifest_key("ns", "sbx", "c1")] = raw
-    manifest, digest = store.read_manifest("ns", "sbx", "c1", expect_digest=digest_bytes(raw))
+    manifest, digest = store.read_manifest(Pin("ns", "sbx", "c1", digest=digest_bytes(raw)))
     assert digest == digest_bytes(raw) and manifest.binding.checkpoint == "c1"
     # Bytes that would be costly to parse, with a digest other than the pinned one: refused
     # on the digest, unparsed (the nesting would otherwise be the error).
     s3.objects[store.manifest_key("ns", "sbx", "c1")] = b"[" * 100_000
     with pytest.raises(CheckpointRefused, match="does not match the expected"):
-        store.read_manifest("ns", "sbx", "c1", expect_digest=digest_bytes(raw))
+        store.read_manifest(Pin("ns", "sbx", "c1", digest=digest_bytes(raw)))
 
 
 def test_gc_skips_an_oversize_manifest_with_a_warning_and_goes_on(

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from hermit_common.errors import CheckpointRefused, RestoreFailed
+from hermit_common.pin import Pin
 from hermit_node.host import credcheck, criu, pagemap, protowire
 from hermit_node.host.credcheck import (
     CAP_SETGID,
@@ -450,8 +451,7 @@ def test_images_of_the_wrong_shape_are_a_refusal(tmp_path: Path,
         return ImageCreds((thread,))
 
     monkeypatch.setattr(credcheck, "read_images", broken)
-    target = restore.RestoreTarget(namespace="agents", sandbox="s", sandbox_uid="u",
-                                   checkpoint="c1", init_pid=os.getpid())
+    target = restore.RestoreTarget(pin=Pin("agents", "s", "c1", uid="u"), init_pid=os.getpid())
     with pytest.raises(CheckpointRefused, match=r"^checkpoint agents/c1 is refused: its CRIU "
                                                 r"images are malformed: ValueError"):
         restore.check_images(target, tmp_path)

@@ -19,10 +19,10 @@ import requests
 from hermit_common import seal
 from hermit_common.errors import CheckpointRefused, SettingsError
 from hermit_common.keyclient import KeyAccessDenied, RemoteKeyWrapper
+from hermit_common.pin import Pin
 from hermit_common.seal import (
     Bound,
     Context,
-    Expected,
     new_dek,
     open_manifest,
     seal_manifest,
@@ -181,8 +181,8 @@ def _seal(wrapper: Any, ctx: Context) -> bytes:
     return seal_manifest(dek, wrapped, ctx, b'{"marker":"M"}')
 
 
-def _expect(ctx: Context) -> Expected:
-    return Expected(ctx.namespace, ctx.sandbox, ctx.checkpoint, ctx.sandbox_uid, ctx.parent,
+def _expect(ctx: Context) -> Pin:
+    return Pin(ctx.namespace, ctx.sandbox, ctx.checkpoint, ctx.sandbox_uid, ctx.parent,
                     ctx.lineage)
 
 

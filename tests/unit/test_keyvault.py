@@ -18,7 +18,8 @@ from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import Prehashed
 
 from hermit_common.errors import CheckpointRefused, SettingsError
-from hermit_common.seal import Context, Expected, Wrapped, new_dek, open_manifest, seal_manifest
+from hermit_common.pin import Pin
+from hermit_common.seal import Context, Wrapped, new_dek, open_manifest, seal_manifest
 from hermit_common.settings import KeyServiceSettings
 from hermit_operator import keyvault, kms, kmshttp
 from hermit_operator.keyvault import KeyUrl, KeyVaultWrapper
@@ -203,7 +204,7 @@ def test_manifests_are_signed_by_the_wrapping_key(vault: Vault) -> None:
     ctx = dataclasses.replace(CTX, checkpoint="cp-1")
     dek = new_dek()
     raw = seal_manifest(dek, kw.wrap(dek, ctx.sandbox_bytes()), ctx, b'{"m":1}')
-    opened = open_manifest(kw, raw, Expected("tenants", "box", "cp-1", uid="uid-box"))
+    opened = open_manifest(kw, raw, Pin("tenants", "box", "cp-1", uid="uid-box"))
     assert (opened.dek, opened.plain) == (dek, b'{"m":1}')
 
 

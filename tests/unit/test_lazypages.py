@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from hermit_common.pin import Pin
 from hermit_common.store import CheckpointStore, Deferred
 from hermit_node.engine import lazypages, pagesource, restore
 from hermit_node.engine.restore import RestoreEngine, RestoreTarget
@@ -128,8 +129,7 @@ def test_on_filled_hears_when_the_fill_ends_after_the_staging_dir_is_gone(
 
     try:
         began = time.monotonic()
-        target = RestoreTarget(namespace="ns", sandbox="sb", sandbox_uid="u", checkpoint="c",
-                               init_pid=init.pid)
+        target = RestoreTarget(pin=Pin("ns", "sb", "c", uid="u"), init_pid=init.pid)
         restore._fill_in_background(_streamed(tmp_path, script), target, local, on_filled)
         assert finished.wait(30), "on_filled was never called"
     finally:

@@ -15,6 +15,7 @@ import pytest
 
 from hermit_common import protocol
 from hermit_common.errors import CheckpointFailed, CheckpointRefused, RestoreFailed
+from hermit_common.pin import Pin
 from hermit_common.store import UploadProgress
 from hermit_node import main as node_main
 from hermit_node.control import agent as agent_module
@@ -256,17 +257,19 @@ def test_a_replacement_waits_until_its_checkpoint_is_no_longer_in_flight(
 
 def test_restore_origin() -> None:
     done = ckpt("box-1-preempt", status={"phase": "Completed", "manifestDigest": DIGEST})
-    assert planner.restore_origin(done, "box-1-preempt") == planner.RestoreOrigin("box", DIGEST)
+    assert planner.restore_origin(done, "box-1-preempt") == Pin(
+        "agents", "box", "box-1-preempt", parent="", digest=DIGEST)
     assert planner.restore_origin(None, "x") == "Checkpoint x does not exist"
     assert planner.restore_origin(ckpt("p", status={"phase": "Failed"}), "p") == \
         "Checkpoint p is Failed, not Completed"
     assert planner.restore_origin(ckpt("p"), "p") == "Checkpoint p is Pending, not Completed"
     fork = ckpt("f", sandbox="parent", status={"phase": "Completed", "manifestDigest": DIGEST})
-    assert planner.restore_origin(fork, "f") == planner.RestoreOrigin("parent", DIGEST)
+    assert planner.restore_origin(fork, "f") == Pin("agents", "parent", "f", parent="",
+                                                    digest=DIGEST)
     moved = ckpt("m", status={"phase": "Completed", "manifestDigest": DIGEST,
                               "parent": "box-0-x", "lineage": ["u0", "u1"]})
-    assert planner.restore_origin(moved, "m") == planner.RestoreOrigin(
-        "box", DIGEST, parent="box-0-x", lineage=("u0", "u1"))
+    assert planner.restore_origin(moved, "m") == Pin(
+        "agents", "box", "m", parent="box-0-x", lineage=("u0", "u1"), digest=DIGEST)
 
 
 def test_completed_status_records_the_signed_lineage() -> None:
@@ -541,7 +544,7 @@ def test_restore_annotates_and_expects_the_recorded_digest(tmp_path: Path) -> No
     agent.reconcile_once()
     agent.shutdown()
     [(target, _)] = engine.calls
-    assert (target.checkpoint, target.expect_manifest_digest, target.init_pid,
+    assert (target.checkpoint, target.pin.digest, target.init_pid,
             target.sandbox) == ("box-1-preempt", DIGEST, 420, "box")
     assert [a[protocol.ANNOTATION_RESTORE_PHASE] for _, a in kube.annotations] == [
         "Restoring", "Restored"]
@@ -885,16 +888,14 @@ class InheritingStore:
     def __init__(self) -> None:
         self.inherited: list[tuple[Any, ...]] = []
 
-    def inherit_data_key(self, source: Any, digest: str | None, heir: Any, namespace: str,
-                         sandbox: str, sandbox_uid: str) -> bool:
-        self.inherited.append((source, digest, heir, namespace, sandbox, sandbox_uid))
+    def inherit_data_key(self, source: Any, heir: Any, namespace: str, sandbox: str,
+                         sandbox_uid: str) -> bool:
+        self.inherited.append((source, heir, namespace, sandbox, sandbox_uid))
         return True
 
 
 def test_a_restore_expects_the_recorded_parent_and_lineage_and_a_fork_inherits_its_key(
         tmp_path: Path) -> None:
-    from hermit_common.seal import Expected
-
     fork = pod("fork-1", sandbox="fork", annotations={protocol.ANNOTATION_RESTORE_FROM: "box-3"})
     kube = FakeKube([fork], [ckpt("box-3", status={
         "phase": "Completed", "manifestDigest": DIGEST, "parent": "box-2",
@@ -906,10 +907,10 @@ def test_a_restore_expects_the_recorded_parent_and_lineage_and_a_fork_inherits_i
     agent.reconcile_once()
     agent.shutdown()
     [(target, _)] = engine.calls
-    assert (target.sandbox, target.sandbox_uid, target.expect_parent, target.expect_lineage) \
+    assert (target.sandbox, target.pin.uid, target.pin.parent, target.pin.lineage) \
         == ("box", "uid-of-box", "box-2", ("uid-of-box",))
     assert store.inherited == [(
-        Expected("agents", "box", "box-3", "uid-of-box", "box-2", ("uid-of-box",)), DIGEST,
+        Pin("agents", "box", "box-3", "uid-of-box", "box-2", ("uid-of-box",), DIGEST),
         store, "agents", "fork", "sbx-uid")]
     assert kube.annotations[-1][1][protocol.ANNOTATION_RESTORE_PHASE] == "Restored"
 

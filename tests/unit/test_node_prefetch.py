@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from hermit_common import protocol
+from hermit_common.pin import Pin
 from hermit_node.control import agent as agent_module
 from hermit_node.control import planner
 from hermit_node.control.agent import NodeAgent
@@ -87,8 +88,8 @@ def test_the_prefetch_source_is_the_newest_other_completed_checkpoint() -> None:
     source = planner.prefetch_source([older, newer, *others], sp)
     assert source is not None
     assert source.checkpoint == "box-1-rebalance" and source.ckpt is newer
-    assert source.origin == planner.RestoreOrigin("box", DIGEST, parent="box-0-preempt",
-                                                  lineage=("u0",))
+    assert source.pin == Pin("agents", "box", "box-1-rebalance", parent="box-0-preempt",
+                             lineage=("u0",), digest=DIGEST)
     assert planner.prefetch_source(others, sp) is None
     # The checkpoint the pod waits for is never its own prefetch source.
     assert planner.prefetch_source([_done("box-1-preempt", "2026-01-02T03:09:00Z")],
@@ -155,12 +156,12 @@ class RemoteKube(FakeKube):
 
 class PrefetchStore:
     def __init__(self) -> None:
-        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.calls: list[tuple[Pin, dict[str, Any]]] = []
         self.started = threading.Event()
         self.stopped = threading.Event()
 
-    def prefetch(self, namespace: str, sandbox: str, checkpoint: str, **kw: Any) -> int:
-        self.calls.append((checkpoint, kw))
+    def prefetch(self, pin: Pin, **kw: Any) -> int:
+        self.calls.append((pin, kw))
         self.started.set()
         stop: threading.Event = kw["stop"]
         if stop.wait(5):
@@ -188,9 +189,9 @@ def test_a_waiting_pod_gets_one_prefetch_stopped_when_its_restore_starts(
     agent.reconcile_once()  # still waiting: no second prefetch, no restore
     assert engine.calls == [] and len(store.calls) == 1
     assert agent.next_wait(2.0) == agent_module.REMOTE_POLL_SECONDS
-    checkpoint, kw = store.calls[0]
-    assert checkpoint == "box-1-rebalance"
-    assert (kw["expect_uid"], kw["expect_digest"]) == ("sbx-uid", DIGEST)
+    pin, _ = store.calls[0]
+    assert pin.checkpoint == "box-1-rebalance"
+    assert (pin.uid, pin.digest) == ("sbx-uid", DIGEST)
 
     stopping["status"] = {"phase": "Completed", "manifestDigest": DIGEST}
     agent.reconcile_once()

@@ -479,7 +479,7 @@ def test_a_fork_reads_with_the_source_sandboxs_location_and_secret(tmp_path: Pat
     agent.reconcile_once()
     agent.shutdown()
     [(target, _)] = engine.calls
-    assert (target.sandbox, target.sandbox_uid) == ("box", "uid-of-box")
+    assert (target.sandbox, target.pin.uid) == ("box", "uid-of-box")
     [store] = engine.stores
     assert store.settings.bucket == "team-a" and store.scoped
     reach(store)  # the source's prefix, as the fork's node restores it

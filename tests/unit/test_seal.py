@@ -15,10 +15,10 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from hermit_common import seal
 from hermit_common.errors import CheckpointRefused, SettingsError
+from hermit_common.pin import Pin
 from hermit_common.seal import (
     ChunkCipher,
     Context,
-    Expected,
     Keyring,
     KeyringWrapper,
     Wrapped,
@@ -57,11 +57,11 @@ def _sealed(wrapper: KeyringWrapper, ctx: Context = CTX,
     return seal_manifest(dek, wrapped, ctx, body), dek
 
 
-def _location(ctx: Context) -> Expected:
-    return Expected(ctx.namespace, ctx.sandbox, ctx.checkpoint)
+def _location(ctx: Context) -> Pin:
+    return Pin(ctx.namespace, ctx.sandbox, ctx.checkpoint)
 
 
-def open_manifest(wrapper: KeyringWrapper, raw: bytes, where: Expected,
+def open_manifest(wrapper: KeyringWrapper, raw: bytes, where: Pin,
                   uid: str | None) -> tuple[bytes, bytes]:
     opened = seal.open_manifest(wrapper, raw, dataclasses.replace(where, uid=uid))
     return opened.plain, opened.dek
@@ -136,12 +136,12 @@ def test_flipped_byte_anywhere_is_refused() -> None:
 
 
 @pytest.mark.parametrize("where, uid", [
-    (Expected("team-b", "box", "ckpt-1"), "uid-1"),  # another namespace
-    (Expected("team-a", "other", "ckpt-1"), "uid-1"),  # another sandbox
-    (Expected("team-a", "box", "ckpt-2"), "uid-1"),  # swapped for another checkpoint
-    (Expected("team-a", "box", "ckpt-1"), "uid-2"),  # a sandbox recreated with the name
+    (Pin("team-b", "box", "ckpt-1"), "uid-1"),  # another namespace
+    (Pin("team-a", "other", "ckpt-1"), "uid-1"),  # another sandbox
+    (Pin("team-a", "box", "ckpt-2"), "uid-1"),  # swapped for another checkpoint
+    (Pin("team-a", "box", "ckpt-1"), "uid-2"),  # a sandbox recreated with the name
 ])
-def test_wrong_context_is_refused(where: Expected, uid: str) -> None:
+def test_wrong_context_is_refused(where: Pin, uid: str) -> None:
     wrapper = _Ring("k1", "k1").wrapper()
     raw, _ = _sealed(wrapper)
     with pytest.raises(CheckpointRefused, match="sealed for checkpoint team-a/ckpt-1"):
@@ -254,16 +254,16 @@ def test_sealing_from_a_mounted_secret(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("expect, says", [
-    (Expected("team-a", "box", "ckpt-1", "uid-1", parent="ckpt-x"),
+    (Pin("team-a", "box", "ckpt-1", "uid-1", parent="ckpt-x"),
      "sealed with parent checkpoint 'ckpt-0', but the Checkpoint records 'ckpt-x'"),
-    (Expected("team-a", "box", "ckpt-1", "uid-1", parent=""),
+    (Pin("team-a", "box", "ckpt-1", "uid-1", parent=""),
      "sealed with parent checkpoint 'ckpt-0', but the Checkpoint records '(none)'"),
-    (Expected("team-a", "box", "ckpt-1", "uid-1", lineage=("uid-1",)),
+    (Pin("team-a", "box", "ckpt-1", "uid-1", lineage=("uid-1",)),
      "sealed for sandbox lineage uid-0/uid-1, but the Checkpoint records uid-1"),
-    (Expected("team-a", "box", "ckpt-1", "uid-1", lineage=("uid-7", "uid-1")),
+    (Pin("team-a", "box", "ckpt-1", "uid-1", lineage=("uid-7", "uid-1")),
      "sealed for sandbox lineage uid-0/uid-1, but the Checkpoint records uid-7/uid-1"),
 ])
-def test_a_swapped_parent_or_lineage_is_refused(expect: Expected, says: str) -> None:
+def test_a_swapped_parent_or_lineage_is_refused(expect: Pin, says: str) -> None:
     wrapper = _Ring("k1", "k1").wrapper()
     raw, _ = _sealed(wrapper)
     with pytest.raises(CheckpointRefused, match=re.escape(says)):
@@ -317,22 +317,22 @@ def test_the_first_format_verifies_under_its_own_rules() -> None:
     namespace, sandbox, uid and checkpoint are checked; parent and lineage cannot be)."""
     wrapper = _Ring("k1", "k1").wrapper()
     raw = _sealed_v1(wrapper, CTX)
-    opened = seal.open_manifest(wrapper, raw, Expected("team-a", "box", "ckpt-1", "uid-1",
+    opened = seal.open_manifest(wrapper, raw, Pin("team-a", "box", "ckpt-1", "uid-1",
                                                        parent="ckpt-0",
                                                        lineage=("uid-0", "uid-1")))
     assert opened.plain == MANIFEST and opened.context.lineage == ()
     with pytest.raises(CheckpointRefused, match="sealed for checkpoint"):
-        seal.open_manifest(wrapper, raw, Expected("team-a", "box", "ckpt-1", "uid-2"))
+        seal.open_manifest(wrapper, raw, Pin("team-a", "box", "ckpt-1", "uid-2"))
     envelope = json.loads(raw)
     envelope["context"]["lineage"] = ["uid-1"]  # upgrading it in place breaks the signature
     with pytest.raises(CheckpointRefused, match="signature"):
         seal.open_manifest(wrapper, json.dumps(envelope).encode(),
-                           Expected("team-a", "box", "ckpt-1"))
+                           Pin("team-a", "box", "ckpt-1"))
     envelope = json.loads(raw)
     envelope["sealed"] = 2  # a first-format body presented as the second: not signed so
     with pytest.raises(CheckpointRefused, match="signature"):
         seal.open_manifest(wrapper, json.dumps(envelope).encode(),
-                           Expected("team-a", "box", "ckpt-1"))
+                           Pin("team-a", "box", "ckpt-1"))
 
 
 def test_key_records_carry_their_lineage() -> None:

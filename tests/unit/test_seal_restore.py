@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from hermit_common.errors import CheckpointRefused
+from hermit_common.pin import Pin
 from hermit_node.engine.restore import RestoreEngine, RestoreTarget
 
 
@@ -16,13 +17,10 @@ class _RefusingStore:
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
 
-    def read_manifest(self, namespace: str, sandbox: str, checkpoint: str, *,
-                      expect_uid: str | None = None, expect_parent: str | None = None,
-                      expect_lineage: tuple[str, ...] | None = None,
-                      expect_digest: str | None = None) -> Any:
-        self.calls.append(("read_manifest", namespace, sandbox, checkpoint, expect_uid,
-                           expect_parent, expect_lineage))
-        raise CheckpointRefused(f"checkpoint {namespace}/{checkpoint} is refused: its "
+    def read_manifest(self, pin: Pin) -> Any:
+        self.calls.append(("read_manifest", pin.namespace, pin.sandbox, pin.checkpoint,
+                           pin.uid, pin.parent, pin.lineage))
+        raise CheckpointRefused(f"checkpoint {pin.namespace}/{pin.checkpoint} is refused: its "
                                 "manifest's signature (sealing key '1') does not verify")
 
     def download(self, *args: Any, **kwargs: Any) -> Any:
@@ -38,9 +36,8 @@ class _NoCriu:
 def test_a_manifest_that_does_not_verify_stops_the_restore_first(tmp_path: Path) -> None:
     store = _RefusingStore()
     engine = RestoreEngine(_NoCriu(), store, tmp_path)  # type: ignore[arg-type]
-    target = RestoreTarget(namespace="team-a", sandbox="box", sandbox_uid="uid-1",
-                           checkpoint="c1", init_pid=1, expect_parent="c0",
-                           expect_lineage=("uid-0", "uid-1"))
+    target = RestoreTarget(pin=Pin("team-a", "box", "c1", uid="uid-1", parent="c0",
+                                   lineage=("uid-0", "uid-1")), init_pid=1)
     local = tmp_path / "staging"
     local.mkdir()
     with pytest.raises(CheckpointRefused, match=r"team-a/c1 is refused: .*sealing key '1'"):

@@ -13,6 +13,7 @@ import pytest
 
 from hermit_common.errors import CheckpointFailed, SettingsError
 from hermit_common.keyclient import PATH_STORE_CREDENTIALS
+from hermit_common.pin import Pin
 from hermit_common.settings import KeyServiceSettings, NodeSettings, StoreSettings
 from hermit_common.store import CheckpointStore, check_name
 from hermit_common.storecreds import (
@@ -387,11 +388,11 @@ def test_a_refused_get_of_a_missing_key_is_not_found_when_a_listing_says_so() ->
                             scoped=lambda ns, sb, reads: Denying((ns, sb, reads), log, listed))
     key = "hermit/team-a/box/checkpoints/c1/manifest.json"
     with pytest.raises(CheckpointNotFound):
-        store.read_manifest("team-a", "box", "c1")
+        store.read_manifest(Pin("team-a", "box", "c1"))
     assert log == [("list", key, 1)]
     # The object is there: the refusal is a refusal, not a missing object.
     listed.append(key)
     with pytest.raises(HermitError) as refused:
-        store.read_manifest("team-a", "box", "c1")
+        store.read_manifest(Pin("team-a", "box", "c1"))
     assert not isinstance(refused.value, CheckpointNotFound)
     assert "AccessDenied" in str(refused.value)

@@ -40,8 +40,9 @@ from hermit_common import bounded, gc
 from hermit_common.chunkcache import CacheTally, ChunkCache
 from hermit_common.gc import CollectResult
 from hermit_common.manifest import Binding, Manifest
+from hermit_common.pin import Pin
 from hermit_common.s3errors import CheckpointNotFound, ObjectExists
-from hermit_common.seal import Expected, Sealing, Wrapped
+from hermit_common.seal import Sealing, Wrapped
 from hermit_common.settings import StoreSettings
 from hermit_common.store.chunks import Codec, object_name
 from hermit_common.store.datakeys import DataKeys
@@ -131,17 +132,15 @@ class CheckpointStore:
         it is unusable."""
         return self._keys.read_sandbox_key(key)
 
-    def inherit_data_key(self, source: Expected, expect_digest: str | None,
-                         heir: CheckpointStore, namespace: str, sandbox: str,
-                         sandbox_uid: str) -> bool:
+    def inherit_data_key(self, source: Pin, heir: CheckpointStore, namespace: str,
+                         sandbox: str, sandbox_uid: str) -> bool:
         """Gives a fork (``sandbox``, ``sandbox_uid`` in ``heir``) the data key of the sealed
         checkpoint ``source`` it was restored from, bound to the source's lineage plus the
         fork's uid, unless the fork has a key already. Its chunks then get the same names
         as the source's (and, in the same store, are copied rather than uploaded by its
         first checkpoint). The source is verified exactly as a restore verifies it.
         False when nothing was inherited (plain, a lineage too long, a key already there)."""
-        return self._keys.inherit(source, expect_digest, heir._keys, namespace, sandbox,
-                                  sandbox_uid)
+        return self._keys.inherit(source, heir._keys, namespace, sandbox, sandbox_uid)
 
     # -- listing, reading, deleting ----------------------------------------------
 
@@ -162,19 +161,13 @@ class CheckpointStore:
         self._objects.delete(self.manifest_key(namespace, sandbox, checkpoint),
                              "delete checkpoint")
 
-    def read_manifest(self, namespace: str, sandbox: str, checkpoint: str, *,
-                      expect_uid: str | None = None, expect_parent: str | None = None,
-                      expect_lineage: tuple[str, ...] | None = None,
-                      expect_digest: str | None = None,
-                      ) -> tuple[Manifest, str]:
-        """Fetches, verifies (when sealed) and parses a manifest; returns it with the
-        digest of its stored bytes. ``expect_uid``, ``expect_parent`` and
-        ``expect_lineage``: what a sealed manifest must be signed for, when given;
-        ``expect_digest`` (a Checkpoint's status.manifestDigest): the stored bytes must
-        have it, checked before anything is parsed."""
-        opened = self._keys.open_manifest(Expected(namespace, sandbox, checkpoint, expect_uid,
-                                                   expect_parent, expect_lineage),
-                                          expect_digest)
+    def read_manifest(self, pin: Pin) -> tuple[Manifest, str]:
+        """Fetches, verifies (when sealed) and parses the manifest ``pin`` names; returns
+        it with the digest of its stored bytes. ``pin.uid``, ``.parent`` and
+        ``.lineage``: what a sealed manifest must be signed for, when set; ``pin.digest``
+        (a Checkpoint's status.manifestDigest): the stored bytes must have it, checked
+        before anything is parsed."""
+        opened = self._keys.open_manifest(pin)
         return opened.manifest, opened.digest
 
     # -- garbage collection ------------------------------------------------------
@@ -237,7 +230,7 @@ class CheckpointStore:
 
     def referenced_chunks(self, namespace: str, sandbox: str, checkpoint: str) -> set[str]:
         """The object names (under ``chunks/``) of the chunks a checkpoint references."""
-        opened = self._keys.open_manifest(Expected(namespace, sandbox, checkpoint))
+        opened = self._keys.open_manifest(Pin(namespace, sandbox, checkpoint))
         return {object_name(opened.cipher, d) for d in opened.manifest.chunk_digests()}
 
     # -- upload -----------------------------------------------------------------
@@ -284,46 +277,28 @@ class CheckpointStore:
 
     # -- download ---------------------------------------------------------------
 
-    def download(self, namespace: str, sandbox: str, checkpoint: str, dest: Path, *,
-                 expect_uid: str, expect_digest: str | None = None,
-                 expect_parent: str | None = None,
-                 expect_lineage: tuple[str, ...] | None = None) -> Manifest:
-        """Fetches, verifies and writes a checkpoint into ``dest/<section>/``.
+    def download(self, pin: Pin, dest: Path) -> Manifest:
+        """Fetches, verifies and writes checkpoint ``pin`` into ``dest/<section>/``; its
+        manifest must be bound to ``pin.uid`` (required) and match the rest of ``pin``.
 
         Raises CheckpointRefused (foreign, tampered, malformed or unsafe
         checkpoint), CheckpointNotFound, or StoreUnavailable. On failure nothing
         is left under ``dest``; on success every byte has been verified.
         """
-        return self.download_deferred(
-            namespace, sandbox, checkpoint, dest, expect_uid=expect_uid,
-            expect_digest=expect_digest, expect_parent=expect_parent,
-            expect_lineage=expect_lineage)[0]
+        return self.download_deferred(pin, dest)[0]
 
-    def download_deferred(self, namespace: str, sandbox: str, checkpoint: str, dest: Path, *,
-                          expect_uid: str, expect_digest: str | None = None,
-                          expect_parent: str | None = None,
-                          expect_lineage: tuple[str, ...] | None = None,
-                          defer: Defer | None = None, tally: CacheTally | None = None,
-                          ) -> tuple[Manifest, Deferred]:
+    def download_deferred(self, pin: Pin, dest: Path, *, defer: Defer | None = None,
+                          tally: CacheTally | None = None) -> tuple[Manifest, Deferred]:
         """``download``, except that the chunks of the files ``defer`` picks are left to the
         returned Deferred: those files exist with their size and metadata, and their
         bytes (each chunk verified) land when it fetches them. ``tally`` counts the chunks
         found in the cache and those fetched from S3."""
-        return self._downloader.download_deferred(
-            namespace, sandbox, checkpoint, dest, expect_uid=expect_uid,
-            expect_digest=expect_digest, expect_parent=expect_parent,
-            expect_lineage=expect_lineage, defer=defer, tally=tally)
+        return self._downloader.download_deferred(pin, dest, defer=defer, tally=tally)
 
-    def prefetch(self, namespace: str, sandbox: str, checkpoint: str, *, expect_uid: str,
-                 stop: threading.Event, expect_digest: str | None = None,
-                 expect_parent: str | None = None,
-                 expect_lineage: tuple[str, ...] | None = None,
-                 tally: CacheTally | None = None, workers: int = 2) -> int:
+    def prefetch(self, pin: Pin, *, stop: threading.Event, tally: CacheTally | None = None,
+                 workers: int = 2) -> int:
         """Fetches the chunks of a checkpoint the cache lacks into the cache, each verified
         as a download verifies it, the manifest opened and bound as for a download. Stops
         when ``stop`` is set or once it stored as many bytes as the cache holds. Returns
         the bytes it stored (0 without a cache)."""
-        return self._downloader.prefetch(
-            namespace, sandbox, checkpoint, expect_uid=expect_uid, stop=stop,
-            expect_digest=expect_digest, expect_parent=expect_parent,
-            expect_lineage=expect_lineage, tally=tally, workers=workers)
+        return self._downloader.prefetch(pin, stop=stop, tally=tally, workers=workers)

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from hermit_common import bounded
 from hermit_common.errors import CheckpointRefused
 from hermit_common.manifest import Manifest, digest_bytes
+from hermit_common.pin import Pin
 from hermit_common.s3errors import CheckpointNotFound, StoreNotFound
 from hermit_common.seal import (
     MAX_LINEAGE,
     ChunkCipher,
     Context,
-    Expected,
     Sealing,
     Wrapped,
     check_lineage,
@@ -125,13 +125,13 @@ class DataKeys:
         except StoreNotFound:
             return None
 
-    def inherit(self, source: Expected, expect_digest: str | None, heir: DataKeys,
-                namespace: str, sandbox: str, sandbox_uid: str) -> bool:
+    def inherit(self, source: Pin, heir: DataKeys, namespace: str, sandbox: str,
+                sandbox_uid: str) -> bool:
         """``CheckpointStore.inherit_data_key``: gives a fork in ``heir``'s store the data
         key of the sealed checkpoint ``source``; False when nothing was inherited."""
         if self.sealing is None or heir.sealing is None:
             return False
-        opened = self.open_manifest(source, expect_digest)
+        opened = self.open_manifest(source)
         if opened.dek is None or opened.context is None:
             return False
         lineage = (*(opened.context.lineage or (opened.context.sandbox_uid,)), sandbox_uid)
@@ -151,8 +151,7 @@ class DataKeys:
 
     # -- manifests --------------------------------------------------------------
 
-    def unseal(self, raw: bytes, expect: Expected) -> tuple[bytes, bytes | None,
-                                                            Context | None]:
+    def unseal(self, raw: bytes, expect: Pin) -> tuple[bytes, bytes | None, Context | None]:
         """The manifest JSON in stored bytes ``raw``, and (sealed) its data key and signed
         context. Refuses what this store may not read or what does not verify."""
         where = f"checkpoint {expect.namespace}/{expect.checkpoint}"
@@ -182,12 +181,12 @@ class DataKeys:
                 f"checkpoint {namespace}/{checkpoint} of sandbox {namespace}/{sandbox} "
                 f"not found at {self.objects.uri(key)}") from None
 
-    def open_manifest(self, expect: Expected, expect_digest: str | None = None) -> Opened:
+    def open_manifest(self, expect: Pin) -> Opened:
         """Fetches a manifest (at most bounded.STORED_MANIFEST_MAX_BYTES, refused on its
         Content-Length before its body is read), checks its stored bytes against
-        ``expect_digest`` before anything is parsed or decrypted, then unseals (the
-        envelope's few fields parsed, its signature checked) and parses it."""
-        namespace, checkpoint = expect.namespace, expect.checkpoint
+        ``expect.digest`` (when set) before anything is parsed or decrypted, then unseals
+        (the envelope's few fields parsed, its signature checked) and parses it."""
+        namespace, checkpoint, expect_digest = expect.namespace, expect.checkpoint, expect.digest
         raw = self.read_manifest_bytes(namespace, expect.sandbox, checkpoint)
         actual = digest_bytes(raw)
         if expect_digest is not None and actual != expect_digest:

@@ -18,8 +18,9 @@ from hermit_common import chunkcache
 from hermit_common.chunkcache import CacheTally, ChunkCache
 from hermit_common.errors import CheckpointFailed, CheckpointRefused
 from hermit_common.manifest import Manifest
+from hermit_common.pin import Pin
 from hermit_common.s3errors import StoreNotFound
-from hermit_common.seal import ChunkCipher, Expected
+from hermit_common.seal import ChunkCipher
 from hermit_common.store.chunks import Codec, ignore, object_name, run_parallel
 from hermit_common.store.datakeys import DataKeys, check_binding
 from hermit_common.store.objects import Objects
@@ -161,15 +162,12 @@ class Downloader:
                  cache: ChunkCache | None) -> None:
         self.objects, self.keys, self.codec, self.cache = objects, keys, codec, cache
 
-    def download_deferred(self, namespace: str, sandbox: str, checkpoint: str, dest: Path, *,
-                          expect_uid: str, expect_digest: str | None,
-                          expect_parent: str | None, expect_lineage: tuple[str, ...] | None,
-                          defer: Defer | None, tally: CacheTally | None,
-                          ) -> tuple[Manifest, Deferred]:
+    def download_deferred(self, pin: Pin, dest: Path, *, defer: Defer | None,
+                          tally: CacheTally | None) -> tuple[Manifest, Deferred]:
         """``CheckpointStore.download_deferred``."""
-        opened = self.keys.open_manifest(Expected(namespace, sandbox, checkpoint, expect_uid,
-                                                  expect_parent, expect_lineage),
-                                         expect_digest)
+        namespace, sandbox, checkpoint = pin.namespace, pin.sandbox, pin.checkpoint
+        expect_uid = pin.bound()
+        opened = self.keys.open_manifest(pin)
         manifest, cipher = opened.manifest, opened.cipher
         check_binding(manifest, namespace, sandbox, checkpoint, expect_uid)
         dest = Path(dest)
@@ -317,17 +315,15 @@ class Downloader:
             tally.stored(len(compressed))
         return True
 
-    def prefetch(self, namespace: str, sandbox: str, checkpoint: str, *, expect_uid: str,
-                 stop: threading.Event, expect_digest: str | None,
-                 expect_parent: str | None, expect_lineage: tuple[str, ...] | None,
-                 tally: CacheTally | None, workers: int) -> int:
+    def prefetch(self, pin: Pin, *, stop: threading.Event, tally: CacheTally | None,
+                 workers: int) -> int:
         """``CheckpointStore.prefetch``."""
         if self.cache is None:
             return 0
         cache = self.cache
-        opened = self.keys.open_manifest(Expected(namespace, sandbox, checkpoint, expect_uid,
-                                                  expect_parent, expect_lineage),
-                                         expect_digest)
+        namespace, sandbox, checkpoint = pin.namespace, pin.sandbox, pin.checkpoint
+        expect_uid = pin.bound()
+        opened = self.keys.open_manifest(pin)
         manifest = opened.manifest
         check_binding(manifest, namespace, sandbox, checkpoint, expect_uid)
         tally = tally if tally is not None else CacheTally()

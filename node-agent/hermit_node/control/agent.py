@@ -13,6 +13,7 @@ taint, no checkpoint. ``hermit_node.main`` builds the agent and starts those thr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -34,9 +35,9 @@ from hermit_common.errors import (
     Retryable,
     retryable,
 )
+from hermit_common.pin import Pin
 from hermit_common.protocol import KubeObject
 from hermit_common.s3errors import CheckpointNotFound
-from hermit_common.seal import Expected
 from hermit_common.store import UploadProgress
 from hermit_node.control import background, metrics, planner, requests
 from hermit_node.control import health as agent_health
@@ -594,14 +595,11 @@ class NodeAgent:
                 log.info("prefetch for pod %s/%s: no earlier Completed checkpoint", sp.namespace,
                          sp.pod)
                 return
-            origin = source.origin
             with background.lowest_priority():  # never at the cost of the node's real work
                 self._stores.for_checkpoint(dict(source.ckpt), owner).prefetch(
-                    sp.namespace, sp.sandbox, source.checkpoint, expect_uid=sp.sandbox_uid,
-                    stop=stop, expect_digest=origin.manifest_digest,
-                    expect_parent=origin.parent, expect_lineage=origin.lineage, tally=tally)
+                    source.pin.with_uid(sp.sandbox_uid), stop=stop, tally=tally)
             log.info("prefetched %d bytes of checkpoint %s/%s for pod %s in %.1f s%s",
-                     tally.stored_bytes, sp.namespace, source.checkpoint, sp.pod,
+                     tally.stored_bytes, sp.namespace, source.pin.checkpoint, sp.pod,
                      time.monotonic() - began, " (stopped)" if stop.is_set() else "")
         except Exception as exc:  # anything: a prefetch is only an optimisation
             log.warning("prefetch for pod %s/%s stopped: %s", sp.namespace, sp.pod, exc)
@@ -741,7 +739,7 @@ class NodeAgent:
                 # Where it was being written (status.storage), with its sandbox's credentials.
                 store = self._stores.for_checkpoint(
                     ckpt, self._kube.get_sandbox(namespace, sandbox))
-                stored, digest = store.read_manifest(namespace, sandbox, name)
+                stored, digest = store.read_manifest(Pin(namespace, sandbox, name))
             except CheckpointNotFound:
                 pass
             except HermitError as exc:
@@ -1090,10 +1088,8 @@ class NodeAgent:
             raise RestoreFailed(f"pod {sp.namespace}/{sp.pod} has no container id")
         pid = locate.find_init_pid(sp.container_id, self._proc_root)
         target = RestoreTarget(
-            namespace=sp.namespace, sandbox=origin.sandbox, sandbox_uid=sandbox_uid,
-            checkpoint=name, init_pid=pid, image_digest=sp.image_digest,
-            expect_manifest_digest=origin.manifest_digest, workspace_path=sp.workspace_path,
-            expect_parent=origin.parent, expect_lineage=origin.lineage)
+            pin=dataclasses.replace(origin, namespace=sp.namespace, uid=sandbox_uid),
+            init_pid=pid, image_digest=sp.image_digest, workspace_path=sp.workspace_path)
         result = self._restorer.restore(target, store=store)
         if origin.sandbox != sp.sandbox and store is not None:
             self._inherit_key(sp, target, store)
@@ -1110,11 +1106,7 @@ class NodeAgent:
             if sandbox is None:
                 return
             heir, _ = self._stores.for_sandbox(sandbox)
-            store.inherit_data_key(
-                Expected(source.namespace, source.sandbox, source.checkpoint,
-                         source.sandbox_uid, source.expect_parent, source.expect_lineage),
-                source.expect_manifest_digest, heir, sp.namespace, sp.sandbox,
-                sp.sandbox_uid)
+            store.inherit_data_key(source.pin, heir, sp.namespace, sp.sandbox, sp.sandbox_uid)
         except Exception as exc:  # anything: the restore is done
             log.warning("fork %s/%s does not inherit the data key of %s: %s", sp.namespace,
                         sp.sandbox, source.checkpoint, exc)

@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from hermit_common import api, display, protocol
+from hermit_common.pin import Pin
 from hermit_common.protocol import KubeObject
 from hermit_node.host import freezer
 
@@ -652,11 +653,14 @@ def _age(sp: SandboxPod, now: datetime) -> float:
 
 @dataclass(frozen=True)
 class PrefetchSource:
-    """The checkpoint a prefetch reads: its name and what its manifest must match."""
+    """The checkpoint a prefetch reads, pinned as a restore pins it (``restore_origin``)."""
 
-    checkpoint: str
-    origin: RestoreOrigin
+    pin: Pin
     ckpt: Mapping[str, Any] = field(compare=False, repr=False)  # where it is stored
+
+    @property
+    def checkpoint(self) -> str:
+        return self.pin.checkpoint
 
 
 def prefetch_source(checkpoints: Iterable[Mapping[str, Any]],
@@ -664,7 +668,7 @@ def prefetch_source(checkpoints: Iterable[Mapping[str, Any]],
     """The newest Completed checkpoint of ``sp``'s sandbox other than the one it waits for
     (most of that one's chunks are usually the same) that the operator verified, or None.
     Only a cache is filled from it: the restore verifies every chunk it takes from there."""
-    best: tuple[str, str, RestoreOrigin, Mapping[str, Any]] | None = None
+    best: tuple[str, str, Pin, Mapping[str, Any]] | None = None
     for ckpt in checkpoints:
         view = CheckpointView.from_object(ckpt)
         name = view.name
@@ -678,7 +682,7 @@ def prefetch_source(checkpoints: Iterable[Mapping[str, Any]],
         done = view.completed_at
         if best is None or (done, name) > best[:2]:
             best = (done, name, origin, ckpt)
-    return None if best is None else PrefetchSource(best[1], best[2], best[3])
+    return None if best is None else PrefetchSource(best[2], best[3])
 
 
 def stale_restores(pods: Iterable[SandboxPod], in_flight: set[tuple[str, str]]) -> list[SandboxPod]:
@@ -710,18 +714,10 @@ def cut_short_restore(left: str, *, lazy: bool, waited: float,
     return FAIL
 
 
-@dataclass(frozen=True)
-class RestoreOrigin:
-    """Where a restore reads from and what it must match."""
-
-    sandbox: str  # the sandbox the checkpoint was taken of (differs for a fork)
-    manifest_digest: str
-    parent: str = ""  # status.parent: what a sealed manifest must be signed with
-    lineage: tuple[str, ...] | None = None  # status.lineage, when recorded
-
-
-def restore_origin(ckpt: Mapping[str, Any] | None, name: str) -> RestoreOrigin | str:
-    """The source of a restore from Checkpoint ``name``, or why it cannot be used."""
+def restore_origin(ckpt: Mapping[str, Any] | None, name: str) -> Pin | str:
+    """The source of a restore from Checkpoint ``name``, pinned to what its status
+    records (manifest digest, parent, "" for none, and lineage), or why it cannot be
+    used. Its ``uid`` is left to the caller: the uid of the sandbox it is of."""
     if ckpt is None:
         return f"Checkpoint {name} does not exist"
     view = CheckpointView.from_object(ckpt)
@@ -729,8 +725,8 @@ def restore_origin(ckpt: Mapping[str, Any] | None, name: str) -> RestoreOrigin |
         return f"Checkpoint {name} is {view.phase}, not Completed"
     if not view.manifest_digest or not view.sandbox:
         return f"Checkpoint {name} records no manifestDigest or sandboxRef"
-    return RestoreOrigin(sandbox=view.sandbox, manifest_digest=view.manifest_digest,
-                         parent=view.parent, lineage=view.lineage)
+    return Pin(view.namespace, view.sandbox, name, parent=view.parent, lineage=view.lineage,
+               digest=view.manifest_digest)
 
 
 def restored_message(name: str, result: RestoreResult) -> str:

@@ -26,6 +26,7 @@ from hermit_common import protocol
 from hermit_common.chunkcache import CacheTally
 from hermit_common.errors import CheckpointRefused, RestoreFailed
 from hermit_common.manifest import Manifest
+from hermit_common.pin import Pin
 from hermit_common.store import CheckpointStore, Deferred
 from hermit_node.engine import admit, lazypages, pagesource, staging
 from hermit_node.engine.checkpoint import (
@@ -49,21 +50,27 @@ LAZY_FILL_TIMEOUT_SECONDS = 600.0
 
 @dataclass(frozen=True)
 class RestoreTarget:
-    namespace: str
-    sandbox: str
-    sandbox_uid: str
-    checkpoint: str
+    # Which checkpoint, pinned how: its sandbox's uid (required: every manifest is bound
+    # to it) and, when known, its Checkpoint's status.manifestDigest, parent and lineage.
+    pin: Pin
     init_pid: int  # host pid of the new container's PID 1 (hermit-init --restore)
     bundle: Path | None = None
     image_digest: str | None = None  # of the new container; must match the checkpoint's
-    expect_manifest_digest: str | None = None  # from Checkpoint.status, when known
-    # What a sealed manifest must be signed for (Checkpoint.status.parent, "": none, and
-    # status.lineage); None: not checked.
-    expect_parent: str | None = None
-    expect_lineage: tuple[str, ...] | None = None
     # The new pod's workspace mount point (None: it has none): the only mount a restore
     # empties and refills, whatever the manifest's restore.workspace says.
     workspace_path: str | None = protocol.DEFAULT_WORKSPACE_PATH
+
+    @property
+    def namespace(self) -> str:
+        return self.pin.namespace
+
+    @property
+    def sandbox(self) -> str:
+        return self.pin.sandbox
+
+    @property
+    def checkpoint(self) -> str:
+        return self.pin.checkpoint
 
 
 @dataclass(frozen=True)
@@ -311,19 +318,14 @@ class RestoreEngine:
         # parent, lineage): nothing is downloaded or written for one that does not verify.
         # Its stored bytes must have the digest the Checkpoint recorded, checked before
         # anything is parsed (bounded.py).
-        manifest, digest = store.read_manifest(
-            target.namespace, target.sandbox, target.checkpoint,
-            expect_uid=target.sandbox_uid, expect_parent=target.expect_parent,
-            expect_lineage=target.expect_lineage, expect_digest=target.expect_manifest_digest)
+        manifest, digest = store.read_manifest(target.pin)
         check_compatible(manifest, criu_version=self._criu.version(),
                          cpu_flags=sysinfo.cpu_flags(), image_digest=target.image_digest)
         admitted = self._admit(target, manifest, view)
         check_room(manifest, admitted, local, view)
         # The manifest downloaded is the one admitted: the same bytes, by digest.
         _, deferred = store.download_deferred(
-            target.namespace, target.sandbox, target.checkpoint, local,
-            expect_uid=target.sandbox_uid, expect_digest=digest,
-            expect_parent=target.expect_parent, expect_lineage=target.expect_lineage,
+            dataclasses.replace(target.pin, digest=digest), local,
             defer=_pages_images if self.lazy else None, tally=tally)
         return manifest, admitted, deferred if self.lazy else None, _ms(started)
 
