@@ -37,8 +37,10 @@ REFRESH_FRACTION: Final = 0.25  # refresh once this much of the lifetime is left
 MAX_REFRESH_MARGIN_SECONDS: Final = 300.0  # ...or this long, whichever is shorter
 MAX_CLIENTS: Final = 256
 # A refusal (or no answer) is remembered this long, so a fork's chunk copies, each of
-# which asks for its source's read access, do not each ask the key service again.
-FAILURE_TTL_SECONDS: Final = 10.0
+# which asks for its source's read access, do not each ask the key service again. Short:
+# a notice's stopping checkpoint seconds after a failed one (a Secret fixed meanwhile)
+# must ask again, not inherit the old refusal.
+FAILURE_TTL_SECONDS: Final = 2.0
 
 
 class StoreCredentialsUnavailable(StoreUnavailable):

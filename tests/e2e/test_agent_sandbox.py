@@ -176,7 +176,7 @@ def test_an_opted_in_sandbox_runs_under_hermit_init(
     pod = _wait_ready(kube, namespace, name, created["metadata"]["uid"])
     main = pod["spec"]["containers"][0]
     assert main["command"] == ["/.hermit/hermit-init", "--", "sleep", "3600"], main
-    assert {"name": "workspace", "mountPath": "/workspace"} in main["volumeMounts"]
+    assert {"name": "hermit-workspace", "mountPath": "/workspace"} in main["volumeMounts"]
     [init] = pod["status"]["initContainerStatuses"]
     assert init["name"] == "hermit-init", init
     # the small init image (only hermit-init), not the node-agent's (issue 21, point 1)

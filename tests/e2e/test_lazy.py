@@ -18,10 +18,12 @@ from tests.e2e import sandboxes as sb
 from tests.e2e.cluster import E2EConfig, Kube, helm_set, wait_until
 from tests.support import ledger
 
-# Much more memory than the workload touches per tick (it verifies 2 MiB a tick, a pass
-# every 96 ticks): a lazy restore runs long before the rest comes in.
-LAZY_MEM_MB = 192
-LAZY_VERIFY_MB = 2
+# Much more memory than the workload touches per tick (it verifies 8 MiB a tick, a pass
+# every 64 ticks), and enough that its fill from the local MinIO takes seconds (192 MiB
+# took 1.06 s, with the first tick 0.27 s before the end): a lazy restore runs long
+# before the rest comes in.
+LAZY_MEM_MB = 512
+LAZY_VERIFY_MB = 8
 # How long before its last page the restored copy must have ticked: an eager restore's
 # tree resumes once every page is in, so its first tick can come at most a tick period
 # before the moment the restore ends (0.2 s); a lazy one runs while its memory, seconds
