@@ -126,6 +126,9 @@ def test_migration_keeps_memory_children_files_log_socket_and_output(
     ticks_at_checkpoint = source.ticks()
     last = ticks_at_checkpoint[-1]
     assert ticks_at_checkpoint == list(range(1, last + 1))
+    # The old copy's last word on its stdout: a copy that ran on after its stopping
+    # checkpoint printed ticks the restored copy makes again (a duplicate).
+    printed_on_a = _stdout_ticks(source.container.read_log())
     child_before = int(before["child"])
 
     # Node A's copy is gone entirely: container, netns, workspace, local images.
@@ -143,7 +146,13 @@ def test_migration_keeps_memory_children_files_log_socket_and_output(
         # The in-memory counter continues where it was: no gap, no duplicate, not from zero.
         ticks = target.wait_ticks(last + 10)
         assert ticks == list(range(1, len(ticks) + 1)), "ticks.log has a gap or a duplicate"
-        assert ticks[last] == last + 1
+        # Node B's stdout takes up exactly where node A's stopped: its first tick is the
+        # one after A's last (none made twice, none skipped), whatever tick the freeze cut.
+        printed_on_b = _stdout_ticks(target.container.read_log())
+        assert printed_on_a and printed_on_b, (printed_on_a[-3:], printed_on_b[:3])
+        assert printed_on_b[0] == printed_on_a[-1] + 1, (
+            f"node A printed up to tick {printed_on_a[-1]}, node B began at "
+            f"{printed_on_b[0]}")
 
         # The listening socket answers on B's address, with the same child.
         answer = target.ask()
@@ -179,6 +188,12 @@ def test_migration_keeps_memory_children_files_log_socket_and_output(
                                            "cgroup2")]), init_view
     finally:
         destroy_sandbox(target, cni_network)
+
+
+def _stdout_ticks(log: str) -> list[int]:
+    """The ticks a workload printed on its stdout ("tick N" lines), in order."""
+    return [int(line.split()[1]) for line in log.splitlines()
+            if line.startswith("tick ") and line.split()[1].isdigit()]
 
 
 def _cgroup_view(pid: int) -> tuple[str, list[tuple[str, ...]]]:
