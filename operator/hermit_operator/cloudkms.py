@@ -25,7 +25,6 @@ pure parts are, with recorded answers (tests/unit/test_cloudkms.py).
 from __future__ import annotations
 
 import hashlib
-import logging
 import re
 import threading
 from collections.abc import Callable
@@ -33,13 +32,11 @@ from typing import Any, Final
 
 import requests
 
-from hermit_common.errors import CheckpointRefused, SettingsError
+from hermit_common.errors import CheckpointRefused
 from hermit_common.seal import Wrapped
 from hermit_common.settings import KeyServiceSettings
 from hermit_operator import kmshttp
 from hermit_operator.kmshttp import KmsUnavailable
-
-log = logging.getLogger("hermit.operator.keys")
 
 DEFAULT_ENDPOINT: Final = "https://cloudkms.googleapis.com"
 METADATA_TOKEN_URL: Final = ("http://169.254.169.254/computeMetadata/v1/instance/"
@@ -237,10 +234,4 @@ def wrapper_from(settings: KeyServiceSettings, http: Any = None) -> CloudKmsWrap
     wrapper = CloudKmsWrapper(settings.kms_key_id, token, mac_key=settings.kms_mac_key_id,
                               endpoint=settings.kms_endpoint or DEFAULT_ENDPOINT,
                               http=session, token_setting=token_setting)
-    try:
-        wrapper.current_key_id()
-    except CheckpointRefused as exc:
-        raise SettingsError(f"HERMIT_SEAL_KMS_KEY_ID={settings.kms_key_id}: {exc}") from None
-    except KmsUnavailable as exc:
-        log.warning("key service: %s (asked again at the first request)", exc)
-    return wrapper
+    return kmshttp.probed_at_start(wrapper, settings.kms_key_id)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 import re
 import struct
 import threading
@@ -47,8 +46,6 @@ from hermit_common.seal import Wrapped
 from hermit_common.settings import KeyServiceSettings
 from hermit_operator import kmshttp
 from hermit_operator.kmshttp import KmsUnavailable
-
-log = logging.getLogger("hermit.operator.keys")
 
 API_VERSION: Final = "7.4"
 RSA_WRAP: Final = "RSA-OAEP-256"
@@ -357,10 +354,4 @@ def wrapper_from(settings: KeyServiceSettings, http: Any = None) -> KeyVaultWrap
     token, token_setting = token_source(key, settings, session)
     wrapper = KeyVaultWrapper(key, token, algorithm=settings.kms_azure_wrap_algorithm,
                               http=session, token_setting=token_setting)
-    try:
-        wrapper.current_key_id()
-    except CheckpointRefused as exc:
-        raise SettingsError(f"HERMIT_SEAL_KMS_KEY_ID={settings.kms_key_id}: {exc}") from None
-    except KmsUnavailable as exc:
-        log.warning("key service: %s (asked again at the first request)", exc)
-    return wrapper
+    return kmshttp.probed_at_start(wrapper, settings.kms_key_id)

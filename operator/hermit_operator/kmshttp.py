@@ -13,16 +13,26 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol, TypeVar
 
 import requests
 
-from hermit_common.errors import CheckpointRefused, Retryable
+from hermit_common.errors import CheckpointRefused, Retryable, SettingsError
+
+log = logging.getLogger("hermit.operator.keys")
+
+
+class _HasCurrentKey(Protocol):
+    def current_key_id(self) -> str: ...
+
+
+W = TypeVar("W", bound=_HasCurrentKey)
 
 # A wrap, unwrap, sign or verify answer is well under 4 KiB (an RSA-4096 block is 683
 # characters of base64); a token answer under 16 KiB.
@@ -176,3 +186,16 @@ def session() -> requests.Session:
     """A session for one wrapper: HTTPS_PROXY and REQUESTS_CA_BUNDLE apply as they do to
     boto3; every request sets its own Authorization header."""
     return requests.Session()
+
+
+def probed_at_start(wrapper: W, key_id: str) -> W:
+    """``wrapper`` once its KMS has been asked for the current key: SettingsError naming
+    HERMIT_SEAL_KMS_KEY_ID when the KMS refuses it; a KMS that does not answer yet is
+    asked again at the first request (the key service starts anyway)."""
+    try:
+        wrapper.current_key_id()
+    except CheckpointRefused as exc:
+        raise SettingsError(f"HERMIT_SEAL_KMS_KEY_ID={key_id}: {exc}") from None
+    except KmsUnavailable as exc:
+        log.warning("key service: %s (asked again at the first request)", exc)
+    return wrapper
