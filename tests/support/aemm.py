@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from tests.support import processes
 from tests.support.binaries import cached_binary
 
 INSTALL_HINT = "amazon-ec2-metadata-mock not found: run hack/install-aemm"
@@ -80,14 +81,7 @@ class AemmServer:
                     f"{READY_TIMEOUT_SECONDS:.0f} s: {self.log_tail()}")
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=5)
+        processes.end(self.process)
 
     def restart(self) -> AemmServer:
         self.stop()

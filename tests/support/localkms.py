@@ -22,6 +22,7 @@ import boto3
 import pytest
 from botocore.config import Config
 
+from tests.support import processes
 from tests.support.binaries import cached_binary
 
 INSTALL_HINT = "local-kms not found: run hack/install-local-kms"
@@ -70,14 +71,7 @@ class LocalKms:
                           connect_timeout=2, read_timeout=5))
 
     def stop(self) -> None:
-        if self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=5)
+        processes.end(self.process)
 
     def log_tail(self, lines: int = 20) -> str:
         try:

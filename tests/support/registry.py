@@ -24,6 +24,7 @@ from types import TracebackType
 
 import pytest
 
+from tests.support import processes
 from tests.support.binaries import cached_binary
 
 INSTALL_HINT = "registry not found: run hack/install-registry"
@@ -99,14 +100,7 @@ class Registry:
             return ""
 
     def stop(self) -> None:
-        if self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=5)
+        processes.end(self.process)
 
     def __enter__(self) -> Registry:
         return self
