@@ -95,20 +95,12 @@ class CloudKmsWrapper:
                  ) -> tuple[int, str, dict[str, Any]]:
         """(status, Cloud KMS's error status, body); raises what is no answer."""
         url = f"{self._endpoint}/v1/{resource}" + (f":{op}" if body is not None else "")
-        headers = {"Authorization": f"Bearer {self._token()}",
-                   "Accept": "application/json"}
-        try:
-            answer = kmshttp.call(self._http, "POST" if body is not None else "GET", url,
-                                  headers=headers, json_body=body)
-        except KmsUnavailable as exc:
-            raise KmsUnavailable(f"Cloud KMS {op} with key {resource!r}: {exc}") from None
+        answer = kmshttp.bearer_call(self._http, self._token, url, body,
+                                     f"Cloud KMS {op} with key {resource!r}")
         status = error_status(answer.body)
         if answer.status == 200:
             return 200, "", answer.body
         if answer.status == 401:
-            forget = getattr(self._token, "forget", None)
-            if forget is not None:
-                forget()
             raise CheckpointRefused(f"Cloud KMS refused {op} with key {resource!r}: "
                                     f"UNAUTHENTICATED: its token ({self._token_setting}) "
                                     "is not accepted")

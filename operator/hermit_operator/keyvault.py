@@ -175,20 +175,12 @@ class KeyVaultWrapper:
 
     def _request(self, op: str, url: str, body: dict[str, Any] | None = None
                  ) -> dict[str, Any]:
-        headers = {"Authorization": f"Bearer {self._token()}",
-                   "Accept": "application/json"}
-        try:
-            answer = kmshttp.call(self._http, "POST" if body is not None else "GET", url,
-                                  headers=headers, json_body=body)
-        except KmsUnavailable as exc:
-            raise KmsUnavailable(f"Key Vault {op} of {self._key.name!r}: {exc}") from None
+        answer = kmshttp.bearer_call(self._http, self._token, url, body,
+                                     f"Key Vault {op} of {self._key.name!r}")
         if answer.status == 200:
             return answer.body
         code = error_code(answer.body) or f"HTTP {answer.status}"
         if answer.status == 401:
-            forget = getattr(self._token, "forget", None)
-            if forget is not None:
-                forget()
             raise Refused(f"Key Vault refused {op} with key {self._key.name!r}: {code}: its "
                           f"token ({self._token_setting}) is not accepted", code)
         if kmshttp.unavailable_status(answer.status) or (code not in _REFUSED_CODES and \

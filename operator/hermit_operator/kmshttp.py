@@ -96,6 +96,24 @@ def call(session: requests.Session, method: str, url: str, *,
         raise KmsUnavailable(f"did not answer: {type(exc).__name__}") from None
 
 
+def bearer_call(session: requests.Session, token: Callable[[], str], url: str,
+                body: Any, what: str) -> Answer:
+    """One bounded JSON request with ``token()`` as its bearer (POST with ``body``, GET
+    without); no answer is KmsUnavailable naming ``what``. A 401 makes a token that can
+    ``forget`` fetch a fresh one next time."""
+    headers = {"Authorization": f"Bearer {token()}", "Accept": "application/json"}
+    try:
+        answer = call(session, "POST" if body is not None else "GET", url, headers=headers,
+                      json_body=body)
+    except KmsUnavailable as exc:
+        raise KmsUnavailable(f"{what}: {exc}") from None
+    if answer.status == 401:
+        forget = getattr(token, "forget", None)
+        if forget is not None:
+            forget()
+    return answer
+
+
 def unavailable_status(status: int) -> bool:
     """Throttled, or failed on its side: another try may succeed."""
     return status in (408, 429) or status >= 500
