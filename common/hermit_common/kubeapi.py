@@ -45,6 +45,7 @@ from hermit_common.kubeclient import (
     MERGE_PATCH,
     REQUEST_TIMEOUT,
     KubeUnavailable,
+    api_causes,
     api_message,
     load_configuration,
 )
@@ -57,6 +58,10 @@ NETWORK_ERRORS: tuple[type[BaseException], ...] = (
 # What ``_call`` turns into a KubeApiError: error responses, the network, and credentials
 # that cannot be refreshed (an exec plugin or a token file failing at request time).
 CALL_ERRORS: tuple[type[BaseException], ...] = (ApiException, ConfigException, *NETWORK_ERRORS)
+
+
+# The cause (details.causes[].reason) of a 403 for a create in a namespace being deleted.
+NAMESPACE_TERMINATING = "NamespaceTerminating"
 
 
 class KubeApiError(HermitError):
@@ -84,6 +89,11 @@ class KubeInvalid(KubeApiError):
 
 class KubeForbidden(KubeApiError):
     """401 or 403: the credentials are not accepted, or RBAC does not allow the call."""
+
+
+class KubeNamespaceTerminating(KubeForbidden):
+    """403 with the cause NamespaceTerminating: nothing new can be created in a namespace
+    being deleted (everything in it goes with it)."""
 
 
 class KubeTransient(KubeApiError, Retryable):
@@ -115,8 +125,10 @@ def api_error(what: str, exc: BaseException) -> KubeApiError:
     if isinstance(exc, ApiException):
         if isinstance(exc.status, int) and exc.status > 0:
             detail = api_message(exc)
-            return error_class(exc.status)(f"{what} failed: {detail}", status=exc.status,
-                                           detail=detail)
+            kind = error_class(exc.status)
+            if kind is KubeForbidden and NAMESPACE_TERMINATING in api_causes(exc):
+                kind = KubeNamespaceTerminating
+            return kind(f"{what} failed: {detail}", status=exc.status, detail=detail)
         # The client's own ApiException(status=0): a TLS failure, no response at all.
         detail = one_line(exc, DETAIL_LIMIT, mark="")
         return KubeTransient(f"{what} failed: {detail}", detail=detail)

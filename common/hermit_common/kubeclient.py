@@ -45,6 +45,18 @@ def load_configuration() -> client.Configuration:
     return cfg
 
 
+def api_causes(exc: ApiException) -> tuple[str, ...]:
+    """The reasons of an error response's ``details.causes`` (Status), in order."""
+    try:
+        body = json.loads(exc.body or "")
+    except ValueError:
+        return ()
+    details = body.get("details") if isinstance(body, dict) else None
+    causes = details.get("causes") if isinstance(details, dict) else None
+    return tuple(str(c.get("reason")) for c in causes or () if isinstance(c, dict)
+                 and c.get("reason"))
+
+
 def api_message(exc: ApiException) -> str:
     """The API server's own message from an error response, else the HTTP status."""
     try:

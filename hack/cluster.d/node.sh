@@ -24,10 +24,20 @@ node_alloc() {  # node_alloc NAME CAPACITY: reserves an index (1..200) for NAME
   die "no free node index"
 }
 
+veth_gone() { ! ip link show "$1" >/dev/null 2>&1; }
+
 node_net_up() {
   local name=$1 i ip ns=hermit-$1 veth
   i=$(node_index "$name"); ip=$(node_ip "$name"); veth="hmv$i"
   if ! ip netns list | grep -qw "$ns"; then ip netns add "$ns"; fi
+  # A node added again under its old index finds the old veth still there for a while:
+  # `ip netns del` returns before the kernel tears the old namespace and its veth
+  # pair down. That veth leads nowhere, so it is removed (and waited out) first.
+  if ip link show "$veth" >/dev/null 2>&1 \
+      && ! ip -n "$ns" -o addr show dev eth0 2>/dev/null | grep -qF " $ip/24 "; then
+    ip link del "$veth" 2>/dev/null || true
+    wait_for "the old $veth to go" 30 veth_gone "$veth"
+  fi
   if ! ip link show "$veth" >/dev/null 2>&1; then
     ip link add "$veth" type veth peer name eth0 netns "$ns"
     ip link set "$veth" master "$BRIDGE" up
@@ -293,7 +303,7 @@ node_aemm() {
     nsenter --net="/run/netns/hermit-$name" -- \
     env HOME="$(node_dir "$name")" "$HERMIT_BIN/ec2-metadata-mock" "${args[@]}" \
     --hostname "$(node_ip "$name")" --port "$AEMM_PORT" --mock-ip-count 1000
-  wait_for "AEMM of $name" 20 curl -sf "$(node_imds_url "$name")/latest/meta-data/instance-id"
+  wait_for "AEMM of $name" 60 curl -sf "$(node_imds_url "$name")/latest/meta-data/instance-id"
 }
 
 node_import_images() {
@@ -384,10 +394,17 @@ node_kill() {
   for m in $(findmnt -rn -o TARGET | grep -E "^($CLUSTER_VAR|$CLUSTER_RUN)/$name(/|$)" | sort -r); do
     umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || log "warning: cannot unmount $m"
   done
+  local veth=""
   if node_exists "$name"; then
     ip route del "$POD_NET_PREFIX.$(node_index "$name").0/24" 2>/dev/null || true
+    veth="hmv$(node_index "$name")"
   fi
   ip netns del "hermit-$name" 2>/dev/null || true
+  # the kernel tears the namespace down later: its index is free once the veth is gone
+  if [ -n "$veth" ]; then
+    ip link del "$veth" 2>/dev/null || true
+    wait_for "$veth of $name to go" 30 veth_gone "$veth"
+  fi
   node_cgroups_down "$name"
   rm -rf "${CLUSTER_VAR:?}/$name" "${CLUSTER_RUN:?}/$name" "$(node_dir "$name")"
   pki_node_forget "$name"

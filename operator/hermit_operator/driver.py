@@ -22,7 +22,7 @@ from hermit_common.protocol import KubeObject
 from hermit_common.settings import OperatorSettings
 from hermit_operator import metrics, overlap, podspec
 from hermit_operator.checkpoints import orphan_status, sandbox_of
-from hermit_operator.kube import Kube, KubeTransient
+from hermit_operator.kube import Kube, KubeNamespaceTerminating, KubeTransient
 from hermit_operator.podspec import InvalidSpec
 from hermit_operator.reconcile import Event, Plan, plan, rejected_status
 from hermit_operator.resync import Inputs, fingerprint_of
@@ -131,7 +131,17 @@ def reconcile_sandbox(kube: Kube, settings: OperatorSettings, namespace: str, na
             moment = (now or (lambda: datetime.now(UTC)))()
             p = plan(sandbox, pod, moment, settings=settings, checkpoints=ckpts,
                      replacement=replacement)
-            _apply(kube, sandbox, p, post, moment)
+            try:
+                _apply(kube, sandbox, p, post, moment)
+            except KubeNamespaceTerminating as exc:
+                # Its namespace is being deleted and it with it (the namespace controller
+                # may delete pods long before AgentSandboxes): nothing can be saved, as no
+                # Checkpoint can be created there either, so held pods go now.
+                log.info("AgentSandbox %s/%s: %s; its namespace is being deleted",
+                         namespace, name, exc)
+                _cut_holds(kube, namespace, name, sandbox, namespace_terminating=True)
+                result = "ok"
+                return None
             if inputs is not None:
                 inputs.record(namespace, name, fingerprint_of(sandbox, pod, ckpts),
                               time.monotonic())
@@ -154,15 +164,17 @@ def reconcile_sandbox(kube: Kube, settings: OperatorSettings, namespace: str, na
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
 
 
-def _cut_holds(kube: Kube, namespace: str, name: str, sandbox: KubeObject | None) -> None:
-    """The AgentSandbox is gone or going: its pods being deleted have nothing to save, so
-    their termination holds end now (podspec.hold_to_cut) instead of after their grace
-    period. Their pod events bring the sandbox's name here."""
+def _cut_holds(kube: Kube, namespace: str, name: str, sandbox: KubeObject | None, *,
+               namespace_terminating: bool = False) -> None:
+    """The AgentSandbox is gone or going (or its namespace is): its pods being deleted have
+    nothing to save, so their termination holds end now (podspec.hold_to_cut) instead of
+    after their grace period. Their pod events bring the sandbox's name here."""
     for pod in kube.list_sandbox_pods(namespace, name):
-        if podspec.hold_to_cut(pod, sandbox):
+        if podspec.hold_to_cut(pod, sandbox, namespace_terminating=namespace_terminating):
             meta = pod["metadata"]
-            log.info("pod %s/%s: its AgentSandbox %s is gone or being deleted; nothing to "
-                     "save: removing it now", namespace, meta["name"], name)
+            log.info("pod %s/%s: its AgentSandbox %s or its namespace is gone or being "
+                     "deleted; nothing to save: removing it now", namespace, meta["name"],
+                     name)
             kube.delete_pod(namespace, meta["name"], 0, uid=meta.get("uid"))
 
 

@@ -2,8 +2,9 @@
 
 Everything goes in and out as plain dicts in API (camelCase) form. API failures are
 ``hermit_common.kubeapi`` errors, classified by HTTP meaning: ``KubeTransient`` (retry
-later: 429, 5xx, network), ``KubeForbidden``, ``KubeConflict``, ``KubeInvalid``,
-``KubeNotFound``, all of them ``KubeApiError`` (also exported as ``KubeError``). A pod the
+later: 429, 5xx, network), ``KubeForbidden`` (``KubeNamespaceTerminating``: nothing can be
+created in a namespace being deleted), ``KubeConflict``, ``KubeInvalid``, ``KubeNotFound``,
+all of them ``KubeApiError`` (also exported as ``KubeError``). A pod the
 API rejects as invalid (400, 422) is ``InvalidSpec`` instead: the sandbox's spec is wrong.
 """
 
@@ -20,6 +21,7 @@ from hermit_common.kubeapi import (
     KubeConflict,
     KubeForbidden,
     KubeInvalid,
+    KubeNamespaceTerminating,
     KubeNotFound,
     KubeTransient,
 )
@@ -36,6 +38,7 @@ __all__ = [
     "KubeError",
     "KubeForbidden",
     "KubeInvalid",
+    "KubeNamespaceTerminating",
     "KubeNotFound",
     "KubeObject",
     "KubeTransient",

@@ -237,17 +237,21 @@ def holds_termination(pod: KubeObject | None) -> bool:
     return annotations.get(protocol.ANNOTATION_HOLD) == "true"
 
 
-def hold_to_cut(pod: KubeObject, sandbox: KubeObject | None) -> bool:
+def hold_to_cut(pod: KubeObject, sandbox: KubeObject | None, *,
+                namespace_terminating: bool = False) -> bool:
     """Whether ``pod``'s termination hold has nothing left to wait for: the pod is being
     deleted with a grace period (its preStop sleep holds it), carries the hold, and the
     AgentSandbox that owns it is gone (``sandbox``: the one of that name as read now, None
-    when there is none) or being deleted. Its tree has nothing to save, so the operator
+    when there is none) or being deleted, or their namespace is (``namespace_terminating``:
+    no Checkpoint can be created in it). Its tree has nothing to save, so the operator
     removes the object (grace 0) rather than leave it sleeping out its grace period."""
     meta = pod.get("metadata") or {}
     if not meta.get("deletionTimestamp") or not holds_termination(pod):
         return False
     if meta.get("deletionGracePeriodSeconds") == 0:
         return False  # going at once already
+    if namespace_terminating:
+        return True
     owners = {o.get("uid") for o in meta.get("ownerReferences") or []
               if o.get("controller") and o.get("kind") == api.SANDBOX_KIND}
     if sandbox is None:

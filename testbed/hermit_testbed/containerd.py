@@ -467,11 +467,14 @@ class Containerd:
 
         ``args`` replaces the image's entrypoint+cmd (None keeps the image's).
         ``netns_path`` joins an existing network namespace (e.g. from CniNetwork.add);
-        without it the container gets a fresh, unconnected one. ``log_path``
-        defaults to ``<base>/logs/<id>.log``.
+        without it the container gets a fresh, unconnected one. ``log_path`` (emptied
+        first) defaults to ``<base>/logs/<id>.log``.
         """
         log = (log_path or self.base_dir / "logs" / f"{container_id}.log").resolve()
         log.parent.mkdir(parents=True, exist_ok=True)
+        # The shim appends to the file: a container run again under the same name (the
+        # next test on a module's nodes) would start with the last one's output.
+        log.unlink(missing_ok=True)
         argv = [
             "run",
             "--detach",

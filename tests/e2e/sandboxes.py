@@ -117,6 +117,15 @@ def events(kube: Kube, ns: str, name: str) -> list[Obj]:
     return [{"type": e.type, "reason": e.reason, "message": e.message} for e in out.items]
 
 
+def wait_events(kube: Kube, ns: str, name: str, what: str, keep: Callable[[Obj], bool],
+                timeout: float = 30) -> list[Obj]:
+    """The Events about ``name`` that ``keep`` accepts, once there is one. An Event is
+    posted after the status it explains (the operator's through kopf's queue), so it may
+    land a moment after a wait on that status returned."""
+    return wait_until(what, timeout, lambda: [e for e in events(kube, ns, name) if keep(e)]
+                      or None, 0.5)
+
+
 def ticks(kube: Kube, ns: str, pod: str) -> list[int]:
     """The ``tick N`` lines of a pod's output (empty when it has none yet)."""
     try:

@@ -402,10 +402,11 @@ def test_a_forged_checkpoint_with_full_capabilities_is_refused_on_the_next_node(
         assert restored.get("name") == genuine["metadata"]["name"], status
         assert restored.get("fallback") is True, status
 
-        fallbacks = [e for e in sb.events(kube, namespace, name)
-                     if e["type"] == "Warning" and e["reason"] == api.REASON_RESTORE_FALLBACK]
-        refusal = next((e["message"] for e in fallbacks if forged in e["message"]), None)
-        assert refusal is not None, f"no RestoreFallback Warning names {forged}: {fallbacks}"
+        fallbacks = sb.wait_events(
+            kube, namespace, name, f"a RestoreFallback Warning naming {forged}",
+            lambda e: e["type"] == "Warning" and e["reason"] == api.REASON_RESTORE_FALLBACK
+            and forged in e["message"])
+        refusal = fallbacks[0]["message"]
         assert "its processes would hold more than the new pod grants" in refusal, refusal
         assert genuine["metadata"]["name"] in refusal, refusal
         print(f"refused: {refusal}")

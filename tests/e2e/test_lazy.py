@@ -19,10 +19,13 @@ from tests.e2e.cluster import E2EConfig, Kube, helm_set, wait_until
 from tests.support import ledger
 
 # Much more memory than the workload touches per tick (it verifies 8 MiB a tick, a pass
-# every 64 ticks), and enough that its fill from the local MinIO takes seconds (192 MiB
-# took 1.06 s, with the first tick 0.27 s before the end): a lazy restore runs long
-# before the rest comes in.
-LAZY_MEM_MB = 512
+# every 128 ticks), and enough that its fill from the local MinIO takes seconds: a lazy
+# restore runs long before the rest comes in. Every page the restored copy touches first
+# is a fault the lazy-pages daemon serves, so its first ticks are slow on a busy machine:
+# in CI, with 512 MiB and 8 MiB a tick, the fill took 2.3 s and the first tick came only
+# 0.11 s before its end (an idle run had 1.78 s to spare); twice the memory doubles
+# the fill, not the first tick's wait.
+LAZY_MEM_MB = 1024
 LAZY_VERIFY_MB = 8
 # How long before its last page the restored copy must have ticked: an eager restore's
 # tree resumes once every page is in, so its first tick can come at most a tick period

@@ -151,9 +151,9 @@ def _fall_back(kube: Kube, cfg: E2EConfig, ns: str, name: str, where: sb.Running
         assert labels_of(pod).get(protocol.LABEL_CAPACITY) == api.CAPACITY_ON_DEMAND
         annotations = pod["metadata"].get("annotations") or {}
         assert annotations.get(protocol.ANNOTATION_RESTORE_FROM) == ckpt["metadata"]["name"]
-        fell = [e for e in sb.events(kube, ns, name)
-                if e["reason"] == api.REASON_ON_DEMAND_FALLBACK]
-        assert fell and fell[0]["type"] == "Warning", sb.events(kube, ns, name)
+        fell = sb.wait_events(kube, ns, name, "an OnDemandFallback Event",
+                              lambda e: e["reason"] == api.REASON_ON_DEMAND_FALLBACK)
+        assert fell[0]["type"] == "Warning", sb.events(kube, ns, name)
         print(f"fallback: {fell[0]['message']}")
         seen = sb.assert_continues(kube, ns, after.pod, last, exact=True)
     return sb.Running(after.node, after.pod, after.restores, seen[-1])

@@ -203,8 +203,9 @@ def _wrong_secret_fails_and_the_sandbox_runs_on(kube: Kube, ns: str, name_b: str
     # nodeAgent.perSandboxStoreCredentials: sts); the node-agent never saw the Secret.
     assert "AssumeRole" in message and "sandbox left running" in message, message
     assert wrong not in message
-    warnings = [e for e in sb.events(kube, ns, manual) if e["reason"] == "CheckpointFailed"]
-    assert warnings and "AssumeRole" in str(warnings[0]["message"]), warnings
+    warnings = sb.wait_events(kube, ns, manual, "a CheckpointFailed Event", lambda e: e[
+        "reason"] == "CheckpointFailed")
+    assert "AssumeRole" in str(warnings[0]["message"]), warnings
     before = sb.ticks(kube, ns, where_b.pod)[-1]
     wait_until("team-b ticking after the failed checkpoint", 30,
                lambda: sb.ticks(kube, ns, where_b.pod)[-1] > before + 3)

@@ -61,6 +61,7 @@ TABLE: dict[type[BaseException], bool] = {
     kubeapi.KubeConflict: RETRY,
     kubeapi.KubeForbidden: RETRY,
     kubeapi.KubeInvalid: RETRY,
+    kubeapi.KubeNamespaceTerminating: RETRY,  # as KubeForbidden; the operator cuts holds on it
     kubeapi.KubeNotFound: RETRY,
     kubeapi.KubeTransient: RETRY,
     kubeclient.KubeUnavailable: RETRY,

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from hermit_common import api, protocol
+from hermit_common.kubeapi import KubeNamespaceTerminating
 from hermit_common.settings import OperatorSettings
 from hermit_operator import driver, podspec
 from tests.support.operator_driver import FakeKube, run
@@ -97,3 +98,39 @@ def test_a_pending_checkpoint_of_a_sandbox_being_deleted_is_not_called_an_orphan
     assert driver.reconcile_checkpoint(kube, OperatorSettings(), pending,  # type: ignore[arg-type]
                                        lambda _o, e: events.append(e)) is None
     assert kube.checkpoints == {} and events == []
+
+
+@pytest.mark.parametrize(("the_pod", "cut"), [
+    (pod(), True),  # held for a checkpoint no one can create there: nothing to save
+    (pod(deleting=False), False),  # not being deleted: the namespace controller's to end
+    (pod(hold=False), False),
+    (pod(grace=0), False),
+])
+def test_a_terminating_namespace_cuts_the_hold_though_its_sandbox_lives(
+        the_pod: dict[str, Any], cut: bool) -> None:
+    assert podspec.hold_to_cut(the_pod, box(), namespace_terminating=True) is cut
+
+
+class TerminatingNamespace(FakeKube):
+    """Creates nothing: the namespace is being deleted (the API's 403, cause
+    NamespaceTerminating)."""
+
+    def create_pod(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(f"create {manifest['metadata']['name']}")
+        raise KubeNamespaceTerminating(
+            "creating pod: unable to create new content in namespace ns because it is being "
+            "terminated", status=403)
+
+
+def test_a_sandbox_whose_namespace_is_being_deleted_has_its_held_pods_removed(
+        sandbox: dict[str, Any]) -> None:
+    """The namespace controller deleted its pod before the AgentSandbox: the operator's
+    replacement pod is refused, and the held pod goes at once instead of sleeping out its
+    grace period (no Checkpoint can be created there: it would wait for nothing)."""
+    kube = TerminatingNamespace(sandbox)
+    assert run(kube, []) is None
+    assert kube.calls == ["create minimal-1"]  # a fresh sandbox: nothing held yet
+    kube.calls.clear()
+    kube.pods = {"minimal-1": pod()}
+    assert run(kube, []) is None
+    assert "delete minimal-1" in kube.calls and kube.graces == [0], kube.calls

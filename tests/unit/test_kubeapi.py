@@ -22,6 +22,7 @@ from hermit_common.kubeapi import (
     KubeConflict,
     KubeForbidden,
     KubeInvalid,
+    KubeNamespaceTerminating,
     KubeNotFound,
     KubeTransient,
     api_error,
@@ -76,6 +77,23 @@ def test_api_exceptions_are_classified_by_status(status: int, cls: type[KubeApiE
     assert err.status == status
     assert str(err) == f"{WHAT} failed: the server says no"
     assert err.detail == "the server says no"
+
+
+def test_a_create_in_a_namespace_being_deleted_is_told_by_its_cause() -> None:
+    """The API server's 403 for it carries details.causes[].reason NamespaceTerminating
+    (the operator then ends the termination holds there); any other 403 is RBAC's."""
+    exc = api_exception(403, 'pods "box-2" is forbidden: unable to create new content in '
+                        "namespace ns because it is being terminated")
+    body = json.loads(exc.body)
+    exc.body = json.dumps({**body, "reason": "Forbidden", "details": {
+        "name": "box-2", "kind": "pods", "causes": [
+            {"reason": "NamespaceTerminating", "message": "namespace ns is being terminated",
+             "field": "metadata.namespace"}]}})
+    err = api_error(WHAT, exc)
+    assert type(err) is KubeNamespaceTerminating and isinstance(err, KubeForbidden)
+    assert err.status == 403 and "being terminated" in str(err)
+    assert type(api_error(WHAT, api_exception(403, "RBAC says no"))) is KubeForbidden
+    assert type(api_error(WHAT, api_exception(403, reason="Forbidden"))) is KubeForbidden
 
 
 def test_without_a_status_body_the_message_is_the_http_status() -> None:
