@@ -24,6 +24,7 @@ node_alloc() {  # node_alloc NAME CAPACITY: reserves an index (1..200) for NAME
   die "no free node index"
 }
 
+node_mac() { printf '02:68:72:6e:%02x:%02x' $(($1 / 256)) $(($1 % 256)); }  # node_mac INDEX
 veth_gone() { ! ip link show "$1" >/dev/null 2>&1; }
 
 node_net_up() {
@@ -39,9 +40,14 @@ node_net_up() {
     wait_for "the old $veth to go" 30 veth_gone "$veth"
   fi
   if ! ip link show "$veth" >/dev/null 2>&1; then
-    ip link add "$veth" type veth peer name eth0 netns "$ns"
+    # A fixed MAC per index: a node added again under its old index (and IP) is reached
+    # at once. With a new random MAC, the host's and the other nodes' neighbour entries
+    # for that IP still named the old one, and packets to it (a curl of its AEMM) were
+    # dropped until they went stale, up to a minute later.
+    ip link add "$veth" type veth peer name eth0 address "$(node_mac "$i")" netns "$ns"
     ip link set "$veth" master "$BRIDGE" up
     ip -n "$ns" addr add "$ip/24" dev eth0
+    ip neigh del "$ip" dev "$BRIDGE" 2>/dev/null || true
   fi
   ip -n "$ns" link set lo up
   ip -n "$ns" link set eth0 up

@@ -22,7 +22,7 @@ from hermit_common.protocol import KubeObject
 from hermit_common.settings import OperatorSettings
 from hermit_operator import metrics, overlap, podspec
 from hermit_operator.checkpoints import orphan_status, sandbox_of
-from hermit_operator.kube import Kube, KubeNamespaceTerminating, KubeTransient
+from hermit_operator.kube import Kube, KubeError, KubeNamespaceTerminating, KubeTransient
 from hermit_operator.podspec import InvalidSpec
 from hermit_operator.reconcile import Event, Plan, plan, rejected_status
 from hermit_operator.resync import Inputs, fingerprint_of
@@ -125,6 +125,12 @@ def reconcile_sandbox(kube: Kube, settings: OperatorSettings, namespace: str, na
                 return None
             pod_name = (sandbox.get("status") or {}).get("podName")
             pod = kube.get_pod(namespace, pod_name) if pod_name else None
+            if pod is not None and podspec.held(pod) and _namespace_going(kube, namespace):
+                # The namespace controller deleted the pod before its AgentSandbox: no
+                # Checkpoint can be created there, the sandbox goes with the namespace.
+                _cut_holds(kube, namespace, name, sandbox, namespace_terminating=True)
+                result = "ok"
+                return None
             ckpts = kube.list_checkpoints(namespace)
             spare = overlap.replacement_name(sandbox, ckpts)
             replacement = kube.get_pod(namespace, spare) if spare else None
@@ -162,6 +168,16 @@ def reconcile_sandbox(kube: Kube, settings: OperatorSettings, namespace: str, na
     finally:
         metrics.RECONCILES.labels(result=result).inc()
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+
+
+def _namespace_going(kube: Kube, namespace: str) -> bool:
+    """Whether ``namespace`` is being deleted; False when that cannot be read (the hold
+    then runs its course, as before)."""
+    try:
+        return kube.namespace_terminating(namespace)
+    except KubeError as exc:
+        log.info("cannot tell whether namespace %s is being deleted: %s", namespace, exc)
+        return False
 
 
 def _cut_holds(kube: Kube, namespace: str, name: str, sandbox: KubeObject | None, *,

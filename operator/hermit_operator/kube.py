@@ -59,6 +59,15 @@ class Kube(KubeApi):
         """Outside the watched namespaces (operator.watchNamespaces); never when all are."""
         return bool(self._namespaces) and namespace not in self._namespaces
 
+    def namespace_terminating(self, namespace: str) -> bool:
+        """Whether ``namespace`` is being deleted. A list by name: the operator may list
+        and watch namespaces (kopf's), not get them."""
+        out = self._call(f"listing namespace {namespace}", self._core.list_namespace,
+                         field_selector=f"metadata.name={namespace}")
+        return any(ns.metadata.deletion_timestamp is not None
+                   or (ns.status is not None and ns.status.phase == "Terminating")
+                   for ns in out.items or [])
+
     # -- pods -----------------------------------------------------------------------
 
     def get_pod(self, namespace: str, name: str) -> KubeObject | None:

@@ -237,6 +237,14 @@ def holds_termination(pod: KubeObject | None) -> bool:
     return annotations.get(protocol.ANNOTATION_HOLD) == "true"
 
 
+def held(pod: KubeObject) -> bool:
+    """Whether ``pod`` is being deleted under its termination hold: with a grace period
+    (its preStop sleep holds it; grace 0 goes at once) and carrying the hold."""
+    meta = pod.get("metadata") or {}
+    return (bool(meta.get("deletionTimestamp")) and holds_termination(pod)
+            and meta.get("deletionGracePeriodSeconds") != 0)
+
+
 def hold_to_cut(pod: KubeObject, sandbox: KubeObject | None, *,
                 namespace_terminating: bool = False) -> bool:
     """Whether ``pod``'s termination hold has nothing left to wait for: the pod is being
@@ -245,13 +253,11 @@ def hold_to_cut(pod: KubeObject, sandbox: KubeObject | None, *,
     when there is none) or being deleted, or their namespace is (``namespace_terminating``:
     no Checkpoint can be created in it). Its tree has nothing to save, so the operator
     removes the object (grace 0) rather than leave it sleeping out its grace period."""
-    meta = pod.get("metadata") or {}
-    if not meta.get("deletionTimestamp") or not holds_termination(pod):
+    if not held(pod):
         return False
-    if meta.get("deletionGracePeriodSeconds") == 0:
-        return False  # going at once already
     if namespace_terminating:
         return True
+    meta = pod.get("metadata") or {}
     owners = {o.get("uid") for o in meta.get("ownerReferences") or []
               if o.get("controller") and o.get("kind") == api.SANDBOX_KIND}
     if sandbox is None:

@@ -39,6 +39,10 @@ class FakeKube:
         self.pdbs: dict[str, dict[str, Any]] = {}
         self.calls: list[str] = []
         self.graces: list[int | None] = []  # the grace period of each pod delete
+        self.terminating = False  # the namespace is being deleted
+
+    def namespace_terminating(self, namespace: str) -> bool:
+        return self.terminating
 
     def list_checkpoints(self, namespace: str) -> list[dict[str, Any]]:
         return [copy.deepcopy(c) for c in self.checkpoints.values()]

@@ -134,3 +134,24 @@ def test_a_sandbox_whose_namespace_is_being_deleted_has_its_held_pods_removed(
     kube.pods = {"minimal-1": pod()}
     assert run(kube, []) is None
     assert "delete minimal-1" in kube.calls and kube.graces == [0], kube.calls
+
+
+def test_a_held_pod_in_a_namespace_being_deleted_goes_at_once(sandbox: dict[str, Any]) -> None:
+    """The namespace controller deleted the pod, its AgentSandbox still lives: the operator
+    reads the namespace (being deleted) and removes the held pod without waiting for an
+    attempt to create anything there."""
+    sandbox["status"] = {"incarnation": 1, "podName": "minimal-1"}
+    kube = FakeKube(sandbox)
+    kube.pods = {"minimal-1": pod()}
+    kube.terminating = True
+    assert run(kube, []) is None
+    assert kube.calls == ["delete minimal-1"] and kube.graces == [0], kube.calls
+
+
+def test_a_held_pod_in_a_live_namespace_waits_for_its_checkpoint(
+        sandbox: dict[str, Any]) -> None:
+    sandbox["status"] = {"incarnation": 1, "podName": "minimal-1"}
+    kube = FakeKube(sandbox)
+    kube.pods = {"minimal-1": pod()}
+    run(kube, [])
+    assert "delete minimal-1" not in kube.calls
