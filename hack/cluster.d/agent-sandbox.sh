@@ -6,8 +6,8 @@
 
 # Host ports of its metrics and probe servers (its defaults, :8080/:8081 on every
 # address, would collide with test servers); nothing else of the cluster uses them.
-AGENT_SANDBOX_METRICS_ADDR=127.0.0.1:18480
-AGENT_SANDBOX_PROBE_ADDR=127.0.0.1:18481
+AGENT_SANDBOX_METRICS_ADDR=127.0.0.1:$((18480 + 10 * INSTANCE))
+AGENT_SANDBOX_PROBE_ADDR=127.0.0.1:$((18481 + 10 * INSTANCE))
 AGENT_SANDBOX_NAME=agent-sandbox-controller
 AGENT_SANDBOX_LOG="$CLUSTER_DIR/logs/$AGENT_SANDBOX_NAME.log"
 

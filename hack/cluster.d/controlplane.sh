@@ -29,7 +29,7 @@ net_down() {
   # A node's host-side veth goes with its netns, unless something still pinned that
   # netns when the node was killed: remove the strays by name.
   local link
-  for link in $(ip -o link show | awk -F': ' '{print $2}' | cut -d@ -f1 | grep -E '^hmv[0-9]+$'); do
+  for link in $(ip -o link show | awk -F': ' '{print $2}' | cut -d@ -f1 | grep -E "^$VETH_PREFIX[0-9]+$"); do
     ip link del "$link" 2>/dev/null || true
   done
   if [ -f "$CLUSTER_DIR/sysctl.orig" ]; then
@@ -96,7 +96,7 @@ control_plane_up() {
     --kubeconfig "$CLUSTER_DIR/controller-manager.kubeconfig" \
     --authentication-kubeconfig "$CLUSTER_DIR/controller-manager.kubeconfig" \
     --authorization-kubeconfig "$CLUSTER_DIR/controller-manager.kubeconfig" \
-    --bind-address 127.0.0.1 --leader-elect=false \
+    --bind-address 127.0.0.1 --secure-port "$CONTROLLER_MANAGER_PORT" --leader-elect=false \
     --cluster-signing-cert-file "$PKI/ca.crt" --cluster-signing-key-file "$PKI/ca.key" \
     --root-ca-file "$PKI/ca.crt" --service-account-private-key-file "$PKI/sa.key" \
     --use-service-account-credentials=true --controllers '*,bootstrapsigner,tokencleaner' \
@@ -106,7 +106,8 @@ control_plane_up() {
     --kubeconfig "$CLUSTER_DIR/scheduler.kubeconfig" \
     --authentication-kubeconfig "$CLUSTER_DIR/scheduler.kubeconfig" \
     --authorization-kubeconfig "$CLUSTER_DIR/scheduler.kubeconfig" \
-    --bind-address 127.0.0.1 --leader-elect=false --profiling=false --v=1
+    --bind-address 127.0.0.1 --secure-port "$SCHEDULER_PORT" --leader-elect=false \
+    --profiling=false --v=1
 }
 
 control_plane_down() {

@@ -1,23 +1,35 @@
 # Layout, addresses and small helpers of the local cluster (sourced by hack/cluster).
 # shellcheck shell=bash
-CLUSTER_DIR="${HERMIT_CLUSTER_DIR:-$HERMIT_CACHE/cluster}"   # certs, configs, logs, pids
-CLUSTER_VAR=/var/lib/hermit-cluster                          # etcd, containerd roots, kubelet roots
-CLUSTER_RUN=/run/hermit-cluster                              # sockets, containerd state, netns mounts
+# HERMIT_CLUSTER_INSTANCE=K (0-9, default 0): another cluster beside the first, with its
+# own directories, bridge, addresses, ports, netns, veth and cgroup names (hack/test
+# ci runs the cluster tests as shards on two). Instance 0 keeps the names it always had;
+# instance K's names never contain instance 0's (leftovers and down match by them).
+INSTANCE=${HERMIT_CLUSTER_INSTANCE:-0}
+[[ $INSTANCE =~ ^[0-9]$ ]] || die "HERMIT_CLUSTER_INSTANCE must be 0-9, not '$INSTANCE'"
+if [ "$INSTANCE" = 0 ]; then TAG=""; else TAG="k$INSTANCE"; fi
+NET=$((213 + 10 * INSTANCE))          # 10.213 (instance 0), 10.223 (1), ...
+CLUSTER_DIR="${HERMIT_CLUSTER_DIR:-$HERMIT_CACHE/${TAG:+$TAG-}cluster}"   # certs, configs, logs, pids
+CLUSTER_VAR=/var/lib/hermit-${TAG:+$TAG-}cluster            # etcd, containerd roots, kubelet roots
+CLUSTER_RUN=/run/hermit-${TAG:+$TAG-}cluster                # sockets, containerd state, netns mounts
 KUBECONFIG_ADMIN="$CLUSTER_DIR/kubeconfig"
 
-BRIDGE=hermit-br0
-BRIDGE_IP=10.213.0.1                  # host side; kube-apiserver listens here
-BRIDGE_MAC=02:68:72:6d:00:01          # locally administered, fixed (controlplane.sh net_up)
-NODE_NET_PREFIX=10.213.0              # node i: 10.213.0.(10+i)
-POD_NET_PREFIX=10.214                 # node i: 10.214.i.0/24
-CLUSTER_CIDR=10.214.0.0/16
-SERVICE_CIDR=10.215.0.0/16
-KUBERNETES_SVC_IP=10.215.0.1
-APISERVER_PORT=6443
-ETCD_CLIENT_PORT=23790
-ETCD_PEER_PORT=23800
+BRIDGE=hermit-br$INSTANCE
+BRIDGE_IP=10.$NET.0.1                 # host side; kube-apiserver listens here
+BRIDGE_MAC=02:68:72:6d:0$INSTANCE:01  # locally administered, fixed (controlplane.sh net_up)
+NODE_NET_PREFIX=10.$NET.0             # node i: 10.213.0.(10+i)
+POD_NET_PREFIX=10.$((NET + 1))        # node i: 10.214.i.0/24
+CLUSTER_CIDR=$POD_NET_PREFIX.0.0/16
+SERVICE_CIDR=10.$((NET + 2)).0.0/16
+KUBERNETES_SVC_IP=10.$((NET + 2)).0.1
+APISERVER_PORT=6443                   # on BRIDGE_IP: the same port on every instance
+ETCD_CLIENT_PORT=$((23790 + INSTANCE))
+ETCD_PEER_PORT=$((23800 + INSTANCE))
+CONTROLLER_MANAGER_PORT=$((10257 + 100 * INSTANCE))  # on 127.0.0.1 (its default 10257)
+SCHEDULER_PORT=$((10259 + 100 * INSTANCE))           # on 127.0.0.1 (its default 10259)
 AEMM_PORT=1338
-CGROUP_ROOT=hermit                    # /sys/fs/cgroup/<ctrl>/hermit/<node>
+CGROUP_ROOT=hermit$TAG                # /sys/fs/cgroup/<ctrl>/hermit/<node>
+NETNS_PREFIX=hermit$TAG-              # a node's network namespace: hermit-<node>
+VETH_PREFIX=h${TAG}mv                 # host side of node i's veth: hmv<i>
 APISERVER_URL="https://$BRIDGE_IP:$APISERVER_PORT"
 IMDS_ANNOTATION=hermit.dev/imds-url
 DEFAULT_NODES=(spot-1:spot spot-2:spot ondemand-1:on-demand)

@@ -24,12 +24,12 @@ node_alloc() {  # node_alloc NAME CAPACITY: reserves an index (1..200) for NAME
   die "no free node index"
 }
 
-node_mac() { printf '02:68:72:6e:%02x:%02x' $(($1 / 256)) $(($1 % 256)); }  # node_mac INDEX
+node_mac() { printf '02:68:72:6e:%02x:%02x' "$INSTANCE" "$1"; }  # node_mac INDEX (1-200)
 veth_gone() { ! ip link show "$1" >/dev/null 2>&1; }
 
 node_net_up() {
-  local name=$1 i ip ns=hermit-$1 veth
-  i=$(node_index "$name"); ip=$(node_ip "$name"); veth="hmv$i"
+  local name=$1 i ip ns=$NETNS_PREFIX$1 veth
+  i=$(node_index "$name"); ip=$(node_ip "$name"); veth="$VETH_PREFIX$i"
   if ! ip netns list | grep -qw "$ns"; then ip netns add "$ns"; fi
   # A node added again under its old index finds the old veth still there for a while:
   # `ip netns del` returns before the kernel tears the old namespace and its veth
@@ -306,7 +306,7 @@ node_aemm() {
   local args=("$@")
   [ ${#args[@]} -gt 0 ] || args=(--mock-delay-sec 315360000 --rebalance-delay-sec 315360000)
   start_daemon "$name-aemm" "$CLUSTER_DIR/logs/$name/aemm.log" \
-    nsenter --net="/run/netns/hermit-$name" -- \
+    nsenter --net="/run/netns/$NETNS_PREFIX$name" -- \
     env HOME="$(node_dir "$name")" "$HERMIT_BIN/ec2-metadata-mock" "${args[@]}" \
     --hostname "$(node_ip "$name")" --port "$AEMM_PORT" --mock-ip-count 1000
   wait_for "AEMM of $name" 60 curl -sf "$(node_imds_url "$name")/latest/meta-data/instance-id"
@@ -403,9 +403,9 @@ node_kill() {
   local veth=""
   if node_exists "$name"; then
     ip route del "$POD_NET_PREFIX.$(node_index "$name").0/24" 2>/dev/null || true
-    veth="hmv$(node_index "$name")"
+    veth="$VETH_PREFIX$(node_index "$name")"
   fi
-  ip netns del "hermit-$name" 2>/dev/null || true
+  ip netns del "$NETNS_PREFIX$name" 2>/dev/null || true
   # the kernel tears the namespace down later: its index is free once the veth is gone
   if [ -n "$veth" ]; then
     ip link del "$veth" 2>/dev/null || true

@@ -268,8 +268,58 @@ RELEASE = "hermit-e2e"
 RELEASE_NS = "hermit-e2e"
 POD_POLICY_PROFILE = os.environ.get("HERMIT_E2E_POD_POLICY_PROFILE", "baseline")
 BUCKET = "hermit-e2e"
-LOCAL_CLUSTER_HOST = "10.213.0.1"  # hack/cluster's host bridge: pods reach it
-LOCAL_CLUSTER_BRIDGE = "hermit-br0"  # that bridge (hack/cluster.d/env.sh BRIDGE)
+
+
+@dataclass(frozen=True)
+class LocalCluster:
+    """hack/cluster's layout (hack/cluster.d/env.sh) of its instance ``instance`` (0 unless
+    hack/test ci runs two shards on two clusters); tests/unit/test_cluster_layout.py
+    compares it with env.sh."""
+
+    instance: int
+
+    @property
+    def host(self) -> str:
+        """The host's address on the cluster bridge: pods reach it."""
+        return f"10.{213 + 10 * self.instance}.0.1"
+
+    @property
+    def nodes(self) -> str:
+        """The nodes' network on that bridge."""
+        return f"10.{213 + 10 * self.instance}.0.0/24"
+
+    @property
+    def bridge(self) -> str:
+        return f"hermit-br{self.instance}"
+
+    @property
+    def tag(self) -> str:
+        return f"k{self.instance}" if self.instance else ""
+
+    @property
+    def cgroup_root(self) -> str:
+        """Where its nodes' cgroups are, in every hierarchy (hermit/<node> on instance 0)."""
+        return f"hermit{self.tag}"
+
+    def netns(self, node: str) -> str:
+        """A node's network namespace (hermit-<node> on instance 0)."""
+        return f"hermit{self.tag}-{node}"
+
+    def runs_on(self, pid: int, node: str) -> bool:
+        """Whether host process ``pid`` is one of its node ``node``'s (in that node's cgroup:
+        two clusters on one host have nodes of the same names)."""
+        try:
+            lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+        except OSError:
+            return False
+        return any(f":/{self.cgroup_root}/{node}/" in line for line in lines)
+
+
+LOCAL_CLUSTER = LocalCluster(int(os.environ.get("HERMIT_CLUSTER_INSTANCE") or 0))
+LOCAL_CLUSTER_HOST = LOCAL_CLUSTER.host
+LOCAL_CLUSTER_NODES = LOCAL_CLUSTER.nodes
+LOCAL_CLUSTER_BRIDGE = LOCAL_CLUSTER.bridge
+node_netns = LOCAL_CLUSTER.netns
 
 
 # Where the sandboxes' pods reach this test process: the external tick ledger listens there
@@ -343,7 +393,7 @@ class S3:
             pytest.fail("this test slows S3 down: it needs the MinIO the tests start "
                         "(unset HERMIT_E2E_S3_ENDPOINT)")
         port = self.endpoint.rsplit(":", 1)[1]
-        tc = ["ip", "netns", "exec", f"hermit-{node}", "tc"]
+        tc = ["ip", "netns", "exec", node_netns(node), "tc"]
         steps = [
             ["qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "20"],
             ["class", "add", "dev", "eth0", "parent", "1:", "classid", "1:10", "htb",

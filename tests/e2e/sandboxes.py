@@ -37,6 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from hermit_common import api, protocol
 from hermit_common.settings import TURN_AUDIENCE
 from tests.e2e.cluster import (
+    LOCAL_CLUSTER,
     RELEASE,
     REPO,
     E2EConfig,
@@ -547,8 +548,13 @@ def host_pids(program: bytes, env_any: set[bytes], arg: bytes | None = None) -> 
 
 
 def node_agent_pids(node: str) -> list[int]:
-    """Host pids of the node-agent serving ``node``, told apart by HERMIT_NODE_NAME."""
-    return host_pids(b"hermit-node", {f"HERMIT_NODE_NAME={node}".encode()}, b"run")
+    """Host pids of the node-agent serving ``node``, told apart by HERMIT_NODE_NAME and,
+    when hack/test ci runs two local clusters side by side (HERMIT_CLUSTER_INSTANCE set;
+    their nodes have the same names), by that cluster's cgroup of the node."""
+    pids = host_pids(b"hermit-node", {f"HERMIT_NODE_NAME={node}".encode()}, b"run")
+    if os.environ.get("HERMIT_CLUSTER_INSTANCE") is None:
+        return pids
+    return [pid for pid in pids if LOCAL_CLUSTER.runs_on(pid, node)]
 
 
 def kill_node_agent(kube: Kube, release_ns: str, node: str) -> None:

@@ -38,12 +38,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hermit_common import metrics, protocol, turnlimits
 from tests.e2e import sandboxes as sb
-from tests.e2e.cluster import E2EConfig, Kube
+from tests.e2e.cluster import LOCAL_CLUSTER_NODES, E2EConfig, Kube
 from tests.support.attacks import CONTAINED, REFUSED, Attack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.attack, pytest.mark.timeout(900)]
 
-LOCAL_NODES = ipaddress.ip_network("10.213.0.0/24")  # hack/cluster's node network
+LOCAL_NODES = ipaddress.ip_network(LOCAL_CLUSTER_NODES)  # hack/cluster's node network
 CAP = turnlimits.MAX_CONNECTIONS_PER_SOURCE  # 16
 SLOW = CAP + 8  # slow connections from the host: 8 over the per-source cap
 SLOW_LIMIT_SECONDS = 30.0  # a slow connection the server never closes is dropped by us then

@@ -28,7 +28,14 @@ import pytest
 from hermit_common import api, protocol
 from hermit_testbed import faulty_imds as fi
 from tests.e2e import sandboxes as sb
-from tests.e2e.cluster import LOCAL_CLUSTER_HOST, RELEASE_NS, E2EConfig, Kube, wait_until
+from tests.e2e.cluster import (
+    LOCAL_CLUSTER_HOST,
+    RELEASE_NS,
+    E2EConfig,
+    Kube,
+    node_netns,
+    wait_until,
+)
 from tests.faults import verdict
 from tests.faults.ledger import Ledger, Row
 
@@ -44,7 +51,7 @@ ACT_WITHIN = 15.0  # a notice served must be acted on (a Preemption request) wit
 # -- the injection ------------------------------------------------------------------------
 
 def _netns(node: str) -> str:
-    ns = f"hermit-{node}"
+    ns = node_netns(node)
     if not Path(f"/run/netns/{ns}").exists():
         pytest.skip(f"not the local cluster: no network namespace {ns}")
     return ns
