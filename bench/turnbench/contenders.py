@@ -39,7 +39,14 @@ from hermit_common.store import (
     UploadSession,
 )
 from hermit_node.engine import inspector, snapshot
-from hermit_node.engine.checkpoint import CheckpointEngine, CheckpointResult, CheckpointTarget
+from hermit_node.engine.checkpoint import (
+    NO_PROGRESS,
+    CheckpointEngine,
+    CheckpointProgress,
+    CheckpointResult,
+    CheckpointTarget,
+    NoProgress,
+)
 from hermit_node.engine.inspector import Snapshot
 
 NAMESPACE = "bench"
@@ -100,6 +107,18 @@ class Progress:
     running: bool = False  # a turn's commands are running
 
 
+class _Settled(NoProgress):
+    """Once the tree runs again (its upload starts): how it settled since the checkpoint's
+    snapshot ``settle``, appended to ``pending``."""
+
+    def __init__(self, box: Box, settle: Snapshot, pending: list[Snapshot]) -> None:
+        self._box, self._settle, self._pending = box, settle, pending
+
+    def uploading(self, frozen_ms: int, dump_ms: int) -> None:
+        post = snapshot.after_thaw(self._box.runtime_id, WORKSPACE)
+        self._pending.append(inspector.settled(self._settle, post))
+
+
 @dataclass
 class Policy:
     """A checkpoint policy for one sandbox: ``turn_ended`` and its timer queue jobs."""
@@ -158,14 +177,12 @@ class Policy:
     def _take(self, taken: Taken, settle: Snapshot | None) -> None:
         taken.turn, taken.mid_turn = self.progress.ended, self.progress.running
         pending: list[Snapshot] = []
-        on_uploading = None
+        progress: CheckpointProgress = NO_PROGRESS
         if settle is not None:
-            def on_uploading(_frozen_ms: int, _dump_ms: int) -> None:
-                post = snapshot.after_thaw(self.box.runtime_id, WORKSPACE)
-                pending.append(inspector.settled(settle, post))
+            progress = _Settled(self.box, settle, pending)
         try:
             taken.result = self.engine.checkpoint(self.target(taken.name), store=self.store,
-                                                  on_uploading=on_uploading)
+                                                  progress=progress)
             taken.durable_at = time.monotonic()
             if pending:
                 self._baseline = pending[0]

@@ -22,7 +22,7 @@ from bench.turnbench.sandbox import Box
 from bench.turnbench.trace import Trace
 from hermit_common.pin import Pin
 from hermit_common.store import CheckpointStore
-from hermit_node.engine.checkpoint import CheckpointEngine, CheckpointResult
+from hermit_node.engine.checkpoint import CheckpointEngine, CheckpointResult, NoProgress
 from hermit_node.engine.inspector import Decision
 from hermit_node.engine.lazypages import Filled
 from hermit_node.engine.restore import LAZY_FILL_TIMEOUT_SECONDS, RestoreEngine, RestoreTarget
@@ -166,13 +166,23 @@ def _verify(box: Box, check: Check, turn: int, mid_turn: bool, prints: list[str]
             check.details.append("background server not answering")
 
 
+class _Durable(NoProgress):
+    """Appends when the checkpoint is durable (``time.monotonic()``) to ``at``."""
+
+    def __init__(self, at: list[float]) -> None:
+        self._at = at
+
+    def durable(self, result: CheckpointResult) -> None:
+        self._at.append(time.monotonic())
+
+
 def _notice(env: Env, policy: Policy, out: Outcome) -> None:
     """The final checkpoint on a notice: frozen until durable, then the sandbox ends."""
     durable: list[float] = []
     began = time.monotonic()
     out.notice = policy.engine.checkpoint(
         policy.target("notice"), stop=True, store=policy.store,
-        on_durable=lambda _r: durable.append(time.monotonic()))
+        progress=_Durable(durable))
     out.notice_ms = int(((durable[0] if durable else time.monotonic()) - began) * 1000)
 
 

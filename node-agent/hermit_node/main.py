@@ -22,7 +22,13 @@ from hermit_common.errors import SettingsError
 from hermit_common.settings import NodeSettings, redacted
 from hermit_node.control import health as agent_health
 from hermit_node.control import metrics
-from hermit_node.control.agent import NodeAgent
+from hermit_node.control.agent import (
+    NO_COLLECTOR,
+    NO_HEALTH,
+    AfterCheckpoint,
+    Health,
+    NodeAgent,
+)
 from hermit_node.control.collect import Collector
 from hermit_node.control.fence import Fence
 from hermit_node.control.informer import WatchedNode
@@ -58,8 +64,7 @@ def _watch(agent: NodeAgent, settings: NodeSettings, stop: threading.Event,
 
 
 def build_agent(settings: NodeSettings, stop: threading.Event,
-                health: agent_health.AgentHealth | None = None
-                ) -> tuple[NodeAgent, WatchedNode]:
+                health: Health = NO_HEALTH) -> tuple[NodeAgent, WatchedNode]:
     """Everything built once at start-up; HermitError when a piece cannot be built. The
     watches are not started yet."""
     from hermit_common.keyclient import RemoteKeyWrapper
@@ -85,8 +90,9 @@ def build_agent(settings: NodeSettings, stop: threading.Event,
                     allowed=settings.per_sandbox_storage,
                     default_store=store, sealing=sealing, cache=cache,
                     scoped=settings.scoped_store_credentials)
-    collector = Collector(kube, min_age_seconds=settings.gc_min_age_seconds,
-                          stopping=stop) if settings.gc_enabled else None
+    collector: AfterCheckpoint = Collector(
+        kube, min_age_seconds=settings.gc_min_age_seconds,
+        stopping=stop) if settings.gc_enabled else NO_COLLECTOR
     view = WatchedNode(kube, stop)
     # One for every upload of the node (docs/storage.md#upload-bandwidth).
     limiter = UploadLimiter(settings.upload_bandwidth_bytes_per_second,

@@ -4,7 +4,6 @@ manifests, the pods, Checkpoints and notices the planner and agent tests build, 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from hermit_node.control import planner
 from hermit_node.control.agent import NodeAgent
 from hermit_node.control.kube import KubeConflict, KubeError
 from hermit_node.control.watchers import Notice
-from hermit_node.engine.checkpoint import CheckpointResult
+from hermit_node.engine.checkpoint import NO_PROGRESS, CheckpointProgress, CheckpointResult
 from hermit_node.engine.restore import RestoreResult
 
 NODE = "node-a"
@@ -206,7 +205,7 @@ class FakeEngine:
     def __init__(self, error: Exception | None = None,
                  progress: list[UploadProgress] | None = None) -> None:
         self.error = error
-        self.progress = progress or []  # reported after on_uploading, as the store does
+        self.progress = progress or []  # reported after uploading(), as the store does
         self.calls: list[tuple[Any, bool]] = []
         self.stores: list[Any] = []  # the store each call was given
         self.urgent: list[bool] = []  # each checkpoint's upload class
@@ -214,22 +213,18 @@ class FakeEngine:
 
     def checkpoint(self, target: Any, *, stop: bool = False,
                    keep_local: bool = False, deadline: float | None = None,
-                   on_uploading: Callable[[int, int], None] | None = None,
-                   on_progress: Callable[[UploadProgress], None] | None = None,
-                   on_durable: Callable[[CheckpointResult], None] | None = None,
+                   progress: CheckpointProgress = NO_PROGRESS,
                    store: Any = None, urgent: bool = False) -> CheckpointResult:
         self.calls.append((target, stop))
         self.stores.append(store)
         self.urgent.append(urgent)
-        if on_uploading is not None and self.error is None:
-            on_uploading(5, 4)
+        if self.error is None:
+            progress.uploading(5, 4)
         for step in self.progress:
-            if on_progress is not None:
-                on_progress(step)
+            progress.progressed(step)
         if self.error is not None:
             raise self.error
-        if on_durable is not None:  # the real engine: before a stopping one kills the tree
-            on_durable(RESULT)
+        progress.durable(RESULT)  # the real engine: before a stopping one kills the tree
         return RESULT
 
     def restore(self, target: Any, *, timeout: float = 120.0,

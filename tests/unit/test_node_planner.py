@@ -1008,8 +1008,24 @@ def test_a_durable_checkpoint_frees_its_freezing_slot_before_its_job_ends() -> N
     jobs.unfrozen()  # outside a job: nothing
 
 
+class _Uploaded:
+    """The rest of a ``CheckpointProgress`` whose ``uploading`` was told already."""
+
+    def __init__(self, progress: Any) -> None:
+        self._progress = progress
+
+    def uploading(self, frozen_ms: int, dump_ms: int) -> None:
+        pass
+
+    def progressed(self, progress: Any) -> None:
+        self._progress.progressed(progress)
+
+    def durable(self, result: CheckpointResult) -> None:
+        self._progress.durable(result)
+
+
 class BlockingEngine(FakeEngine):
-    """Blocks a routine checkpoint in its upload (after on_uploading) until released."""
+    """Blocks a routine checkpoint in its upload (after progress.uploading) until released."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1017,8 +1033,9 @@ class BlockingEngine(FakeEngine):
 
     def checkpoint(self, target: Any, *, stop: bool = False, **kwargs: Any) -> CheckpointResult:
         if not stop:
-            on_uploading = kwargs.pop("on_uploading")
-            on_uploading(5, 4)
+            progress = kwargs.pop("progress")
+            progress.uploading(5, 4)
+            kwargs["progress"] = _Uploaded(progress)
             self.uploading.set()
             self.release.wait(10)
         return super().checkpoint(target, stop=stop, **kwargs)

@@ -28,9 +28,11 @@ class Health:
 
 def _agent(tmp_path: Path, kube: FakeKube, health: Health | None) -> NodeAgent:
     engine = FakeEngine()
+    # None: the agent's default (NoHealth), as without probes.
+    given = {} if health is None else {"health": health}
     return NodeAgent(NODE, kube, engine, engine,  # type: ignore[arg-type]
                      view=kube, proc_root=fake_proc(tmp_path), clock=lambda: NOW,
-                     health=health)  # type: ignore[arg-type]
+                     **given)  # type: ignore[arg-type]
 
 
 def test_the_patch_sets_only_the_label_and_none_when_it_is_there() -> None:

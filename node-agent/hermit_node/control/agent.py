@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from hermit_common import api, protocol
-from hermit_common.bandwidth import UploadLimiter
 from hermit_common.chunkcache import CacheTally
 from hermit_common.errors import (
     CheckpointFailed,
@@ -35,19 +34,23 @@ from hermit_common.errors import (
     Retryable,
     retryable,
 )
+from hermit_common.health import Heartbeats, Verdict
 from hermit_common.pin import Pin
 from hermit_common.protocol import KubeObject
 from hermit_common.s3errors import CheckpointNotFound
 from hermit_common.store import UploadProgress
 from hermit_node.control import background, metrics, planner, requests
 from hermit_node.control import health as agent_health
-from hermit_node.control.collect import Collector
-from hermit_node.control.fence import Fence
 from hermit_node.control.kube import Kube, KubeConflict, KubeError, KubeTransient
 from hermit_node.control.planner import CheckpointView, SandboxPod
 from hermit_node.control.storage import Location, StorageError
 from hermit_node.control.watchers import Notice
-from hermit_node.engine.checkpoint import CheckpointResult, CheckpointTarget
+from hermit_node.engine.checkpoint import (
+    NO_PROGRESS,
+    CheckpointProgress,
+    CheckpointResult,
+    CheckpointTarget,
+)
 from hermit_node.engine.restore import RestoreResult, RestoreTarget
 from hermit_node.host import freezer, locate
 
@@ -74,9 +77,7 @@ AUTHORITY_POLL_SECONDS = 1.0
 class Checkpointer(Protocol):
     def checkpoint(self, target: CheckpointTarget, *, stop: bool = False,
                    keep_local: bool = False, deadline: float | None = None,
-                   on_uploading: Callable[[int, int], None] | None = None,
-                   on_progress: Callable[[UploadProgress], None] | None = None,
-                   on_durable: Callable[[CheckpointResult], None] | None = None,
+                   progress: CheckpointProgress = NO_PROGRESS,
                    store: CheckpointStore | None = None,
                    urgent: bool = False) -> CheckpointResult: ...
 
@@ -121,32 +122,134 @@ class TreeControl(Protocol):
     def end(self, init_pid: int) -> int: ...
 
 
+class NoTrees:
+    """A ``TreeControl`` that finds nothing frozen and nothing restored (tests)."""
+
+    def settle(self, init_pid: int, *, kill: bool) -> bool:
+        return False
+
+    def restore_left(self, init_pid: int) -> str:
+        return freezer.NOTHING_RESTORED
+
+    def end(self, init_pid: int) -> int:
+        return 0
+
+
+NO_TREES: TreeControl = NoTrees()
+
+
+class Health(Protocol):
+    """This agent's health (``health.AgentHealth``): the loop beats when the API answers,
+    and the node is labelled once the agent is ready."""
+
+    @property
+    def beats(self) -> Heartbeats: ...
+
+    def readiness(self) -> Verdict: ...
+
+
+class NoHealth:
+    """A ``Health`` that is never ready (no probes: the node is never labelled)."""
+
+    def __init__(self) -> None:
+        self.beats = Heartbeats()  # beaten, never read
+
+    def readiness(self) -> Verdict:
+        return Verdict(False, "the node-agent reports no health")
+
+
+NO_HEALTH: Health = NoHealth()
+
+
+class AfterCheckpoint(Protocol):
+    """What runs after a routine checkpoint (``collect.Collector``: old ones deleted)."""
+
+    def after_checkpoint(self, name: str, sp: SandboxPod, store: CheckpointStore,
+                         halted: Callable[[], bool]) -> object: ...
+
+
+class NoCollector:
+    """An ``AfterCheckpoint`` that deletes nothing from the store."""
+
+    def after_checkpoint(self, name: str, sp: SandboxPod, store: CheckpointStore,
+                         halted: Callable[[], bool]) -> None:
+        return None
+
+
+NO_COLLECTOR: AfterCheckpoint = NoCollector()
+
+
+class RestoreFence(Protocol):
+    """Whether an older incarnation of a sandbox may still run (``fence.Fence``)."""
+
+    def holds(self, sp: SandboxPod) -> bool: ...
+
+
+class NoFence:
+    """A ``RestoreFence`` that never holds a restore back (tests)."""
+
+    def holds(self, sp: SandboxPod) -> bool:
+        return False
+
+
+NO_FENCE: RestoreFence = NoFence()
+
+
+class UploadPromoter(Protocol):
+    """The node's upload bandwidth (``bandwidth.UploadLimiter``), shared with the engine."""
+
+    def promote(self, key: object) -> int: ...
+
+
+class NoLimiter:
+    """An ``UploadPromoter`` without a limiter: no upload waits, so none is promoted."""
+
+    def promote(self, key: object) -> int:
+        return 0
+
+
+NO_LIMITER: UploadPromoter = NoLimiter()
+
+
 def utc_now() -> datetime:
     return datetime.now(UTC)
 
 
-class _Progress:
-    """Writes a Checkpoint's upload progress into its status: Uploading once the tree is
-    captured, then ``progress`` as chunks are stored, throttled by ``planner.progress_due``
-    (about ten writes at most). Progress is for people: a failed write is not retried and
-    never reaches the upload."""
+class _StatusWriter(Protocol):
+    def __call__(self, namespace: str, name: str, status: KubeObject, *,
+                 forever: bool = False) -> None: ...
 
-    def __init__(self, kube: Kube, namespace: str, name: str,
-                 write_status: Callable[[str, str, KubeObject], None],
-                 thawed: Callable[[], None] | None = None) -> None:
+
+class _CheckpointReport:
+    """The ``CheckpointProgress`` of one checkpoint job: writes it into the Checkpoint's
+    status. Uploading once the tree is captured, then ``progress`` as chunks are stored,
+    throttled by ``planner.progress_due`` (about ten writes at most): progress is for
+    people, a failed write is not retried and never reaches the upload. Completed once
+    durable, retried until it lands (before a stopping checkpoint's tree is ended: durable
+    must mean kept). The job's freezing slot is given up as soon as the sandbox no longer
+    needs it: a routine checkpoint's once it is thawed, a stopping one's once durable."""
+
+    def __init__(self, kube: Kube, namespace: str, name: str, *, stop: bool, began: float,
+                 write_status: _StatusWriter, clock: Callable[[], datetime],
+                 unfrozen: Callable[[], None], stop_durable: Callable[[], None]) -> None:
         self._kube, self._namespace, self._name = kube, namespace, name
-        self._write_status = write_status
-        self._thawed = thawed  # a routine checkpoint's sandbox runs again as it uploads
+        self._stop, self._began = stop, began
+        self._write_status, self._clock = write_status, clock
+        self._unfrozen = unfrozen  # Jobs.unfrozen: the job's freezing slot goes on
+        self._stop_durable = stop_durable  # a stopping checkpoint is durable (metrics)
         self._mark = planner.ProgressMark(time.monotonic(), 0.0)
+        self.recorded = threading.Event()  # durable and Completed
 
     def uploading(self, frozen_ms: int, dump_ms: int) -> None:
         self._write_status(self._namespace, self._name,
                            planner.status_uploading(frozen_ms, dump_ms))
         self._mark = planner.ProgressMark(time.monotonic(), 0.0)
-        if self._thawed is not None:
-            self._thawed()  # its upload needs no freezing slot: a notice's checkpoints go on
+        if not self._stop:
+            # A routine checkpoint's sandbox runs again as it uploads: its upload needs
+            # no freezing slot, so a notice's checkpoints go on.
+            self._unfrozen()
 
-    def __call__(self, progress: UploadProgress) -> None:
+    def progressed(self, progress: UploadProgress) -> None:
         fraction, now = planner.upload_fraction(progress), time.monotonic()
         if not planner.progress_due(self._mark, now, fraction):
             return
@@ -157,6 +260,19 @@ class _Progress:
         except Exception as exc:  # anything: the upload must go on
             log.debug("upload progress of %s/%s not written: %s", self._namespace,
                       self._name, exc)
+
+    def durable(self, result: CheckpointResult) -> None:
+        # Before a migrating checkpoint kills the old tree: durable must mean kept.
+        self._write_status(self._namespace, self._name,
+                           planner.status_completed(result, self._clock(), stopped=self._stop,
+                                                    seconds=time.monotonic() - self._began),
+                           forever=True)
+        self.recorded.set()
+        if self._stop:
+            self._stop_durable()
+        # Durable and recorded: the engine ends a stopping checkpoint's tree right after
+        # this; what is left (removing the staging directory) needs no freezing slot.
+        self._unfrozen()
 
 
 # Job priorities, first served first: a stopping checkpoint (protocol.is_stopping: a
@@ -280,14 +396,14 @@ class NodeAgent:
 
     def __init__(self, node: str, kube: Kube, checkpointer: Checkpointer, restorer: Restorer,
                  *, view: NodeView,
-                 stores: StoreResolver | None = None, trees: TreeControl | None = None,
+                 stores: StoreResolver | None = None, trees: TreeControl = NO_TREES,
                  jobs: Jobs | None = None, proc_root: Path = Path("/proc"),
                  clock: Callable[[], datetime] = utc_now,
                  stopping: threading.Event | None = None,
-                 health: agent_health.AgentHealth | None = None,
-                 collector: Collector | None = None, fence: Fence | None = None,
+                 health: Health = NO_HEALTH,
+                 collector: AfterCheckpoint = NO_COLLECTOR, fence: RestoreFence = NO_FENCE,
                  routine_upload_seconds: float | None = None,
-                 limiter: UploadLimiter | None = None, prefetch: bool = False) -> None:
+                 limiter: UploadPromoter = NO_LIMITER, prefetch: bool = False) -> None:
         self.node = node
         self._kube = kube
         self._view = view
@@ -298,8 +414,8 @@ class NodeAgent:
         self._stores = stores
         self._trees = trees
         self._health = health
-        self._collector = collector  # None: nothing is deleted from S3
-        self._fence = fence  # None: restores do not wait for older incarnations (tests)
+        self._collector = collector  # NoCollector: nothing is deleted from S3
+        self._fence = fence  # NoFence: restores do not wait for older incarnations (tests)
         self._routine_upload = routine_upload_seconds  # None: routine uploads unbounded
         self._limiter = limiter  # the node's upload bandwidth, shared with the engine
         self._stopping = stopping or threading.Event()
@@ -438,7 +554,7 @@ class NodeAgent:
         is missing; an API error is logged and the next loop tries again. Never removed:
         a sandbox already on the node stays where it is when this agent stops being
         ready (docs/real-clusters.md, "Which nodes")."""
-        if node is None or self._health is None or not self._health.readiness().ok:
+        if node is None or not self._health.readiness().ok:
             return
         patch = planner.node_ready_patch(node)
         if patch is None:
@@ -498,7 +614,7 @@ class NodeAgent:
         except KubeError as exc:
             log.warning("%s", exc)
             return
-        if self._health is not None and self._view.healthy():
+        if self._view.healthy():
             self._health.beats.beat(agent_health.API)
         node = self._read(self._view.node_now)
         checkpoints = self._read(self._view.checkpoints_now)
@@ -641,7 +757,7 @@ class NodeAgent:
             with self._lock:
                 self._taken.discard(uid)  # busy with another job: next loop
                 self._running.discard(uid)
-            if priority == PRIORITY_STOPPING and self._limiter is not None:
+            if priority == PRIORITY_STOPPING:
                 # The job in the way (a routine checkpoint) now uploads as a notice's
                 # does: this sandbox's stopping checkpoint waits for it.
                 self._limiter.promote(key)
@@ -699,7 +815,7 @@ class NodeAgent:
     def _restore_left(self, sp: SandboxPod) -> tuple[int | None, str]:
         """The host pid of the init of a pod left Restoring (None: not found) and what its
         restore left there (``freezer.restore_left``)."""
-        if self._trees is None or sp.container_id is None:
+        if sp.container_id is None:
             return None, freezer.NOTHING_RESTORED
         try:
             pid = locate.find_init_pid(sp.container_id, self._proc_root)
@@ -718,7 +834,7 @@ class NodeAgent:
                 protocol.RESTORED, f"restored from Checkpoint {sp.restore_from} (the "
                 "node-agent restarted after CRIU restored the tree; adopted)"))
             return
-        if action == planner.END and self._trees is not None and pid:
+        if action == planner.END and pid:
             try:
                 ended = self._trees.end(pid)
                 log.warning("pod %s/%s: ended %d process(es) of a restore cut short (%s)",
@@ -773,7 +889,7 @@ class NodeAgent:
     def _settle_tree(self, sp: SandboxPod, completed_stop: str | None) -> None:
         """Thaw a tree an earlier run of the agent left frozen (or end it, when its
         stopping checkpoint is durable: its history continues elsewhere)."""
-        if self._trees is None or sp.container_id is None:
+        if sp.container_id is None:
             return
         try:
             pid = locate.find_init_pid(sp.container_id, self._proc_root)
@@ -796,25 +912,14 @@ class NodeAgent:
             return
         log.info("checkpoint %s/%s of %s (%s, stop=%s) started%s", namespace, name, sp.pod,
                  view.reason, stop, self._time_left())
-        recorded = threading.Event()
-
-        def record(result: CheckpointResult) -> None:
-            # Before a migrating checkpoint kills the old tree: durable must mean kept.
-            self._write_status(namespace, name,
-                               planner.status_completed(result, self._clock(), stopped=stop,
-                                                        seconds=time.monotonic() - began),
-                               forever=True)
-            recorded.set()
-            if stop:
-                self._record_notice_margin()
-            # Durable and recorded: the engine ends a stopping checkpoint's tree right after
-            # this; what is left (removing the staging directory) needs no freezing slot.
-            self._jobs.unfrozen()
-
+        report = _CheckpointReport(
+            self._kube, namespace, name, stop=stop, began=began,
+            write_status=self._write_status, clock=self._clock,
+            unfrozen=self._jobs.unfrozen, stop_durable=self._record_notice_margin)
         try:
-            result = self._take(ckpt, sp, stop, record, store)
+            result = self._take(ckpt, sp, stop, report, store)
         except Exception as exc:
-            if recorded.is_set():  # durable and Completed: only what came after it failed
+            if report.recorded.is_set():  # durable and Completed: only what came after it failed
                 log.exception("checkpoint %s/%s: after it was durable", namespace, name)
             else:
                 self._checkpoint_failed(ckpt, exc, time.monotonic() - began)
@@ -827,7 +932,7 @@ class NodeAgent:
             stored_bytes=result.stored_bytes)
         log.info("checkpoint %s/%s Completed in %.1f s%s", namespace, name,
                  time.monotonic() - began, self._time_left())
-        if not stop and self._collector is not None and store is not None:
+        if not stop and store is not None:
             self._collector.after_checkpoint(name, sp, store, self._halted)
 
     def _halted(self) -> bool:
@@ -898,7 +1003,7 @@ class NodeAgent:
         return self._stores.for_sandbox(sandbox)
 
     def _take(self, ckpt: KubeObject, sp: SandboxPod, stop: bool,
-              record: Callable[[CheckpointResult], None],
+              report: CheckpointProgress,
               store: CheckpointStore | None) -> CheckpointResult:
         """Run the engine on the pod's container."""
         view = CheckpointView.from_object(ckpt)
@@ -906,16 +1011,13 @@ class NodeAgent:
         if sp.container_id is None:
             raise HermitError(f"pod {sp.namespace}/{sp.pod} has no container id")
         pid = locate.find_init_pid(sp.container_id, self._proc_root)
-        progress = _Progress(self._kube, namespace, name, self._write_status,
-                             None if stop else self._jobs.unfrozen)
         return self._checkpointer.checkpoint(CheckpointTarget(
             namespace=namespace, sandbox=sp.sandbox, sandbox_uid=sp.sandbox_uid,
             checkpoint=name, init_pid=pid, workspace_path=sp.workspace_path,
             image_digest=sp.image_digest, parent=sp.restore_from or ""), stop=stop,
             deadline=planner.upload_deadline(self._deadline(), time.monotonic(),
                                              view.reason, self._routine_upload),
-            on_uploading=progress.uploading, on_progress=progress, on_durable=record,
-            store=store, urgent=planner.upload_is_urgent(view.reason))
+            progress=report, store=store, urgent=planner.upload_is_urgent(view.reason))
 
     def _checkpoint_failed(self, ckpt: KubeObject, exc: Exception, seconds: float) -> None:
         """Failed, with why, on the Checkpoint and in an Event (the sandbox runs on)."""
@@ -1059,8 +1161,6 @@ class NodeAgent:
 
     def _fenced(self, sp: SandboxPod) -> bool:
         """An older incarnation of the sandbox may still run (fence.py): do not start."""
-        if self._fence is None:
-            return False
         try:
             return self._fence.holds(sp)
         except KubeError as exc:

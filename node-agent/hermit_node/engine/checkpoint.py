@@ -18,10 +18,10 @@ import shutil
 import termios
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from hermit_common import bandwidth
 from hermit_common.errors import CheckpointFailed, HermitError
@@ -29,7 +29,7 @@ from hermit_common.manifest import Binding
 from hermit_common.store import (
     CheckpointStore,
     Pace,
-    ProgressCallback,
+    UploadProgress,
     UploadResult,
     UploadSession,
 )
@@ -196,6 +196,38 @@ class _Capture:
     session: UploadSession | None = None  # begun before the freeze
 
 
+class CheckpointProgress(Protocol):
+    """What a checkpoint tells its caller as it goes, on the checkpoint's thread (the
+    node-agent writes it into the Checkpoint's status; ``CheckpointEngine.checkpoint``)."""
+
+    def uploading(self, frozen_ms: int, dump_ms: int) -> None:
+        """The tree's state is captured (a routine checkpoint's tree runs again): the
+        upload starts."""
+
+    def progressed(self, progress: UploadProgress) -> None:
+        """A chunk is stored. Must not raise: the upload must go on."""
+
+    def durable(self, result: CheckpointResult) -> None:
+        """The manifest is in the store; a stopping checkpoint's tree is ended only after
+        this returns, so this is where the checkpoint is recorded."""
+
+
+class NoProgress:
+    """A ``CheckpointProgress`` that is told nothing (benchmarks, tests, debugging)."""
+
+    def uploading(self, frozen_ms: int, dump_ms: int) -> None:
+        pass
+
+    def progressed(self, progress: UploadProgress) -> None:
+        pass
+
+    def durable(self, result: CheckpointResult) -> None:
+        pass
+
+
+NO_PROGRESS: CheckpointProgress = NoProgress()
+
+
 class CheckpointEngine:
     def __init__(self, criu: Criu, store: CheckpointStore, work_dir: Path, *,
                  max_frozen_seconds: float = DEFAULT_MAX_FROZEN_SECONDS,
@@ -213,9 +245,7 @@ class CheckpointEngine:
 
     def checkpoint(self, target: CheckpointTarget, *, stop: bool = False,
                    keep_local: bool = False, deadline: float | None = None,
-                   on_uploading: Callable[[int, int], None] | None = None,
-                   on_progress: ProgressCallback | None = None,
-                   on_durable: Callable[[CheckpointResult], None] | None = None,
+                   progress: CheckpointProgress = NO_PROGRESS,
                    store: CheckpointStore | None = None, urgent: bool = False,
                    ) -> CheckpointResult:
         """Take one checkpoint. ``stop=True``: the sandbox ends once it is durable (migration).
@@ -223,11 +253,12 @@ class CheckpointEngine:
         On failure the sandbox is thawed and keeps running; CheckpointFailed says why.
         The local copy of the images is removed once the store has them, unless
         ``keep_local`` (for debugging). ``deadline`` (a ``time.monotonic()`` value, e.g.
-        the node's termination time) bounds the upload; ``on_uploading(frozen_ms, dump_ms)``
-        is called once the tree's state is captured and the upload starts, then
-        ``on_progress`` after each chunk (on this thread; it must not raise);
-        ``on_durable(result)`` once the manifest is in the store and, with ``stop``,
-        before the old tree is killed: it records the checkpoint so nothing can lose it.
+        the node's termination time) bounds the upload; ``progress`` is told how it goes
+        (``CheckpointProgress``), on this thread: ``uploading(frozen_ms, dump_ms)`` once
+        the tree's state is captured and the upload starts, ``progressed`` after each chunk
+        (it must not raise), ``durable(result)`` once the manifest is in the store and,
+        with ``stop``, before the old tree is killed: it records the checkpoint so nothing
+        can lose it.
         ``store``: where it goes (the sandbox's own storage), else the engine's store.
         ``urgent``: its upload is a notice's (or a drain's), ahead of routine ones on the
         node's upload bandwidth from before the freeze until durable (bandwidth.py).
@@ -242,8 +273,7 @@ class CheckpointEngine:
                                                       parent=target.parent, pace=pace)
                 freezer.freeze(plan.cgroup)
                 result = self._capture_and_upload(
-                    target, plan, cap, stop=stop, deadline=deadline, on_uploading=on_uploading,
-                    on_progress=on_progress, on_durable=on_durable)
+                    target, plan, cap, stop=stop, deadline=deadline, progress=progress)
             kept = keep_local
         except HermitError as exc:
             raise CheckpointFailed(
@@ -273,31 +303,26 @@ class CheckpointEngine:
 
     def _capture_and_upload(self, target: CheckpointTarget, plan: _Plan, cap: _Capture, *,
                             stop: bool, deadline: float | None,
-                            on_uploading: Callable[[int, int], None] | None,
-                            on_progress: ProgressCallback | None,
-                            on_durable: Callable[[CheckpointResult], None] | None,
-                            ) -> CheckpointResult:
+                            progress: CheckpointProgress) -> CheckpointResult:
         """From the frozen tree to a durable checkpoint: a routine one thaws once captured,
-        a stopping one ends the tree once durable (and recorded by ``on_durable``)."""
+        a stopping one ends the tree once durable (and recorded by ``progress.durable``)."""
         self._capture(plan, cap, routine=not stop)
         if not stop:
             freezer.thaw(plan.cgroup)
             cap.thawed = True
             frozen_ms = _ms(cap.frozen_at)
-        if on_uploading is not None:
-            on_uploading(_ms(cap.frozen_at), cap.dump_ms)
+        progress.uploading(_ms(cap.frozen_at), cap.dump_ms)
         started = time.monotonic()
         # Page images cut where their memory is aligned: a child's copy-on-write copy of
         # its parent's pages makes the same chunks, stored once (pagemap.py).
         layouts = {SECTION_IMAGES: pagemap.image_layout(
             cap.sections[SECTION_IMAGES], plan.store.settings.chunk_size_bytes)}
         assert cap.session is not None
-        uploaded = cap.session.finish(cap.sections, plan.restore, on_progress=on_progress,
+        uploaded = cap.session.finish(cap.sections, plan.restore, on_progress=progress.progressed,
                                       layouts=layouts)
         result = _result(plan, cap, uploaded, upload_ms=_ms(started),
                          frozen_ms=frozen_ms if not stop else _ms(cap.frozen_at))
-        if on_durable is not None:
-            on_durable(result)
+        progress.durable(result)
         if stop:
             # Durable and recorded: end the old incarnation, every process of it killed
             # while still frozen (freezer.end_frozen).
