@@ -22,17 +22,12 @@ from hermit_common.errors import SettingsError
 from hermit_common.settings import NodeSettings, redacted
 from hermit_node.control import health as agent_health
 from hermit_node.control import metrics
-from hermit_node.control.agent import (
-    NO_COLLECTOR,
-    NO_HEALTH,
-    AfterCheckpoint,
-    Health,
-    NodeAgent,
-)
+from hermit_node.control.agent import NodeAgent
 from hermit_node.control.collect import Collector
 from hermit_node.control.fence import Fence
 from hermit_node.control.informer import WatchedNode
 from hermit_node.control.kube import Kube
+from hermit_node.control.ports import NO_COLLECTOR, NO_HEALTH, AfterCheckpoint, Health
 from hermit_node.control.watchers.base import NullWatcher
 from hermit_node.engine import staging
 from hermit_node.host import freezer

@@ -248,9 +248,13 @@ def fake_proc(tmp_path: Path) -> Path:
     return root
 
 
-def make_agent(tmp_path: Path, kube: FakeKube, engine: FakeEngine) -> NodeAgent:
+def make_agent(tmp_path: Path, kube: FakeKube, engine: FakeEngine, *, view: Any = None,
+               **collaborators: Any) -> NodeAgent:
+    """An agent of ``NODE`` on ``kube`` (its view too, unless ``view``), with ``engine`` for
+    both engines and any other collaborators of ``NodeAgent`` (stores, fence, ...)."""
     return NodeAgent(NODE, kube, engine, engine,  # type: ignore[arg-type]
-                     view=kube, proc_root=fake_proc(tmp_path), clock=lambda: NOW)
+                     view=kube if view is None else view, proc_root=fake_proc(tmp_path),
+                     clock=lambda: NOW, **collaborators)
 
 
 def notice(kind: str = "spot-interruption") -> Notice:

@@ -140,7 +140,7 @@ def test_unexpected_errors_are_retried(cls: type[BaseException]) -> None:
 
 
 def test_status_writes_retry_only_transient_api_errors() -> None:
-    """agent._retry passes only a Retryable KubeError: that is KubeTransient alone."""
+    """writes.Writes.retry passes only a Retryable KubeError: that is KubeTransient alone."""
     api_errors = [kubeapi.KubeApiError, *_subclasses(kubeapi.KubeApiError)]
     assert {c for c in api_errors if issubclass(c, Retryable)} == {kubeapi.KubeTransient}
 

@@ -99,8 +99,7 @@ def test_a_restore_waits_while_an_older_incarnation_may_run(tmp_path: Path) -> N
     old = pod("box-1", incarnation=1, terminating=True, node="node-b")
     pods = _Pods([old, restoring])
     engine = FakeEngine()
-    agent = make_agent(tmp_path, kube, engine)
-    agent._fence = fence.Fence(pods)
+    agent = make_agent(tmp_path, kube, engine, fence=fence.Fence(pods))
     agent.reconcile_once()
     pods.fail = True
     agent.reconcile_once()  # the API does not answer: cannot tell, so wait
@@ -108,8 +107,7 @@ def test_a_restore_waits_while_an_older_incarnation_may_run(tmp_path: Path) -> N
     agent._jobs.shutdown()
     assert engine.calls == [] and kube.annotations == []  # not started, nothing written
     old["status"]["phase"] = "Failed"  # the kubelet reports the old pod ended
-    agent = make_agent(tmp_path / "again", kube, engine)
-    agent._fence = fence.Fence(pods)
+    agent = make_agent(tmp_path / "again", kube, engine, fence=fence.Fence(pods))
     agent.reconcile_once()
     agent.shutdown()
     assert [t.checkpoint for t, _ in engine.calls] == ["box-1-preempt"]

@@ -162,15 +162,14 @@ def test_jobs_taken_are_forgotten_once_seen_finished_and_never_run_twice(
         tmp_path: Path) -> None:
     kube = FakeKube([pod("box-1")], [ckpt("manual")])
     engine = FakeEngine()
-    agent = make_agent(tmp_path, kube, engine)
     view = LaggingView(kube)
-    agent._view = view
+    agent = make_agent(tmp_path, kube, engine, view=view)
     agent.reconcile_once()
-    wait_until("the agent stopped", 10.0, lambda: not agent._running, 0.01)
+    wait_until("the agent stopped", 10.0, lambda: not agent._taken.running, 0.01)
     assert kube.checkpoints["manual"]["status"]["phase"] == "Completed"
     agent.reconcile_once()  # the copy still says Pending: remembered, not taken again
-    assert agent._taken == {"uid-manual"}
+    assert agent._taken.taken == {"uid-manual"}
     view.catch_up()
     agent.reconcile_once()
     agent.shutdown()
-    assert agent._taken == set() and len(engine.calls) == 1
+    assert agent._taken.taken == set() and len(engine.calls) == 1

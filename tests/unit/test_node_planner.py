@@ -18,7 +18,7 @@ from hermit_common.errors import CheckpointFailed, CheckpointRefused, RestoreFai
 from hermit_common.pin import Pin
 from hermit_common.store import UploadProgress
 from hermit_node import main as node_main
-from hermit_node.control import agent as agent_module
+from hermit_node.control import jobs as jobs_module
 from hermit_node.control import planner
 from hermit_node.control.agent import NodeAgent
 from hermit_node.control.kube import KubeTransient
@@ -381,7 +381,7 @@ def test_progress_is_written_at_most_once_a_second_and_per_tenth() -> None:
 def test_upload_progress_reaches_the_status_throttled(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     clock = iter([float(t) for t in range(1000)])  # each reading is a second later
-    monkeypatch.setattr("hermit_node.control.agent.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("hermit_node.control.checkpointing.time.monotonic", lambda: next(clock))
     steps = [UploadProgress(n, 40, n * 100, 4000, n * 10) for n in (1, 2, 4, 8, 9, 20, 40)]
     kube = FakeKube([pod("box-1")], [ckpt("manual")])
     agent = make_agent(tmp_path, kube, FakeEngine(progress=steps))
@@ -399,7 +399,7 @@ def test_upload_progress_reaches_the_status_throttled(tmp_path: Path,
 def test_a_failed_progress_write_does_not_fail_the_checkpoint(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = iter([float(t) for t in range(1000)])
-    monkeypatch.setattr("hermit_node.control.agent.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("hermit_node.control.checkpointing.time.monotonic", lambda: next(clock))
     kube = FakeKube([pod("box-1")], [ckpt("manual")])
     real = kube.patch_checkpoint_status
 
@@ -918,7 +918,7 @@ def test_a_restore_expects_the_recorded_parent_and_lineage_and_a_fork_inherits_i
 # -- the job queue ------------------------------------------------------------------------
 
 def test_jobs_run_the_most_urgent_first_and_freeze_at_most_two_at_once() -> None:
-    jobs = agent_module.Jobs(workers=3, freezing=2)
+    jobs = jobs_module.Jobs(workers=3, freezing=2)
     gate = threading.Event()
     lock = threading.Lock()
     order: list[str] = []
@@ -936,19 +936,19 @@ def test_jobs_run_the_most_urgent_first_and_freeze_at_most_two_at_once() -> None
         return run
 
     # A routine checkpoint occupies a worker and a freezing slot; the rest queue behind it.
-    assert jobs.submit(("ns", "r1"), job("r1", True), priority=agent_module.PRIORITY_ROUTINE,
+    assert jobs.submit(("ns", "r1"), job("r1", True), priority=jobs_module.PRIORITY_ROUTINE,
                        freezes=True)
     wait_until("r1 run", 10.0, lambda: order == ["r1"], 0.01)
-    assert jobs.submit(("ns", "r2"), job("r2", True), priority=agent_module.PRIORITY_ROUTINE,
+    assert jobs.submit(("ns", "r2"), job("r2", True), priority=jobs_module.PRIORITY_ROUTINE,
                        freezes=True)
-    assert jobs.submit(("ns", "s1"), job("s1", True), priority=agent_module.PRIORITY_STOPPING,
+    assert jobs.submit(("ns", "s1"), job("s1", True), priority=jobs_module.PRIORITY_STOPPING,
                        freezes=True)
-    assert jobs.submit(("ns", "s2"), job("s2", True), priority=agent_module.PRIORITY_STOPPING,
+    assert jobs.submit(("ns", "s2"), job("s2", True), priority=jobs_module.PRIORITY_STOPPING,
                        freezes=True)
-    assert jobs.submit(("ns", "x1"), job("x1", False), priority=agent_module.PRIORITY_RESTORE)
+    assert jobs.submit(("ns", "x1"), job("x1", False), priority=jobs_module.PRIORITY_RESTORE)
     # One job per sandbox: a second one for a queued sandbox is refused.
     assert not jobs.submit(("ns", "s2"), job("s2-again", True),
-                           priority=agent_module.PRIORITY_STOPPING)
+                           priority=jobs_module.PRIORITY_STOPPING)
     # The urgent one takes the free freezing slot; the restore (no freezing) the last worker.
     wait_until("r1, s1 and x1 run", 10.0, lambda: sorted(order) == ["r1", "s1", "x1"], 0.01)
     gate.set()
@@ -959,7 +959,7 @@ def test_jobs_run_the_most_urgent_first_and_freeze_at_most_two_at_once() -> None
 
 
 def test_jobs_queue_in_priority_then_submission_order() -> None:
-    jobs = agent_module.Jobs(workers=1, freezing=1)
+    jobs = jobs_module.Jobs(workers=1, freezing=1)
     gate = threading.Event()
     order: list[str] = []
 
@@ -969,11 +969,11 @@ def test_jobs_queue_in_priority_then_submission_order() -> None:
 
     jobs.submit(("ns", "first"), first)
     wait_until("the first run", 10.0, lambda: order == ["first"], 0.01)
-    for name, priority in (("routine-1", agent_module.PRIORITY_ROUTINE),
-                           ("restore", agent_module.PRIORITY_RESTORE),
-                           ("stop-1", agent_module.PRIORITY_STOPPING),
-                           ("routine-2", agent_module.PRIORITY_ROUTINE),
-                           ("stop-2", agent_module.PRIORITY_STOPPING)):
+    for name, priority in (("routine-1", jobs_module.PRIORITY_ROUTINE),
+                           ("restore", jobs_module.PRIORITY_RESTORE),
+                           ("stop-1", jobs_module.PRIORITY_STOPPING),
+                           ("routine-2", jobs_module.PRIORITY_ROUTINE),
+                           ("stop-2", jobs_module.PRIORITY_STOPPING)):
         jobs.submit(("ns", name), functools.partial(order.append, name), priority=priority,
                     freezes=True)
     gate.set()
@@ -993,15 +993,15 @@ def test_library_loggers_stay_at_info_when_hermit_logs_debug() -> None:
 
 
 def test_a_durable_checkpoint_frees_its_freezing_slot_before_its_job_ends() -> None:
-    jobs = agent_module.Jobs(workers=2, freezing=1)
+    jobs = jobs_module.Jobs(workers=2, freezing=1)
     cleaning, started = threading.Event(), threading.Event()
 
     def first() -> None:
         jobs.unfrozen()  # durable: only the cleanup is left
         cleaning.wait(10)
 
-    jobs.submit(("ns", "a"), first, priority=agent_module.PRIORITY_STOPPING, freezes=True)
-    jobs.submit(("ns", "b"), started.set, priority=agent_module.PRIORITY_STOPPING, freezes=True)
+    jobs.submit(("ns", "a"), first, priority=jobs_module.PRIORITY_STOPPING, freezes=True)
+    jobs.submit(("ns", "b"), started.set, priority=jobs_module.PRIORITY_STOPPING, freezes=True)
     assert started.wait(10)  # while the first one still cleans up
     cleaning.set()
     jobs.shutdown()
@@ -1047,7 +1047,7 @@ def test_a_routine_upload_leaves_its_slot_to_a_notices_checkpoint(tmp_path: Path
     engine = BlockingEngine()
     agent = NodeAgent(NODE, kube, engine, engine,  # type: ignore[arg-type]
                       view=kube, proc_root=fake_proc(tmp_path), clock=lambda: NOW,
-                      jobs=agent_module.Jobs(workers=2, freezing=1))
+                      jobs=jobs_module.Jobs(workers=2, freezing=1))
     agent.reconcile_once()
     assert engine.uploading.wait(10)
     agent.on_notice(notice())  # box-1's Preemption checkpoint takes the only slot
@@ -1063,20 +1063,23 @@ def test_a_stopping_request_for_a_busy_sandbox_promotes_its_routine_upload(
         tmp_path: Path) -> None:
     """One job per sandbox: its stopping checkpoint waits for the routine one that runs,
     so that one's upload is promoted to urgent on the node's bandwidth."""
-    from hermit_node.control import agent as agent_module
+    from hermit_node.control import jobs as jobs_module
 
     class BusyJobs:
         def submit(self, key: Any, fn: Any, *, priority: int, freezes: bool = False) -> bool:
             return False  # a job for the sandbox runs
+
+        def unfrozen(self) -> None:
+            pass
 
     limiter = mock.Mock()
     kube = FakeKube([pod("box-1")], [])
     agent = NodeAgent(NODE, kube, FakeEngine(), FakeEngine(),  # type: ignore[arg-type]
                       view=kube, proc_root=fake_proc(tmp_path), clock=lambda: NOW,
                       jobs=BusyJobs(), limiter=limiter)  # type: ignore[arg-type]
-    agent._start("u1", ("ns", "sb"), lambda: None, priority=agent_module.PRIORITY_ROUTINE)
+    agent._taken.start("u1", ("ns", "sb"), lambda: None, priority=jobs_module.PRIORITY_ROUTINE)
     limiter.promote.assert_not_called()
-    agent._start("u2", ("ns", "sb"), lambda: None, priority=agent_module.PRIORITY_STOPPING)
+    agent._taken.start("u2", ("ns", "sb"), lambda: None, priority=jobs_module.PRIORITY_STOPPING)
     limiter.promote.assert_called_once_with(("ns", "sb"))
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from hermit_common import protocol
 from hermit_common.pin import Pin
 from hermit_node.control import agent as agent_module
+from hermit_node.control import jobs as jobs_module
 from hermit_node.control import planner
 from hermit_node.control.agent import NodeAgent
 from hermit_node.engine.restore import RestoreResult
@@ -108,7 +109,7 @@ def test_the_restore_message_says_how_many_chunks_came_from_the_cache() -> None:
 # -- jobs --------------------------------------------------------------------------------
 
 def test_one_prefetch_at_a_time_and_other_work_passes_it() -> None:
-    jobs = agent_module.Jobs(workers=3, freezing=2)
+    jobs = jobs_module.Jobs(workers=3, freezing=2)
     release = threading.Event()
     order: list[str] = []
     first_running = threading.Event()
@@ -118,16 +119,16 @@ def test_one_prefetch_at_a_time_and_other_work_passes_it() -> None:
         first_running.set()
         release.wait(5)
 
-    jobs.submit(("ns", "p1"), lambda: prefetch("p1"), priority=agent_module.PRIORITY_PREFETCH)
+    jobs.submit(("ns", "p1"), lambda: prefetch("p1"), priority=jobs_module.PRIORITY_PREFETCH)
     assert first_running.wait(5)
-    jobs.submit(("ns", "p2"), lambda: prefetch("p2"), priority=agent_module.PRIORITY_PREFETCH)
+    jobs.submit(("ns", "p2"), lambda: prefetch("p2"), priority=jobs_module.PRIORITY_PREFETCH)
     restored = threading.Event()
 
     def restore() -> None:
         order.append("r")
         restored.set()
 
-    jobs.submit(("ns", "r"), restore, priority=agent_module.PRIORITY_RESTORE)
+    jobs.submit(("ns", "r"), restore, priority=jobs_module.PRIORITY_RESTORE)
     assert restored.wait(5), "a restore waited behind a prefetch"
     time.sleep(0.1)
     assert order == ["p1", "r"], "a second prefetch ran beside the first"

@@ -413,8 +413,7 @@ def real_stores(vendor: Vendor | None) -> Stores:
 def test_a_checkpoint_records_where_it_goes_and_uses_that_store(tmp_path: Path) -> None:
     kube = SandboxKube([pod("box-1")], [ckpt("manual")], {"box": team_sandbox()})
     engine = FakeEngine()
-    agent = make_agent(tmp_path, kube, engine)
-    agent._stores = real_stores(Vendor())
+    agent = make_agent(tmp_path, kube, engine, stores=real_stores(Vendor()))
     agent.reconcile_once()
     agent.shutdown()
     dumping = kube.statuses[0][1]
@@ -430,8 +429,7 @@ def test_a_store_that_needs_a_secret_without_the_key_service_fails_the_checkpoin
         tmp_path: Path) -> None:
     kube = SandboxKube([pod("box-1")], [ckpt("manual")], {"box": team_sandbox()})
     engine = FakeEngine()
-    agent = make_agent(tmp_path, kube, engine)
-    agent._stores = real_stores(None)
+    agent = make_agent(tmp_path, kube, engine, stores=real_stores(None))
     agent.reconcile_once()
     agent.shutdown()
     assert engine.calls == []  # nothing frozen: the sandbox runs on
@@ -452,9 +450,8 @@ def test_a_restore_reads_the_recorded_location_with_the_owners_secret(tmp_path: 
         "phase": "Completed", "manifestDigest": DIGEST, "storage": written.to_status()})],
         {"box": team_sandbox(bucket="team-a-new")})
     engine = FakeEngine()
-    agent = make_agent(tmp_path, kube, engine)
     vendor = Vendor()
-    agent._stores = real_stores(vendor)
+    agent = make_agent(tmp_path, kube, engine, stores=real_stores(vendor))
     agent.reconcile_once()
     agent.shutdown()
     [store] = engine.stores
@@ -473,9 +470,8 @@ def test_a_fork_reads_with_the_source_sandboxs_location_and_secret(tmp_path: Pat
         "phase": "Completed", "manifestDigest": DIGEST, "storage": written.to_status()})],
         {"box": team_sandbox(), "fork": sandbox("fork")})
     engine = FakeEngine()
-    agent = make_agent(tmp_path, kube, engine)
     vendor = Vendor()
-    agent._stores = real_stores(vendor)
+    agent = make_agent(tmp_path, kube, engine, stores=real_stores(vendor))
     agent.reconcile_once()
     agent.shutdown()
     [(target, _)] = engine.calls
@@ -496,8 +492,7 @@ def test_a_restore_whose_secret_is_unusable_fails_as_retryable(tmp_path: Path) -
         "storage": {"bucket": "team-a", "prefix": "hermit", "region": "us-east-1",
                     "endpoint": "http://minio:9000"}})], {"box": team_sandbox()})
     engine = FakeEngine()
-    agent = make_agent(tmp_path, kube, engine)
-    agent._stores = real_stores(None)
+    agent = make_agent(tmp_path, kube, engine, stores=real_stores(None))
     agent.reconcile_once()
     agent.shutdown()
     assert engine.calls == []
@@ -512,8 +507,7 @@ def test_a_garbled_recorded_location_is_refused_for_good(tmp_path: Path) -> None
     kube = SandboxKube([restoring], [ckpt("c1", status={
         "phase": "Completed", "manifestDigest": DIGEST, "storage": {"bucket": 7}})],
         {"box": sandbox()})
-    agent = make_agent(tmp_path, kube, FakeEngine())
-    agent._stores = real_stores(Vendor())
+    agent = make_agent(tmp_path, kube, FakeEngine(), stores=real_stores(Vendor()))
     agent.reconcile_once()
     agent.shutdown()
     assert kube.annotations[-1][1]["hermit.dev/restore-retryable"] == "false"

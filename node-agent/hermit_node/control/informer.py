@@ -206,7 +206,7 @@ class NodeSources(Protocol):
 
 class WatchedNode:
     """The pods bound to one node, the Checkpoints labelled with it and its Node object,
-    each kept by an ``Informer``: ``hermit_node.control.agent.NodeView``."""
+    each kept by an ``Informer``: ``hermit_node.control.ports.NodeView``."""
 
     def __init__(self, kube: NodeSources, stop: threading.Event) -> None:
         self._changed = threading.Event()
