@@ -11,7 +11,6 @@ import time
 import uuid
 
 import pytest
-from kubernetes.client.exceptions import ApiException
 
 from hermit_common import protocol
 from tests.e2e import sandboxes as sb
@@ -20,41 +19,23 @@ from tests.e2e.cluster import E2EConfig, Kube, wait_until
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 
-def _gone(kube: Kube, ns: str) -> bool:
-    try:
-        kube.api.read_namespace(ns)
-    except ApiException as exc:
-        if exc.status == 404:
-            return True
-        raise
-    return False
-
-
 def test_a_deleted_namespace_takes_its_held_sandbox_pods_at_once(
-    kube: Kube, hermit_release: str, e2e_config: E2EConfig,
+    kube: Kube, namespace: str, hermit_release: str, e2e_config: E2EConfig,
 ) -> None:
-    ns = f"e2e-namespace-deletion-{uuid.uuid4().hex[:6]}"
-    kube.api.create_namespace({"metadata": {"name": ns}})
-    try:
-        wait_until(f"default service account in {ns}", 60,
-                   lambda: kube.api.read_namespaced_service_account("default", ns))
-        name = f"agent-{uuid.uuid4().hex[:6]}"
-        sb.create_sandbox(ns, name, sb.stateful_spec(e2e_config.sandbox_image))
-        where = sb.wait_running(kube, ns, name, min_ticks=3)
-        pod = kube.pod(ns, where.pod) or {}
-        grace = int(pod["spec"]["terminationGracePeriodSeconds"])
-        annotations = pod["metadata"].get("annotations") or {}
-        assert annotations.get(protocol.ANNOTATION_HOLD) == "true", annotations
-        assert grace >= 60, f"the hold's grace period is {grace} s: too short to tell"
-        started = time.monotonic()
-        kube.api.delete_namespace(ns)
-        wait_until(f"the pods of {ns} gone", grace,
-                   lambda: not kube.api.list_namespaced_pod(ns).items, 0.5)
-        took = sb.since(started)
-        # Before: the held pod slept out its whole grace period, its tree running.
-        assert took < grace / 2, f"the pods of {ns} took {took} s to go (grace {grace} s)"
-        print(f"namespace deleted with a running sandbox (hold grace {grace} s): its pods "
-              f"gone in {took} s")
-    finally:
-        if not _gone(kube, ns):
-            kube.api.delete_namespace(ns, grace_period_seconds=0)
+    name = f"agent-{uuid.uuid4().hex[:6]}"
+    sb.create_sandbox(namespace, name, sb.stateful_spec(e2e_config.sandbox_image))
+    where = sb.wait_running(kube, namespace, name, min_ticks=3)
+    pod = kube.pod(namespace, where.pod) or {}
+    grace = int(pod["spec"]["terminationGracePeriodSeconds"])
+    annotations = pod["metadata"].get("annotations") or {}
+    assert annotations.get(protocol.ANNOTATION_HOLD) == "true", annotations
+    assert grace >= 60, f"the hold's grace period is {grace} s: too short to tell"
+    started = time.monotonic()
+    kube.api.delete_namespace(namespace)
+    wait_until(f"the pods of {namespace} gone", grace,
+               lambda: not kube.api.list_namespaced_pod(namespace).items, 0.5)
+    took = sb.since(started)
+    # Before: the held pod slept out its whole grace period, its tree running.
+    assert took < grace / 2, f"the pods of {namespace} took {took} s to go (grace {grace} s)"
+    print(f"namespace deleted with a running sandbox (hold grace {grace} s): its pods "
+          f"gone in {took} s")
