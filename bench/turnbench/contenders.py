@@ -7,8 +7,9 @@
   the agent does;
 - ``turn-aware``: at every turn's end the node-agent's inspector (``snapshot.take`` +
   ``inspector.decide``) says skip, files-only or full; a checkpoint is taken unless skip,
-  and its baseline is the turn's end state with the counters read after the thaw
-  (``snapshot.after_thaw`` + ``inspector.settled``), as ``hermit_node.turns.turns`` does;
+  and its baseline is the turn's end state with the counters read at the dump and after
+  the thaw (``snapshot.take`` while frozen, ``snapshot.after_thaw``, ``inspector.settled``),
+  as ``hermit_node.turns.turns`` does;
 - ``off``: nothing.
 
 Checkpoints run one at a time on a worker thread (as the node-agent's loop serves them),
@@ -108,15 +109,21 @@ class Progress:
 
 
 class _Settled(NoProgress):
-    """Once the tree runs again (its upload starts): how it settled since the checkpoint's
-    snapshot ``settle``, appended to ``pending``."""
+    """The processes read at the dump (tree still frozen), and once the tree runs again
+    (its upload starts) how it settled since the checkpoint's snapshot ``settle``,
+    appended to ``pending``."""
 
     def __init__(self, box: Box, settle: Snapshot, pending: list[Snapshot]) -> None:
         self._box, self._settle, self._pending = box, settle, pending
+        self._at_dump: Snapshot | None = None
+
+    def captured(self) -> None:
+        self._at_dump = snapshot.take(self._box.runtime_id, None, with_files=False)
 
     def uploading(self, frozen_ms: int, dump_ms: int) -> None:
         post = snapshot.after_thaw(self._box.runtime_id, WORKSPACE)
-        self._pending.append(inspector.settled(self._settle, post))
+        assert self._at_dump is not None, "captured() comes before uploading()"
+        self._pending.append(inspector.settled(self._settle, self._at_dump, post))
 
 
 @dataclass

@@ -27,7 +27,14 @@ from hermit_node.control.collect import Collector
 from hermit_node.control.fence import Fence
 from hermit_node.control.informer import WatchedNode
 from hermit_node.control.kube import Kube
-from hermit_node.control.ports import NO_COLLECTOR, NO_HEALTH, AfterCheckpoint, Health
+from hermit_node.control.ports import (
+    NO_CAPTURE_WATCH,
+    NO_COLLECTOR,
+    NO_HEALTH,
+    AfterCheckpoint,
+    CaptureWatch,
+    Health,
+)
 from hermit_node.control.watchers.base import NullWatcher
 from hermit_node.engine import staging
 from hermit_node.host import freezer
@@ -59,7 +66,9 @@ def _watch(agent: NodeAgent, settings: NodeSettings, stop: threading.Event,
 
 
 def build_agent(settings: NodeSettings, stop: threading.Event,
-                health: Health = NO_HEALTH) -> tuple[NodeAgent, WatchedNode]:
+                health: Health = NO_HEALTH,
+                capture_watch: CaptureWatch = NO_CAPTURE_WATCH,
+                ) -> tuple[NodeAgent, WatchedNode]:
     """Everything built once at start-up; HermitError when a piece cannot be built. The
     watches are not started yet."""
     from hermit_common.keyclient import RemoteKeyWrapper
@@ -107,7 +116,8 @@ def build_agent(settings: NodeSettings, stop: threading.Event,
                      trees=freezer.Trees(cgroup_root), stopping=stop, health=health,
                      collector=collector, fence=Fence(kube),
                      routine_upload_seconds=settings.routine_upload_seconds,
-                     limiter=limiter, prefetch=cache is not None), view
+                     limiter=limiter, prefetch=cache is not None,
+                     capture_watch=capture_watch), view
 
 
 def scoped_clients(settings: NodeSettings, sealing: Sealing | None) -> ScopedClients | None:
@@ -158,12 +168,16 @@ def run_agent(environ: Mapping[str, str], *, stop: threading.Event | None = None
         settings.reconcile_interval_seconds, stopping=stop,
         watcher_polls=settings.watcher.provider != NullWatcher.provider)
     staging.clean(Path(settings.work_dir))  # no job runs yet: all of it is an earlier run's
-    agent, view = build_agent(settings, stop, health)
+    # Built first: the checkpoint jobs tell it when a turn checkpoint's tree is captured.
+    turn_service = turnserver.service(settings)
+    agent, view = build_agent(settings, stop, health,
+                              turn_service if turn_service is not None else NO_CAPTURE_WATCH)
     if install_signals:
         signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(stop))
     # Metrics, /healthz and /readyz (hermit_node.control.health) on one port.
     http_health.serve(settings.metrics_port, health.liveness, health.readiness)
-    turnserver.start(settings)  # POST .../turns (docs/turns.md), when HERMIT_TURN_PORT > 0
+    if turn_service is not None:  # POST .../turns (docs/turns.md), when HERMIT_TURN_PORT > 0
+        turnserver.start(settings, turn_service)
     watcher = threading.Thread(target=_watch, args=(agent, settings, stop, health),
                                name="watcher", daemon=True)
     health.watching(watcher)

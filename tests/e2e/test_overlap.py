@@ -5,8 +5,9 @@ One self-checking sandbox (tests/e2e/sandboxes.py) is preempted twice with a spo
 first with overlap on (the chart's default), then with it off (a helm upgrade of the
 release). Both times nothing may be lost or duplicated, the status must account for the
 move (incarnation + 1, restores + 1, restoredFrom the stopping checkpoint with nothing
-stale, lastDowntime), and the replacement pod must be created before the checkpoint is
-durable with overlap and after it without. The test prints notice -> durable and
+stale, lastDowntime), and the first replacement pod must be created before the checkpoint
+is durable with overlap and after it without. A replacement its node's kubelet refused is
+allowed only with the operator's PodLost Event for it (and one more incarnation). The test prints notice -> durable and
 notice -> running again for both.
 """
 
@@ -59,6 +60,8 @@ class Move:
     durable: float  # the checkpoint is Completed
     running: float  # the sandbox is Running on the new pod, which has printed a tick
     frozen_ms: int | None
+    first_pod: str  # the first replacement pod (the one the overlap is about)
+    first_created: str  # its creationTimestamp
 
 
 def _set_overlap(kube: Kube, cfg: E2EConfig, on: bool) -> None:
@@ -92,10 +95,16 @@ def _set_overlap(kube: Kube, cfg: E2EConfig, on: bool) -> None:
 
 def _preempt(kube: Kube, cfg: E2EConfig, ns: str, name: str, where: sb.Running) -> Move:
     """A spot notice on the sandbox's node; follows the move at 0.2 s until the sandbox
-    runs again on the new pod (which must continue the counter exactly)."""
+    runs again on a new pod (which must continue the counter exactly). The first
+    replacement pod is the one the overlap creates; when the node's kubelet refused it
+    (a kubelet whose copy of the Node lags a label the scheduler already saw rejects a
+    pod with NodeAffinity), the operator reported it lost and replaced it, and the move
+    ends on a later pod: each one skipped must have a PodLost Event."""
     sb.wait_agent_ready(kube, RELEASE_NS, where.node)
     before = sb.status(ns, name)
-    new_pod = f"{name}-{int(before['incarnation']) + 1}"
+    incarnation = int(before["incarnation"])
+    candidates = [f"{name}-{incarnation + k}" for k in (1, 2, 3)]
+    first: dict[str, str] = {}
     seen: dict[str, float] = {}
     last = [where.last_tick]
     earlier = {c["metadata"]["name"] for c in sb.checkpoints(ns)}
@@ -105,37 +114,63 @@ def _preempt(kube: Kube, cfg: E2EConfig, ns: str, name: str, where: sb.Running) 
         # One time per poll for both: two reads of one poll are one observation, or their
         # order within it, rounded, would decide which came first.
         now = sb.since(started)
-        if "replacement" not in seen and kube.pod(ns, new_pod) is not None:
-            seen["replacement"] = now
+        if "replacement" not in seen:
+            found = next((p for p in (kube.pod(ns, c) for c in candidates) if p), None)
+            if found is not None:
+                seen["replacement"] = now
+                first.update(pod=found["metadata"]["name"],
+                             created=str(found["metadata"]["creationTimestamp"]))
         if "durable" not in seen and done() is not None:
             seen["durable"] = now
         # The old pod's last tick is the one its checkpoint holds (it is frozen, then ended).
         last.append(max([*sb.ticks(kube, ns, where.pod), last[-1]]))
         s = sb.status(ns, name)
-        if (s.get("phase") != "Running" or s.get("podName") != new_pod
+        pod = str(s.get("podName") or "")
+        if (s.get("phase") != "Running" or int(s.get("incarnation") or 0) <= incarnation
                 or int(s.get("restores") or 0) <= where.restores
-                or not sb.ticks(kube, ns, new_pod)):
+                or not sb.ticks(kube, ns, pod)):
             return None
-        return sb.Running(s["nodeName"], new_pod, int(s["restores"]), 0)
+        return sb.Running(s["nodeName"], pod, int(s["restores"]), 0)
 
     started = time.monotonic()
     with sb.preempting(cfg, where.node, NOTICE_SECONDS):
-        after = wait_until(f"sandbox {name} running again in pod {new_pod}", 180, moved, 0.2)
+        after = wait_until(f"sandbox {name} running again in a pod after {where.pod}", 180,
+                           moved, 0.2)
         running = sb.since(started)
     ckpt = done()
     assert ckpt is not None and after.node != where.node
-    ticks = sb.assert_continues(kube, ns, new_pod, last[-1])
-    _assert_accounted(ns, name, before, ckpt, new_pod)
-    print(f"  {where.node} -> {after.node}: ticks continue at {ticks[0]} (last {last[-1]})")
+    assert first, "no replacement pod was seen"
+    ticks = sb.assert_continues(kube, ns, after.pod, last[-1])
+    lost = _lost_between(kube, ns, name, first["pod"], after.pod)
+    _assert_accounted(ns, name, before, ckpt, after.pod, len(lost))
+    print(f"  {where.node} -> {after.node}: ticks continue at {ticks[0]} (last {last[-1]})"
+          + (f"; pods {', '.join(lost)} refused by their kubelet and replaced" if lost else ""))
     return Move(where.node, after.node, ckpt["metadata"]["name"], seen["replacement"],
-                seen["durable"], running, (ckpt.get("status") or {}).get("frozenMs"))
+                seen["durable"], running, (ckpt.get("status") or {}).get("frozenMs"),
+                first["pod"], first["created"])
 
 
-def _assert_accounted(ns: str, name: str, before: Obj, ckpt: Obj, new_pod: str) -> None:
-    """One move: incarnation + 1, restores + 1, restored from the stopping checkpoint with
-    nothing lost, and a downtime recorded."""
+def _lost_between(kube: Kube, ns: str, name: str, first: str, final: str) -> list[str]:
+    """The pods from ``first`` up to, not including, ``final`` (incarnations in between),
+    each with the PodLost Event that says why it was replaced."""
+    lost = [f"{name}-{k}" for k in range(int(first.rsplit("-", 1)[1]),
+                                         int(final.rsplit("-", 1)[1]))]
+    for pod in lost:
+        said = f"pod {pod} was lost"
+
+        def names_it(event: Obj, said: str = said) -> bool:
+            return event["reason"] == api.REASON_POD_LOST and said in event["message"]
+
+        sb.wait_events(kube, ns, name, f"a PodLost Event for pod {pod}", names_it)
+    return lost
+
+
+def _assert_accounted(ns: str, name: str, before: Obj, ckpt: Obj, new_pod: str,
+                      lost: int) -> None:
+    """One move: incarnation + 1 (and one more per pod lost on the way), restores + 1,
+    restored from the stopping checkpoint with nothing lost, and a downtime recorded."""
     s = sb.status(ns, name)
-    assert int(s["incarnation"]) == int(before["incarnation"]) + 1, s
+    assert int(s["incarnation"]) == int(before["incarnation"]) + 1 + lost, s
     assert int(s["restores"]) == int(before.get("restores") or 0) + 1, s
     assert s["podName"] == new_pod, s
     record = s.get("restoredFrom") or {}
@@ -144,13 +179,11 @@ def _assert_accounted(ns: str, name: str, before: Obj, ckpt: Obj, new_pod: str) 
     assert s.get("lastDowntime"), s
 
 
-def _created_vs_durable(kube: Kube, ns: str, pod: str, ckpt: str) -> tuple[str, str]:
-    """(the new pod's creationTimestamp, the checkpoint's completedAt): both RFC 3339 in
-    whole seconds, UTC, so they compare as strings."""
-    found = kube.pod(ns, pod)
-    assert found is not None, f"pod {pod} is gone"
+def _completed_at(ckpt: str, ns: str) -> str:
+    """The checkpoint's completedAt: RFC 3339 in whole seconds, UTC, as creationTimestamp
+    is, so the two compare as strings."""
     [c] = [c for c in sb.checkpoints(ns) if c["metadata"]["name"] == ckpt]
-    return str(found["metadata"]["creationTimestamp"]), str(c["status"]["completedAt"])
+    return str(c["status"]["completedAt"])
 
 
 def test_overlap_creates_the_replacement_at_the_notice(
@@ -168,10 +201,10 @@ def test_overlap_creates_the_replacement_at_the_notice(
             move = _preempt(kube, e2e_config, namespace, name, where)
             status = sb.status(namespace, name)
             where = sb.Running(move.target, status["podName"], int(status["restores"]), 0)
-            created, durable = _created_vs_durable(kube, namespace, where.pod, move.checkpoint)
+            created, durable = move.first_created, _completed_at(move.checkpoint, namespace)
             replacements = [e for e in sb.events(kube, namespace, name)
                             if e["reason"] == api.REASON_REPLACEMENT_CREATED
-                            and f"pod {where.pod} " in e["message"]]
+                            and f"pod {move.first_pod} " in e["message"]]
             if mode == "on":
                 assert created <= durable and move.replacement <= move.durable, (created, durable)
                 assert replacements, "no ReplacementCreated Event"

@@ -3,12 +3,9 @@ freezer, real pid namespace)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,45 +13,15 @@ from pathlib import Path
 import pytest
 
 from hermit_node.host import freezer
+from tests.support.cgroups import V1_FREEZER, VERSIONS, scratch_cgroup
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
 
-V1_FREEZER = Path("/sys/fs/cgroup/freezer")
-# The cgroup2 hierarchy: /sys/fs/cgroup on a v2 host, /sys/fs/cgroup/unified on a hybrid
-# one like this test bed's (controllers on v1; freeze, cgroup.kill and cgroup.procs are
-# v2's own files, there whatever controllers it has).
-V2_ROOTS = (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"))
-
-
-def _new_cgroup(version: str) -> Path:
-    name = f"hermit-test-{uuid.uuid4().hex[:8]}"
-    if version == "v1":
-        if not V1_FREEZER.is_dir():
-            pytest.fail("no cgroup v1 freezer here: mount the v1 freezer hierarchy at "
-                        f"{V1_FREEZER} (as root)")
-        path = V1_FREEZER / name
-    else:
-        roots = [r for r in V2_ROOTS if (r / "cgroup.controllers").exists()]
-        if not roots:
-            pytest.fail("no cgroup v2 hierarchy here: mount cgroup2 at /sys/fs/cgroup or "
-                        "/sys/fs/cgroup/unified (as root)")
-        path = roots[0] / name
-    path.mkdir()
-    return path
-
-
-@pytest.fixture(params=("v1", "v2"))
+@pytest.fixture(params=VERSIONS)
 def cgroup(request: pytest.FixtureRequest) -> Iterator[Path]:
-    path = _new_cgroup(request.param)
-    try:
+    with scratch_cgroup(request.param) as path:
         yield path
-    finally:
-        for pid in (path / "cgroup.procs").read_text().split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-        freezer.thaw(path)
-        wait_until(f"{path} removable", 10, lambda: _removed(path), 0.05)
 
 
 def _size(path: Path) -> int:
@@ -155,11 +122,3 @@ def test_what_a_restore_cut_short_left_is_read_from_real_processes(
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
-
-
-def _removed(path: Path) -> bool:
-    try:
-        path.rmdir()
-    except OSError:
-        return False
-    return True

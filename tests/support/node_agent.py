@@ -219,6 +219,7 @@ class FakeEngine:
         self.stores.append(store)
         self.urgent.append(urgent)
         if self.error is None:
+            progress.captured()
             progress.uploading(5, 4)
         for step in self.progress:
             progress.progressed(step)

@@ -4,10 +4,12 @@ Kubernetes calls it makes (``FakeKube``), a ``service`` and a ``post`` of one tu
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from hermit_common import protocol
+from hermit_node.control import planner
 from hermit_node.control.planner import SandboxPod
 from hermit_node.engine.inspector import FileSig, Proc, Snapshot
 from hermit_node.turns import turns
@@ -43,6 +45,8 @@ class FakeKube:
         self.audiences: list[list[str]] = []
         self.served_to = protocol.UPLOADING
         self.audience_aware = True
+        # Told when a checkpoint it serves captured its tree (the node-agent's job would).
+        self.on_captured: Callable[[str], None] = lambda name: None
 
     def review_token(self, token: str, audiences: list[str]) -> dict[str, Any]:
         self.audiences.append(audiences)
@@ -71,7 +75,10 @@ class FakeKube:
         if namespace is not None:
             metadata.setdefault("namespace", namespace)
         manifest = {**manifest, "metadata": metadata, "status": {"phase": self.served_to}}
-        return self.checkpoints.setdefault(manifest["metadata"]["name"], manifest)
+        created = self.checkpoints.setdefault(manifest["metadata"]["name"], manifest)
+        if self.served_to in (protocol.UPLOADING, protocol.COMPLETED):  # dumped already
+            self.on_captured(manifest["metadata"]["name"])
+        return created
 
     def patch_checkpoint_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         current = self.checkpoints[name].setdefault("status", {})
@@ -87,18 +94,30 @@ class FakeKube:
 
 PATH = "/v1/namespaces/agents/agentsandboxes/box/turns"
 
+# Read at the dump, tree still frozen: freezing and dumping moved the context switches.
+DUMPED = snap(procs=(replace(INIT, activity=(0, 0, 1, 11)), replace(AGENT, activity=(3, 1, 1, 8))))
+# Read after the thaw: each thread woke once more (inspector.thaw_only).
 THAWED = snap(procs=(replace(INIT, activity=(0, 0, 1, 12)), replace(AGENT, activity=(3, 1, 1, 9))))
 
 
 def service(kube: FakeKube, states: list[Snapshot], thawed: Snapshot | None = THAWED,
-            **kw: Any) -> turns.TurnService:
-    """``states``: the turns' end states in order; ``thawed``: what is read after each
-    checkpoint's thaw (the dump moved the agent's context switches)."""
+            dumped: Snapshot | None = DUMPED, **kw: Any) -> turns.TurnService:
+    """``states``: the turns' end states in order; ``dumped``: what is read of each
+    checkpoint's processes at its dump (told through ``kube.on_captured``), ``thawed``:
+    what is read after its thaw."""
     def take(sp: SandboxPod) -> Snapshot:
         return states.pop(0)
 
     kw.setdefault("spawn", lambda fn: fn())
-    return turns.TurnService(NODE, kube, take, lambda sp: thawed, sleep=lambda s: None, **kw)
+    svc = turns.TurnService(NODE, kube, take, lambda sp: thawed, at_dump=lambda sp: dumped,
+                            sleep=lambda s: None, **kw)
+
+    def captured(name: str) -> None:
+        for sp in planner.sandbox_pods(kube.pods, NODE):
+            svc.captured(sp, name, protocol.TURN)
+
+    kube.on_captured = captured
+    return svc
 
 
 def post(svc: turns.TurnService, turn: int, token: str = "good", path: str = PATH,

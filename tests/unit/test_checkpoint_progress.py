@@ -1,7 +1,8 @@
 """The checkpoint engine tells its caller how a checkpoint goes through one small interface
-(``CheckpointProgress``), in order: uploading once captured (a routine checkpoint's tree
-thawed first), progressed per chunk, durable once the manifest is stored and, for a
-stopping checkpoint, before its tree is ended (durable must mean kept)."""
+(``CheckpointProgress``), in order: captured while the tree is still frozen, uploading
+once captured (a routine checkpoint's tree thawed first), progressed per chunk, durable
+once the manifest is stored and, for a stopping checkpoint, before its tree is ended
+(durable must mean kept)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ STEP = UploadProgress(1, 2, 10, 20, 0)
 class Told:
     def __init__(self, events: list[str]) -> None:
         self.events = events
+
+    def captured(self) -> None:
+        self.events.append("told captured")
 
     def uploading(self, frozen_ms: int, dump_ms: int) -> None:
         self.events.append(f"uploading {dump_ms}")
@@ -79,15 +83,15 @@ def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, stop: bool,
 def test_a_routine_checkpoint_reports_after_its_thaw_and_keeps_its_tree(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert _run(monkeypatch, tmp_path, stop=False, progress=None) == [
-        "captured", "thawed", "uploading 7", "progressed 1", "manifest stored",
+        "captured", "told captured", "thawed", "uploading 7", "progressed 1", "manifest stored",
         "durable s3://b/m"]
 
 
 def test_a_stopping_checkpoint_is_durable_before_its_tree_is_ended(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert _run(monkeypatch, tmp_path, stop=True, progress=None) == [
-        "captured", "uploading 7", "progressed 1", "manifest stored", "durable s3://b/m",
-        "tree ended"]
+        "captured", "told captured", "uploading 7", "progressed 1", "manifest stored",
+        "durable s3://b/m", "tree ended"]
 
 
 def test_no_progress_is_told_nothing_and_the_checkpoint_goes_on(

@@ -415,6 +415,38 @@ def test_a_failed_progress_write_does_not_fail_the_checkpoint(
     assert kube.checkpoints["manual"]["status"]["phase"] == "Completed"
 
 
+class Watch:
+    """A ``CaptureWatch`` that records what it was told, or fails when ``broken``."""
+
+    def __init__(self, broken: bool = False) -> None:
+        self.told: list[tuple[str, str, str]] = []
+        self.broken = broken
+
+    def captured(self, sp: Any, name: str, reason: str) -> None:
+        self.told.append((sp.pod, name, reason))
+        if self.broken:
+            raise RuntimeError("a bug in the watch")
+
+
+def test_the_capture_watch_is_told_each_checkpoints_capture_with_its_pod_and_reason(
+        tmp_path: Path) -> None:
+    kube = FakeKube([pod("box-1")], [ckpt("manual")])
+    watch = Watch()
+    agent = make_agent(tmp_path, kube, FakeEngine(), capture_watch=watch)
+    agent.reconcile_once()
+    agent.shutdown()
+    assert watch.told == [("box-1", "manual", "Manual")]
+
+
+def test_a_capture_watch_that_fails_does_not_fail_the_checkpoint(tmp_path: Path) -> None:
+    kube = FakeKube([pod("box-1")], [ckpt("manual")])
+    watch = Watch(broken=True)
+    agent = make_agent(tmp_path, kube, FakeEngine(), capture_watch=watch)
+    agent.reconcile_once()
+    agent.shutdown()
+    assert watch.told and kube.checkpoints["manual"]["status"]["phase"] == "Completed"
+
+
 def advisory(kind: str = "rebalance-recommendation") -> Notice:
     return Notice(provider="aws", kind=kind, action="rebalance", deadline=None,
                   received_at=NOW, event_id="rebalance-recommendation")
@@ -1014,6 +1046,9 @@ class _Uploaded:
     def __init__(self, progress: Any) -> None:
         self._progress = progress
 
+    def captured(self) -> None:
+        pass
+
     def uploading(self, frozen_ms: int, dump_ms: int) -> None:
         pass
 
@@ -1034,6 +1069,7 @@ class BlockingEngine(FakeEngine):
     def checkpoint(self, target: Any, *, stop: bool = False, **kwargs: Any) -> CheckpointResult:
         if not stop:
             progress = kwargs.pop("progress")
+            progress.captured()
             progress.uploading(5, 4)
             kwargs["progress"] = _Uploaded(progress)
             self.uploading.set()

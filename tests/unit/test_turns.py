@@ -10,12 +10,13 @@ from typing import Any
 import pytest
 
 from hermit_common import protocol
+from hermit_node.control import planner
 from hermit_node.control.planner import SandboxPod
 from hermit_node.engine import inspector, snapshot
 from hermit_node.engine.inspector import FileSig, Proc, Snapshot
 from hermit_node.turns import turns
 from tests.support.crds import schema_errors
-from tests.support.node_agent import NODE, ckpt
+from tests.support.node_agent import NODE, ckpt, pod
 from tests.support.turns import AGENT, INIT, PATH, SIG, THAWED, FakeKube, post, service, snap
 
 # -- the decision ------------------------------------------------------------------------------
@@ -314,11 +315,84 @@ def test_a_checkpoint_whose_thaw_was_not_read_is_no_baseline() -> None:
 
 def test_settled_keeps_the_turns_files_and_processes_and_the_thawed_counters() -> None:
     extra = Proc(9, 70, "/bin/sh", ("sh",), (1,) * 7, (0, 0, 1, 1))
+    dumped = snap(procs=(replace(AGENT, activity=(4, 1, 1, 19)),))
     after = snap(files={"rootfs": {}}, procs=(replace(AGENT, activity=(4, 1, 1, 20)), extra))
-    base = inspector.settled(snap(), after)
+    base = inspector.settled(snap(), dumped, after)
     assert base.files == snap().files and set(base.processes) == {1, 7}
-    assert base.processes[7].activity == (4, 1, 1, 20)
-    assert base.processes[1] == INIT  # gone after the thaw: kept as the turn saw it
+    assert base.processes[7].activity == (4, 1, 1, 20)  # only the thaw's wake-up moved
+    assert base.processes[1] == INIT  # not there at the dump: kept as the turn saw it
+
+
+def test_settled_keeps_the_counters_at_the_dump_of_a_process_that_ran_after_it() -> None:
+    dumped = snap(procs=(INIT, replace(AGENT, activity=(3, 1, 1, 8))))
+    ran = snap(procs=(INIT, replace(AGENT, memory=(2000, 600, 200, 400, 0, 300, 0),
+                                    activity=(5, 1, 1, 30))))
+    base = inspector.settled(snap(), dumped, ran)
+    assert base.processes[7].activity == (3, 1, 1, 8)
+    assert base.processes[7].memory == AGENT.memory
+    # However late the read after the thaw was, the next turn sees the process ran.
+    assert inspector.decide(base, ran).decision == "full"
+
+
+@pytest.mark.parametrize(("after", "only"), [
+    (replace(AGENT, activity=(3, 1, 1, 2)), True),  # nothing moved
+    (replace(AGENT, activity=(3, 1, 1, 3)), True),  # its one thread woke and slept again
+    (replace(AGENT, activity=(3, 1, 1, 4)), False),  # more switches than threads
+    (replace(AGENT, activity=(4, 1, 1, 3)), False),  # a clock tick of user time
+    (replace(AGENT, activity=(3, 2, 1, 3)), False),  # of system time
+    (replace(AGENT, activity=(3, 1, 2, 3)), False),  # a thread started
+    (replace(AGENT, activity=(3, 1, 1, 1)), False),  # fewer: not the same process
+    (replace(AGENT, memory=(2000, 504, 104, 400, 0, 300, 0)), False),  # memory moved
+    (replace(AGENT, start_ticks=61), False),  # another process under the same pid
+])
+def test_thaw_only_allows_one_wake_up_per_thread_and_nothing_else(after: Proc,
+                                                                  only: bool) -> None:
+    assert inspector.thaw_only(AGENT, after) is only
+
+
+def test_thaw_only_ignores_the_activity_of_hermits_init_but_not_its_memory() -> None:
+    assert inspector.thaw_only(INIT, replace(INIT, activity=(5, 5, 1, 99)))
+    assert not inspector.thaw_only(INIT, replace(INIT, memory=(801, 4, 0, 0, 0, 4, 0)))
+
+
+def test_a_process_that_ran_between_the_dump_and_a_late_thaw_read_makes_the_next_turn_full(
+) -> None:
+    """The read after the thaw waits for the Uploading status and for the counters to
+    hold still, so on a busy node it lands late; a workload that ran meanwhile, and not
+    since, changed its memory after the dump: the next turn must be full, not files-only
+    (that restored older memory with newer files)."""
+    kube = FakeKube()
+    ran = (replace(AGENT, activity=(9, 2, 1, 40)),)
+    late = snap(procs=(INIT, *ran))
+    turn2 = snap(files={"rootfs": {"etc/x": replace(SIG, size=11)},
+                        "workspace": {"a.txt": SIG}}, procs=(INIT, *ran))
+    svc = service(kube, [snap(), turn2], thawed=late)
+    post(svc, 1)
+    kube.complete("box-1-turn1")
+    reply = post(svc, 2)
+    assert reply.body["decision"] == "full", reply.body
+    assert "processes ran: pids 7" in reply.body["reasons"]
+
+
+def test_a_checkpoint_whose_processes_were_not_read_at_the_dump_is_no_baseline() -> None:
+    kube = FakeKube()
+    svc = service(kube, [snap(), THAWED], dumped=None)
+    post(svc, 1)
+    kube.complete("box-1-turn1")
+    reply = post(svc, 2)
+    assert reply.body["decision"] == "full"
+    assert "after turn checkpoint box-1-turn1 were not read" in reply.body["reasons"][0]
+
+
+def test_only_turn_checkpoints_are_read_at_the_dump() -> None:
+    reads: list[str] = []
+    svc = turns.TurnService(NODE, FakeKube(), lambda sp: snap(), lambda sp: None,
+                            at_dump=lambda sp: reads.append(sp.pod) or snap())
+    sp = planner.sandbox_pods([pod()], NODE)[0]
+    svc.captured(sp, "box-1-manual", protocol.MANUAL)
+    assert reads == []
+    svc.captured(sp, "box-1-turn1", protocol.TURN)
+    assert reads == [sp.pod]
 
 
 def test_the_http_server_answers_with_the_services_reply() -> None:
@@ -363,7 +437,7 @@ def test_settled_takes_the_directories_after_the_thaw_not_the_files() -> None:
     tmp = FileSig(0o40755, 0, 5, 5, 300, 0, 0)
     turn_end = snap(files={"rootfs": {"etc/x": SIG}})
     thawed = snap(files={"rootfs": {"etc/x": replace(SIG, size=99), "tmp": tmp}})
-    base = inspector.settled(turn_end, thawed)
+    base = inspector.settled(turn_end, turn_end, thawed)
     # CRIU's temporary directory copied /tmp up: no change at the next turn; a file
     # written after the turn's end still is one.
     assert base.files["rootfs"] == {"etc/x": SIG, "tmp": tmp}

@@ -44,12 +44,14 @@ from hermit_node.control.nodemarks import NodeMarks
 from hermit_node.control.notices import Notices
 from hermit_node.control.planner import CheckpointView, SandboxPod
 from hermit_node.control.ports import (
+    NO_CAPTURE_WATCH,
     NO_COLLECTOR,
     NO_FENCE,
     NO_HEALTH,
     NO_LIMITER,
     NO_TREES,
     AfterCheckpoint,
+    CaptureWatch,
     Checkpointer,
     Health,
     NodeView,
@@ -90,7 +92,8 @@ class NodeAgent:
                  health: Health = NO_HEALTH,
                  collector: AfterCheckpoint = NO_COLLECTOR, fence: RestoreFence = NO_FENCE,
                  routine_upload_seconds: float | None = None,
-                 limiter: UploadPromoter = NO_LIMITER, prefetch: bool = False) -> None:
+                 limiter: UploadPromoter = NO_LIMITER, prefetch: bool = False,
+                 capture_watch: CaptureWatch = NO_CAPTURE_WATCH) -> None:
         self.node = node
         self._kube = kube
         self._view = view
@@ -107,7 +110,8 @@ class NodeAgent:
         self._checkpoints = Checkpointing(
             node, kube, checkpointer, stores=stores, writes=writes, notices=self._notices,
             collector=collector, release=self._taken.release, unfrozen=self._jobs.unfrozen,
-            proc_root=proc_root, clock=clock, routine_upload_seconds=routine_upload_seconds)
+            proc_root=proc_root, clock=clock, routine_upload_seconds=routine_upload_seconds,
+            capture_watch=capture_watch)
         self._restores = Restoring(kube, restorer, stores=stores, fence=fence, writes=writes,
                                    release=self._taken.release, proc_root=proc_root,
                                    clock=clock)

@@ -20,7 +20,13 @@ from hermit_node.control import metrics, planner
 from hermit_node.control.kube import Kube, KubeConflict, KubeError, KubeTransient
 from hermit_node.control.notices import Notices
 from hermit_node.control.planner import CheckpointView, SandboxPod
-from hermit_node.control.ports import AfterCheckpoint, Checkpointer, StoreResolver
+from hermit_node.control.ports import (
+    NO_CAPTURE_WATCH,
+    AfterCheckpoint,
+    CaptureWatch,
+    Checkpointer,
+    StoreResolver,
+)
 from hermit_node.control.storage import Location, StorageError
 from hermit_node.control.writes import Writes
 from hermit_node.engine.checkpoint import CheckpointProgress, CheckpointResult, CheckpointTarget
@@ -41,7 +47,8 @@ class _StatusWriter(Protocol):
 
 class _CheckpointReport:
     """The ``CheckpointProgress`` of one checkpoint job: writes it into the Checkpoint's
-    status. Uploading once the tree is captured, then ``progress`` as chunks are stored,
+    status. The ``CaptureWatch`` is told while the captured tree is still frozen. Uploading
+    once the tree is captured, then ``progress`` as chunks are stored,
     throttled by ``planner.progress_due`` (about ten writes at most): progress is for
     people, a failed write is not retried and never reaches the upload. Completed once
     durable, retried until it lands (before a stopping checkpoint's tree is ended: durable
@@ -50,14 +57,22 @@ class _CheckpointReport:
 
     def __init__(self, kube: Kube, namespace: str, name: str, *, stop: bool, began: float,
                  write_status: _StatusWriter, clock: Callable[[], datetime],
-                 unfrozen: Callable[[], None], stop_durable: Callable[[], None]) -> None:
+                 unfrozen: Callable[[], None], stop_durable: Callable[[], None],
+                 captured: Callable[[], None] = lambda: None) -> None:
         self._kube, self._namespace, self._name = kube, namespace, name
+        self._captured = captured  # CaptureWatch.captured of this checkpoint
         self._stop, self._began = stop, began
         self._write_status, self._clock = write_status, clock
         self._unfrozen = unfrozen  # Jobs.unfrozen: the job's freezing slot goes on
         self._stop_durable = stop_durable  # a stopping checkpoint is durable (metrics)
         self._mark = planner.ProgressMark(time.monotonic(), 0.0)
         self.recorded = threading.Event()  # durable and Completed
+
+    def captured(self) -> None:
+        try:
+            self._captured()
+        except Exception:  # anything: the checkpoint must go on
+            log.exception("checkpoint %s/%s: telling its capture", self._namespace, self._name)
 
     def uploading(self, frozen_ms: int, dump_ms: int) -> None:
         self._write_status(self._namespace, self._name,
@@ -102,7 +117,8 @@ class Checkpointing:
                  collector: AfterCheckpoint, release: Callable[[str], None],
                  unfrozen: Callable[[], None], proc_root: Path,
                  clock: Callable[[], datetime],
-                 routine_upload_seconds: float | None) -> None:
+                 routine_upload_seconds: float | None,
+                 capture_watch: CaptureWatch = NO_CAPTURE_WATCH) -> None:
         self.node = node
         self._kube = kube
         self._checkpointer = checkpointer
@@ -115,6 +131,7 @@ class Checkpointing:
         self._proc_root = proc_root
         self._clock = clock
         self._routine_upload = routine_upload_seconds  # None: routine uploads unbounded
+        self._capture_watch = capture_watch
 
     def run(self, ckpt: KubeObject, sp: SandboxPod) -> None:
         view = CheckpointView.from_object(ckpt)
@@ -128,7 +145,8 @@ class Checkpointing:
         report = _CheckpointReport(
             self._kube, namespace, name, stop=stop, began=began,
             write_status=self._writes.write_status, clock=self._clock,
-            unfrozen=self._unfrozen, stop_durable=self._notices.record_margin)
+            unfrozen=self._unfrozen, stop_durable=self._notices.record_margin,
+            captured=lambda: self._capture_watch.captured(sp, name, view.reason))
         try:
             result = self._take(ckpt, sp, stop, report, store)
         except Exception as exc:

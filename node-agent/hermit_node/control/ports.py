@@ -1,8 +1,8 @@
 """What the node-agent's loop drives, as narrow protocols: the checkpoint and restore
 engines, the stores, its watched copy of the node, and its optional collaborators (tree
-control, health, collector, fence, upload limiter), each with a null object as the default
-(``NO_TREES``, ``NO_HEALTH``, ``NO_COLLECTOR``, ``NO_FENCE``, ``NO_LIMITER``), never
-``None``."""
+control, health, collector, fence, upload limiter, capture watch), each with a null object
+as the default (``NO_TREES``, ``NO_HEALTH``, ``NO_COLLECTOR``, ``NO_FENCE``, ``NO_LIMITER``,
+``NO_CAPTURE_WATCH``), never ``None``."""
 
 from __future__ import annotations
 
@@ -162,6 +162,24 @@ class NoLimiter:
 
 
 NO_LIMITER: UploadPromoter = NoLimiter()
+
+
+class CaptureWatch(Protocol):
+    """Told, on the checkpoint's thread, that checkpoint ``name`` (of ``reason``) of pod
+    ``sp`` has captured its tree, which is still frozen (``TurnService.captured`` reads its
+    processes' counters then). Quick, as the sandbox waits; must not raise."""
+
+    def captured(self, sp: SandboxPod, name: str, reason: str) -> None: ...
+
+
+class NoCaptureWatch:
+    """A ``CaptureWatch`` that reads nothing (no turn endpoint)."""
+
+    def captured(self, sp: SandboxPod, name: str, reason: str) -> None:
+        return None
+
+
+NO_CAPTURE_WATCH: CaptureWatch = NoCaptureWatch()
 
 
 def utc_now() -> datetime:

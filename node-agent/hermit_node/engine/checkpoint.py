@@ -200,6 +200,11 @@ class CheckpointProgress(Protocol):
     """What a checkpoint tells its caller as it goes, on the checkpoint's thread (the
     node-agent writes it into the Checkpoint's status; ``CheckpointEngine.checkpoint``)."""
 
+    def captured(self) -> None:
+        """The tree's state is captured and the tree is still frozen: what is read of it
+        now is what the checkpoint holds (turns read the processes' counters). Must be
+        quick, as the sandbox waits, and must not raise."""
+
     def uploading(self, frozen_ms: int, dump_ms: int) -> None:
         """The tree's state is captured (a routine checkpoint's tree runs again): the
         upload starts."""
@@ -214,6 +219,9 @@ class CheckpointProgress(Protocol):
 
 class NoProgress:
     """A ``CheckpointProgress`` that is told nothing (benchmarks, tests, debugging)."""
+
+    def captured(self) -> None:
+        pass
 
     def uploading(self, frozen_ms: int, dump_ms: int) -> None:
         pass
@@ -254,7 +262,8 @@ class CheckpointEngine:
         The local copy of the images is removed once the store has them, unless
         ``keep_local`` (for debugging). ``deadline`` (a ``time.monotonic()`` value, e.g.
         the node's termination time) bounds the upload; ``progress`` is told how it goes
-        (``CheckpointProgress``), on this thread: ``uploading(frozen_ms, dump_ms)`` once
+        (``CheckpointProgress``), on this thread: ``captured()`` while the captured tree is
+        still frozen, ``uploading(frozen_ms, dump_ms)`` once
         the tree's state is captured and the upload starts, ``progressed`` after each chunk
         (it must not raise), ``durable(result)`` once the manifest is in the store and,
         with ``stop``, before the old tree is killed: it records the checkpoint so nothing
@@ -307,6 +316,7 @@ class CheckpointEngine:
         """From the frozen tree to a durable checkpoint: a routine one thaws once captured,
         a stopping one ends the tree once durable (and recorded by ``progress.durable``)."""
         self._capture(plan, cap, routine=not stop)
+        progress.captured()
         if not stop:
             freezer.thaw(plan.cgroup)
             cap.thawed = True

@@ -134,28 +134,52 @@ def process_changes(before: Snapshot, after: Snapshot) -> list[str]:
     return out
 
 
-def settled(turn_end: Snapshot, after_thaw: Snapshot) -> Snapshot:
-    """The baseline a turn checkpoint leaves: its turn's end state, with the memory and
-    activity counters read just after the checkpoint thawed the tree (freezing and
-    dumping move them: every process is stopped, seized and resumed) and the directories
-    as they were then (CRIU makes and removes a temporary directory under the sandbox's
-    /tmp, copying /tmp up and moving its times). Files, sockets and which processes exist
-    stay those of the turn's end, so a change after it shows at the next turn even when
-    the checkpoint caught it too. A directory holds no data: its children are compared
-    one by one."""
+def thaw_only(at_dump: Proc, after_thaw: Proc) -> bool:
+    """Whether all that moved in one process between its checkpoint's dump (read while
+    the tree was still frozen) and the read after the thaw is the thaw's own wake-up: a
+    thawed thread finishes the wait it was frozen in and sleeps again, at most one more
+    context switch per thread, with no clock tick of CPU time and no memory counter moved.
+    Anything more means the process ran after the dump: its memory may differ from the
+    checkpoint's."""
+    if at_dump.identity != after_thaw.identity or at_dump.memory != after_thaw.memory:
+        return False
+    if at_dump.exempt:
+        return True
+    utime, stime, threads, switches = at_dump.activity
+    moved = after_thaw.activity[3] - switches
+    return after_thaw.activity[:3] == (utime, stime, threads) and 0 <= moved <= threads
+
+
+def settled(turn_end: Snapshot, at_dump: Snapshot, after_thaw: Snapshot) -> Snapshot:
+    """The baseline a turn checkpoint leaves: its turn's end state, with each process's
+    memory and activity counters as its checkpoint holds them. Freezing and dumping move
+    them (every process is stopped, seized and resumed), so they are read after the dump
+    while the tree is still frozen (``at_dump``); the thaw moves them once more, so the
+    read after the thaw (``after_thaw``) is taken instead when ``thaw_only`` says that is
+    all it moved. A process that ran after the dump keeps its counters at the dump: the
+    next turn sees it ran, whenever the read after the thaw happened. The directories are
+    as they were after the thaw (CRIU makes and removes a temporary directory under the
+    sandbox's /tmp, copying /tmp up and moving its times). Files, sockets and which
+    processes exist stay those of the turn's end, so a change after it shows at the next
+    turn even when the checkpoint caught it too. A directory holds no data: its children
+    are compared one by one."""
     files = {section: {**entries, **{path: sig for path, sig in
                                      after_thaw.files.get(section, {}).items()
                                      if stat.S_ISDIR(sig.kind_mode)}}
              for section, entries in turn_end.files.items()}
     processes = dict(turn_end.processes)
     for pid, proc in turn_end.processes.items():
+        dumped = at_dump.processes.get(pid)
+        if dumped is None or dumped.identity != proc.identity:
+            continue  # ended before the dump: the next turn sees that
         post = after_thaw.processes.get(pid)
-        if post is not None and post.identity == proc.identity:
-            processes[pid] = Proc(pid=pid, start_ticks=proc.start_ticks, exe=proc.exe,
-                                  cmdline=proc.cmdline, memory=post.memory,
-                                  activity=post.activity, exempt=proc.exempt)
+        counters = post if post is not None and thaw_only(dumped, post) else dumped
+        processes[pid] = Proc(pid=pid, start_ticks=proc.start_ticks, exe=proc.exe,
+                              cmdline=proc.cmdline, memory=counters.memory,
+                              activity=counters.activity, exempt=proc.exempt)
     return Snapshot(files=files, processes=processes, sockets=turn_end.sockets,
-                    unreadable=(*turn_end.unreadable, *after_thaw.unreadable))
+                    unreadable=(*turn_end.unreadable, *at_dump.unreadable,
+                                *after_thaw.unreadable))
 
 
 def decide(before: Snapshot | None, after: Snapshot, *,

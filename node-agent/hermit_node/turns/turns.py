@@ -19,9 +19,13 @@ with ``{"turn": N}`` (and optionally ``"waitSeconds"``) and a bearer token:
    ``status.turn.coveredThrough`` of the checkpoint that still holds the sandbox's state.
 
 The baseline a turn checkpoint leaves is its turn's end state with the processes'
-counters read just after the checkpoint thawed the tree (``inspector.settled``): the
-freeze and the dump move them. It becomes the baseline once the checkpoint is Completed;
-until then a turn is compared with the last Completed one (and is usually full).
+counters as the checkpoint holds them (``inspector.settled``): the freeze and the dump
+move them, so they are read after the dump while the tree is still frozen (``captured``,
+told by the checkpoint's job), and again once the thaw's wake-ups are over; the second
+read counts only when the thaw is all that moved them (``inspector.thaw_only``), so what
+a process does after the dump shows at the next turn however late that read is. It
+becomes the baseline once the checkpoint is Completed; until then a turn is compared with
+the last Completed one (and is usually full).
 
 A turn number is decided once per pod: a repeated one returns the first answer, an older
 one is refused (409). The baseline lives in memory: after a node-agent restart, or on a
@@ -160,6 +164,9 @@ class TurnKube(Protocol):
 
 
 SnapshotTaker = Callable[[SandboxPod], Snapshot]
+# Reads the pod's processes (no files) while its turn checkpoint's tree is frozen after
+# the dump; None when it cannot.
+AtDump = Callable[[SandboxPod], Snapshot | None]
 # Reads the pod's container just after its turn checkpoint thawed it (counters once they
 # hold still, then the files); None when it cannot.
 AfterThaw = Callable[[SandboxPod], Snapshot | None]
@@ -183,23 +190,31 @@ class _PodTurns:
     settling: threading.Event | None = None  # set once the pending one's _settle ended
 
 
+def _nothing_read(sp: SandboxPod) -> Snapshot | None:
+    return None
+
+
 def _in_thread(fn: Callable[[], None]) -> None:
     threading.Thread(target=fn, daemon=True, name="hermit-turn-settle").start()
 
 
 class TurnService:
     def __init__(self, node: str, kube: TurnKube, snapshots: SnapshotTaker,
-                 after_thaw: AfterThaw, *, audience: str = TURN_AUDIENCE,
+                 after_thaw: AfterThaw, *, at_dump: AtDump = _nothing_read,
+                 audience: str = TURN_AUDIENCE,
                  sleep: Callable[[float], None] = time.sleep,
                  spawn: Callable[[Callable[[], None]], None] = _in_thread,
                  guards: Guards | None = None) -> None:
         self.node, self._kube, self._snapshots = node, kube, snapshots
         self._after_thaw, self._spawn = after_thaw, spawn
+        self._at_dump = at_dump  # _nothing_read: every turn after a checkpoint is full
         # "" only by the explicit opt-out (settings.TURN_AUDIENCE_API_SERVER).
         self._audiences = [audience] if audience else []
         self.guards = guards if guards is not None else Guards()
         self._sleep = sleep
         self._pods: dict[str, _PodTurns] = {}
+        # Per (pod uid, turn checkpoint): its processes read at the dump, until settled.
+        self._dumped: dict[tuple[str, str], Snapshot] = {}
         self._lock = threading.Lock()
 
     def handle(self, path: str, authorization: str | None, body: bytes, *,
@@ -285,6 +300,24 @@ class TurnService:
         with self._lock:
             for uid in [u for u in self._pods if u not in live]:
                 del self._pods[uid]
+            for key in [k for k in self._dumped if k[0] not in live]:
+                del self._dumped[key]
+
+    def captured(self, sp: SandboxPod, name: str, reason: str) -> None:
+        """Checkpoint ``name`` of pod ``sp`` captured its tree, still frozen
+        (``ports.CaptureWatch``): a turn checkpoint's processes are read now, as it holds
+        them. Never raises: without the read, the next turn is full."""
+        if reason != protocol.TURN:
+            return
+        try:
+            reading = self._at_dump(sp)
+        except (HermitError, OSError) as exc:
+            log.warning("turn checkpoint %s/%s: processes at the dump not read: %s",
+                        sp.namespace, name, exc)
+            return
+        if reading is not None:
+            with self._lock:
+                self._dumped[(sp.uid, name)] = reading
 
     def _state(self, uid: str) -> _PodTurns:
         with self._lock:
@@ -357,16 +390,24 @@ class TurnService:
         try:
             self._settle_one(sp, state, name, after)
         finally:
+            with self._lock:
+                self._dumped.pop((sp.uid, name), None)
             done.set()
 
     def _settle_one(self, sp: SandboxPod, state: _PodTurns, name: str, after: Snapshot) -> None:
         """The baseline turn checkpoint ``name`` leaves: ``after`` with the counters read
-        just after it thawed the tree (``inspector.settled``). The node-agent writes
+        at its dump and after its thaw (``inspector.settled``). The node-agent writes
         Uploading once the tree is thawed (CRIU itself thaws and refreezes the cgroup
         during the dump, so the freezer alone cannot tell)."""
         if not self._thawed(sp.namespace, name):
             log.warning("turn checkpoint %s/%s: not seen thawed; the next turn will be full",
                         sp.namespace, name)
+            return
+        with self._lock:
+            dumped = self._dumped.get((sp.uid, name))
+        if dumped is None:
+            log.warning("turn checkpoint %s/%s: its processes were not read at the dump; "
+                        "the next turn will be full", sp.namespace, name)
             return
         try:
             post = self._after_thaw(sp)
@@ -378,7 +419,7 @@ class TurnService:
             return
         with state.lock:
             if state.pending is not None and state.pending[0] == name:
-                state.pending = (name, inspector.settled(after, post))
+                state.pending = (name, inspector.settled(after, dumped, post))
 
     def _thawed(self, namespace: str, name: str) -> bool:
         """Wait until the checkpoint is Uploading or Completed (its tree thawed); False

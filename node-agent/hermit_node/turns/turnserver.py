@@ -23,7 +23,7 @@ from hermit_node.engine import snapshot
 from hermit_node.engine.inspector import Snapshot
 from hermit_node.turns.turns import MAX_BODY, TurnService
 
-__all__ = ["TlsFiles", "TurnHTTPServer", "serve", "start", "tls_of"]
+__all__ = ["TlsFiles", "TurnHTTPServer", "serve", "service", "start", "tls_of"]
 
 TurnHTTPServer = HardenedHTTPServer
 USAGE = "POST {\"turn\": N} to /v1/namespaces/NS/agentsandboxes/NAME/turns"
@@ -44,6 +44,12 @@ def take_snapshot(sp: SandboxPod) -> Snapshot:
     if sp.container_id is None:
         raise HermitError(f"pod {sp.namespace}/{sp.pod} has no container id")
     return snapshot.take(sp.container_id, sp.workspace_path)
+
+
+def read_at_dump(sp: SandboxPod) -> Snapshot | None:
+    if sp.container_id is None:
+        return None
+    return snapshot.take(sp.container_id, None, with_files=False)
 
 
 def read_after_thaw(sp: SandboxPod) -> Snapshot | None:
@@ -67,11 +73,16 @@ def tls_of(settings: NodeSettings) -> TlsFiles | None:
     return tls
 
 
-def start(settings: NodeSettings) -> TurnHTTPServer | None:
-    """The turn endpoint of ``settings`` (None when HERMIT_TURN_PORT is 0)."""
+def service(settings: NodeSettings) -> TurnService | None:
+    """The turn service of ``settings`` (None when HERMIT_TURN_PORT is 0); its TLS files
+    are checked now (SettingsError)."""
     if not settings.turn_port:
         return None
-    tls = tls_of(settings)
-    service = TurnService(settings.node_name, Kube.connect(settings.node_name), take_snapshot,
-                          read_after_thaw, audience=settings.turn_audience)
-    return serve(settings.turn_port, service, tls=tls)
+    tls_of(settings)
+    return TurnService(settings.node_name, Kube.connect(settings.node_name), take_snapshot,
+                       read_after_thaw, at_dump=read_at_dump, audience=settings.turn_audience)
+
+
+def start(settings: NodeSettings, turn_service: TurnService) -> TurnHTTPServer:
+    """Serves ``turn_service`` on HERMIT_TURN_PORT (with its TLS files, when set)."""
+    return serve(settings.turn_port, turn_service, tls=tls_of(settings))
