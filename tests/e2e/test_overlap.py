@@ -7,8 +7,8 @@ release). Both times nothing may be lost or duplicated, the status must account 
 move (incarnation + 1, restores + 1, restoredFrom the stopping checkpoint with nothing
 stale, lastDowntime), and the first replacement pod must be created before the checkpoint
 is durable with overlap and after it without. A replacement its node's kubelet refused is
-allowed only with the operator's PodLost Event for it (and one more incarnation). The test prints notice -> durable and
-notice -> running again for both.
+allowed only with the operator's PodLost Event for it (and one more incarnation). The
+test prints notice -> durable and notice -> running again for both.
 """
 
 from __future__ import annotations
