@@ -118,7 +118,7 @@ class _Settled(NoProgress):
         self._at_dump: Snapshot | None = None
 
     def captured(self) -> None:
-        self._at_dump = snapshot.take(self._box.runtime_id, None, with_files=False)
+        self._at_dump = snapshot.at_dump(self._box.runtime_id)
 
     def uploading(self, frozen_ms: int, dump_ms: int) -> None:
         post = snapshot.after_thaw(self._box.runtime_id, WORKSPACE)

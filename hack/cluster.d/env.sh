@@ -27,6 +27,7 @@ ETCD_PEER_PORT=$((23800 + INSTANCE))
 CONTROLLER_MANAGER_PORT=$((10257 + 100 * INSTANCE))  # on 127.0.0.1 (its default 10257)
 SCHEDULER_PORT=$((10259 + 100 * INSTANCE))           # on 127.0.0.1 (its default 10259)
 AEMM_PORT=1338
+REGISTRY_PORT=$((5100 + INSTANCE))    # on BRIDGE_IP (hack/cluster registry)
 CGROUP_ROOT=hermit$TAG                # /sys/fs/cgroup/<ctrl>/hermit/<node>
 NETNS_PREFIX=hermit$TAG-              # a node's network namespace: hermit-<node>
 VETH_PREFIX=h${TAG}mv                 # host side of node i's veth: hmv<i>
@@ -34,6 +35,12 @@ APISERVER_URL="https://$BRIDGE_IP:$APISERVER_PORT"
 IMDS_ANNOTATION=hermit.dev/imds-url
 DEFAULT_NODES=(spot-1:spot spot-2:spot ondemand-1:on-demand)
 IMAGES=(pause sandbox hermit init)   # hack/images/build names; imported into every node
+# Nodes whose name matches this bash pattern run containerd 2 and runc 1.5
+# (hack/install-containerd2); the others Debian's containerd 1.6 (docs/cluster.md#runtimes).
+# The default, the even-numbered spot nodes, makes a move between spot-1 and spot-2 cross
+# runtimes. "" puts every node on Debian's.
+CONTAINERD2_NODES=${HERMIT_CLUSTER_CONTAINERD2_NODES-spot-*[02468]}
+CONTAINERD2_BIN=$HERMIT_CACHE/bin/containerd2
 
 kctl() { "$HERMIT_BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" "$@"; }
 

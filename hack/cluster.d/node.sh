@@ -143,6 +143,8 @@ node_write_configs() {
   dir=$(node_dir "$name")
   mkdir -p "$dir/cni" "$CLUSTER_VAR/$name" "$CLUSTER_RUN/$name"
   node_containerd_config "$name" >"$dir/containerd.toml"
+  mkdir -p "$dir/certs.d/$REGISTRY_HOST"
+  node_registry_hosts >"$dir/certs.d/$REGISTRY_HOST/hosts.toml"
   node_cni_config "$name" >"$dir/cni/10-hermit.conflist"
   node_kubelet_config "$name" >"$dir/kubelet.yaml"
   node_labels "$name" >"$dir/labels"
@@ -184,6 +186,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
         Root = "/run/containerd/runc"
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = "$dir/certs.d"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
     conf_dir = "$dir/cni"
@@ -312,6 +316,22 @@ node_aemm() {
   wait_for "AEMM of $name" 60 curl -sf "$(node_imds_url "$name")/latest/meta-data/instance-id"
 }
 
+# node_runtime_bin NAME: the directory whose containerd, shim, ctr and runc the node runs
+# (first on its PATH), or nothing for Debian's on the host's PATH (CONTAINERD2_NODES).
+node_runtime_bin() {
+  [ -n "$CONTAINERD2_NODES" ] || return 0
+  # shellcheck disable=SC2053  # CONTAINERD2_NODES is a pattern
+  if [[ $1 == $CONTAINERD2_NODES ]]; then echo "$CONTAINERD2_BIN"; fi
+  return 0
+}
+
+# node_ctr NAME ARGS...: the node's own ctr on its containerd.
+node_ctr() {
+  local name=$1 bin; shift
+  bin=$(node_runtime_bin "$name")
+  "${bin:+$bin/}ctr" --address "$(node_sock "$name")" "$@"
+}
+
 node_import_images() {
   local name=$1 img tar done_f
   done_f="$(node_dir "$name")/images.imported"
@@ -321,7 +341,7 @@ node_import_images() {
     # Skip only when this tar is the last one imported for the image: another worktree's
     # build of the same image (same ref) may have been imported since.
     [ "$(grep -F "/$img-" "$done_f" | tail -n 1)" = "$tar" ] && continue
-    ctr --address "$(node_sock "$name")" -n k8s.io images import --no-unpack=false "$tar" >/dev/null \
+    node_ctr "$name" -n k8s.io images import --no-unpack=false "$tar" >/dev/null \
       || die "importing $tar into $name failed"
     echo "$tar" >>"$done_f"
   done
@@ -344,10 +364,15 @@ node_prepare() {
 node_start() {
   local name=$1 dir logs
   dir=$(node_dir "$name"); logs=$CLUSTER_DIR/logs/$name
-  local innode=("$HERMIT_ROOT/hack/cluster.d/in-node" "$name")
+  local innode=("$HERMIT_ROOT/hack/cluster.d/in-node" "$name") bin
+  bin=$(node_runtime_bin "$name")
+  if [ -n "$bin" ] && [ ! -x "$bin/containerd" ]; then
+    die "node $name runs containerd 2 (HERMIT_CLUSTER_CONTAINERD2_NODES='$CONTAINERD2_NODES'), which is not built: run hack/install-containerd2"
+  fi
+  # containerd starts the shim it finds first on its PATH, and the shim that runc.
   start_daemon "$name-containerd" "$logs/containerd.log" "${innode[@]}" \
-    containerd --config "$dir/containerd.toml"
-  wait_for "containerd of $name" 30 ctr --address "$(node_sock "$name")" version
+    env PATH="${bin:+$bin:}$PATH" containerd --config "$dir/containerd.toml"
+  wait_for "containerd of $name" 30 node_ctr "$name" version
   node_import_images "$name"
   pid_alive "$CLUSTER_DIR/pids/$name-aemm.pid" || node_aemm "$name"
   start_daemon "$name-kubelet" "$logs/kubelet.log" "${innode[@]}" \

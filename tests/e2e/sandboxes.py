@@ -127,6 +127,13 @@ def wait_events(kube: Kube, ns: str, name: str, what: str, keep: Callable[[Obj],
                       or None, 0.5)
 
 
+def node_runtime(kube: Kube, node: str) -> str:
+    """The node's container runtime as its kubelet reports it (``containerd://2.2.9``)."""
+    found = kube.node(node) or {}
+    return str(found.get("status", {}).get("nodeInfo", {}).get("containerRuntimeVersion")
+               or "unknown")
+
+
 def ticks(kube: Kube, ns: str, pod: str) -> list[int]:
     """The ``tick N`` lines of a pod's output (empty when it has none yet)."""
     try:

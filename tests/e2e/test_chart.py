@@ -7,6 +7,7 @@ checkpoints and restores is what every move test in test_moves.py shows.)"""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from typing import Any
 
@@ -103,6 +104,33 @@ def test_node_agents_are_ready_by_their_probes_with_a_read_only_root(
               f"root read-only, /tmp writable")
     after = restarts(kube, hermit_release)
     assert {k: v for k, v in after.items() if k in before and v != before[k]} == {}
+
+
+def test_pods_run_the_images_the_release_names_by_digest(
+    kube: Kube, hermit_release: str,
+) -> None:
+    """Every container of the release's pods runs the very image its spec names: with
+    images pinned by digest (hack/test ci installs the release from the cluster's
+    registry, hack/cluster registry), the image the kubelet reports has that digest, so
+    the nodes pulled it from the registry."""
+    pods = kube.api.list_namespaced_pod(hermit_release).items
+    assert pods, "the release runs no pod"
+    pinned = 0
+    for pod in pods:
+        statuses = {c.name: c for c in [*(pod.status.init_container_statuses or []),
+                                        *(pod.status.container_statuses or [])]}
+        for container in [*(pod.spec.init_containers or []), *pod.spec.containers]:
+            status = statuses.get(container.name)
+            if "@sha256:" not in container.image or status is None or not status.image_id:
+                continue
+            assert status.image_id.endswith(container.image.rsplit("@", 1)[1]), (
+                pod.metadata.name, container.image, status.image_id)
+            pinned += 1
+            print(f"{pod.metadata.name}/{container.name} on {pod.spec.node_name}: "
+                  f"{container.image}")
+    helm_set = os.environ.get("HERMIT_E2E_HELM_SET", "")
+    if "image.digest=" in helm_set:  # the release was told digests: every pod uses them
+        assert pinned >= len(pods), f"{pinned} pinned containers in {len(pods)} pods"
 
 
 def test_a_standby_operator_is_live_and_ready_and_the_leader_runs_kopf(

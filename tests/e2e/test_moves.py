@@ -37,6 +37,7 @@ def _preempt(kube: Kube, cfg: E2EConfig, ns: str, name: str, where: sb.Running,
              generation: int, done: set[str]) -> tuple[sb.Running, dict[str, Any]]:
     """One spot notice on the sandbox's node; returns where it runs next and the timings."""
     sb.wait_agent_ready(kube, RELEASE_NS, where.node)
+    source_runtime = sb.node_runtime(kube, where.node)  # the node is gone after the notice
     started = time.monotonic()
     with sb.preempting(cfg, where.node, NOTICE_SECONDS):
         old = sb.LastTick(kube, ns, where.pod)
@@ -52,6 +53,7 @@ def _preempt(kube: Kube, cfg: E2EConfig, ns: str, name: str, where: sb.Running,
         seen = sb.assert_continues(kube, ns, after.pod, last, exact=True)
         sb.assert_ledger(name, after=seen[-1])
     timing = {"generation": generation, "from": where.node, "to": after.node,
+              "runtimes": f"{source_runtime} -> {sb.node_runtime(kube, after.node)}",
               "checkpoint": ckpt["metadata"]["name"], "notice_to_durable_s": durable,
               "notice_to_running_s": running, "frozen_ms": ckpt["status"].get("frozenMs"),
               "first_tick": seen[0]}
@@ -120,7 +122,8 @@ def test_three_preemptions_in_a_row_then_suspend_resume_and_fork(
     print(sb.kubectl_text(kubectl, e2e_config.kubeconfig, "asb,ckpt", "-n", namespace))
     print("moves:")
     for t in timings:
-        print(f"  gen {t['generation']}: {t['from']} -> {t['to']}: notice->durable "
+        print(f"  gen {t['generation']}: {t['from']} -> {t['to']} ({t['runtimes']}): "
+              f"notice->durable "
               f"{t['notice_to_durable_s']} s, notice->running {t['notice_to_running_s']} s, "
               f"frozen {t['frozen_ms']} ms")
 

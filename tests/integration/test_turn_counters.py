@@ -84,10 +84,11 @@ def _still(pid: int, seconds: float = 0.3) -> Snapshot:
 
 
 def _checkpoint_cycle(cgroup: Path, pid: int) -> Snapshot:
-    """Freeze, read the counters as a checkpoint's job reads them at the dump, thaw."""
+    """Freeze, read the counters as a checkpoint's job reads them at the dump (once no
+    thread is on its way off the CPU, ``snapshot.frozen``), thaw."""
     freezer.freeze(cgroup)
     try:
-        return _read(pid)
+        return snapshot.frozen(lambda: _read(pid))
     finally:
         freezer.thaw(cgroup)
 

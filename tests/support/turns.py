@@ -18,10 +18,10 @@ from tests.support.node_agent import NODE, pod
 SIG = FileSig(0o100644, 10, 1, 1, 100, 0, 0)
 
 INIT = Proc(1, 50, "/usr/local/bin/hermit-init", ("hermit-init", "--"), (800, 4, 0, 0, 0, 4, 0),
-            (0, 0, 1, 10), exempt=True)
+            (0, 0, 1, 10, 0), exempt=True)
 
 AGENT = Proc(7, 60, "/bin/sleep", ("sleep", "1000"), (2000, 500, 100, 400, 0, 300, 0),
-             (3, 1, 1, 2))
+             (3, 1, 1, 2, 0))
 
 
 def snap(files: dict[str, dict[str, FileSig]] | None = None,
@@ -95,9 +95,11 @@ class FakeKube:
 PATH = "/v1/namespaces/agents/agentsandboxes/box/turns"
 
 # Read at the dump, tree still frozen: freezing and dumping moved the context switches.
-DUMPED = snap(procs=(replace(INIT, activity=(0, 0, 1, 11)), replace(AGENT, activity=(3, 1, 1, 8))))
+DUMPED = snap(procs=(replace(INIT, activity=(0, 0, 1, 11, 0)),
+                     replace(AGENT, activity=(3, 1, 1, 8, 0))))
 # Read after the thaw: each thread woke once more (inspector.thaw_only).
-THAWED = snap(procs=(replace(INIT, activity=(0, 0, 1, 12)), replace(AGENT, activity=(3, 1, 1, 9))))
+THAWED = snap(procs=(replace(INIT, activity=(0, 0, 1, 12, 0)),
+                     replace(AGENT, activity=(3, 1, 1, 9, 0))))
 
 
 def service(kube: FakeKube, states: list[Snapshot], thawed: Snapshot | None = THAWED,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -48,14 +49,14 @@ def test_only_files_changed_is_files_only(after: Snapshot, words: str) -> None:
 
 
 @pytest.mark.parametrize("after, words", [
-    (snap(procs=(INIT, AGENT, Proc(9, 70, "/bin/sh", ("sh",), (1,) * 7, (0, 0, 1, 1)))),
+    (snap(procs=(INIT, AGENT, Proc(9, 70, "/bin/sh", ("sh",), (1,) * 7, (0, 0, 1, 1, 0)))),
      "processes started: 9"),
     (snap(procs=(INIT,)), "processes ended: 7"),
     (snap(procs=(INIT, replace(AGENT, start_ticks=61))), "processes started: 7"),
     (snap(procs=(INIT, replace(AGENT, cmdline=("sleep", "5")))), "processes started: 7"),
     (snap(procs=(INIT, replace(AGENT, memory=(2000, 504, 104, 400, 0, 300, 0))))
      , "memory counters changed: pids 7"),
-    (snap(procs=(INIT, replace(AGENT, activity=(3, 1, 1, 3)))), "processes ran: pids 7"),
+    (snap(procs=(INIT, replace(AGENT, activity=(3, 1, 1, 3, 0)))), "processes ran: pids 7"),
     (snap(sockets=frozenset()), "listening sockets closed: tcp 00000000:1B58"),
     (snap(sockets=frozenset({"tcp 00000000:1B58", "unix @x"})), "listening sockets opened"),
     (snap(unreadable=("workspace: Permission denied",)), "not readable: workspace"),
@@ -67,7 +68,7 @@ def test_processes_sockets_memory_or_doubt_is_full(after: Snapshot, words: str) 
 
 
 def test_hermit_init_waking_up_is_not_a_change_but_its_memory_is() -> None:
-    woke = replace(INIT, activity=(5, 3, 1, 99))
+    woke = replace(INIT, activity=(5, 3, 1, 99, 0))
     assert inspector.decide(snap(), snap(procs=(woke, AGENT))).decision == protocol.TURN_SKIP
     grew = replace(INIT, memory=(900, 4, 0, 0, 0, 4, 0))
     assert inspector.decide(snap(), snap(procs=(grew, AGENT))).decision == protocol.TURN_FULL
@@ -105,6 +106,38 @@ def test_listening_sockets() -> None:
             "0000: 00000002 00000000 00000000 0001 03 124\n")
     assert snapshot.listening({"tcp": tcp, "unix": unix}) == frozenset(
         {"tcp 00000000:1B58", "unix @/tmp/srv"})
+
+
+def _thread_states(proc: Path, states: dict[int, str]) -> None:
+    for tid, state in states.items():
+        task = proc / "7" / "task" / str(tid)
+        task.mkdir(parents=True, exist_ok=True)
+        (task / "stat").write_text(f"{tid} (agent) {state} 1 7 7 0 -1 0 0 0 0 0 1 1 0 0")
+
+
+def test_a_frozen_read_waits_until_no_thread_is_on_its_way_off_the_cpu(tmp_path: Path) -> None:
+    """The freezer counts a task frozen a moment before it leaves the CPU: a read taken
+    while a thread is still runnable may miss its last context switch."""
+    _thread_states(tmp_path, {7: "S", 8: "R"})
+    reads: list[int] = []
+
+    def read() -> Snapshot:
+        reads.append(len(reads))
+        if len(reads) == 3:  # the runnable thread leaves the CPU
+            _thread_states(tmp_path, {7: "S", 8: "D"})
+        return snap(procs=(replace(AGENT, activity=(3, 1, 2, 2 + len(reads), 0)),))
+
+    got = snapshot.frozen(read, proc_root=tmp_path)
+    assert snapshot.runnable_threads([7], tmp_path) == []
+    assert got.processes[7].activity[3] == 2 + len(reads) and len(reads) >= 4
+
+
+def test_a_frozen_read_gives_up_waiting_with_the_last_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _thread_states(tmp_path, {7: "R"})
+    monkeypatch.setattr(snapshot, "FROZEN_WAIT_SECONDS", 0.02)
+    got = snapshot.frozen(lambda: snap(), proc_root=tmp_path)
+    assert got.processes[7] == AGENT  # the next turn may then be full, never skip
 
 
 def test_tree_signature_sees_a_write(tmp_path: Any) -> None:
@@ -314,34 +347,36 @@ def test_a_checkpoint_whose_thaw_was_not_read_is_no_baseline() -> None:
 
 
 def test_settled_keeps_the_turns_files_and_processes_and_the_thawed_counters() -> None:
-    extra = Proc(9, 70, "/bin/sh", ("sh",), (1,) * 7, (0, 0, 1, 1))
-    dumped = snap(procs=(replace(AGENT, activity=(4, 1, 1, 19)),))
-    after = snap(files={"rootfs": {}}, procs=(replace(AGENT, activity=(4, 1, 1, 20)), extra))
+    extra = Proc(9, 70, "/bin/sh", ("sh",), (1,) * 7, (0, 0, 1, 1, 0))
+    dumped = snap(procs=(replace(AGENT, activity=(4, 1, 1, 19, 0)),))
+    after = snap(files={"rootfs": {}}, procs=(replace(AGENT, activity=(4, 1, 1, 20, 0)), extra))
     base = inspector.settled(snap(), dumped, after)
     assert base.files == snap().files and set(base.processes) == {1, 7}
-    assert base.processes[7].activity == (4, 1, 1, 20)  # only the thaw's wake-up moved
+    assert base.processes[7].activity == (4, 1, 1, 20, 0)  # only the thaw's wake-up moved
     assert base.processes[1] == INIT  # not there at the dump: kept as the turn saw it
 
 
 def test_settled_keeps_the_counters_at_the_dump_of_a_process_that_ran_after_it() -> None:
-    dumped = snap(procs=(INIT, replace(AGENT, activity=(3, 1, 1, 8))))
+    dumped = snap(procs=(INIT, replace(AGENT, activity=(3, 1, 1, 8, 0))))
     ran = snap(procs=(INIT, replace(AGENT, memory=(2000, 600, 200, 400, 0, 300, 0),
-                                    activity=(5, 1, 1, 30))))
+                                    activity=(5, 1, 1, 30, 0))))
     base = inspector.settled(snap(), dumped, ran)
-    assert base.processes[7].activity == (3, 1, 1, 8)
+    assert base.processes[7].activity == (3, 1, 1, 8, 0)
     assert base.processes[7].memory == AGENT.memory
     # However late the read after the thaw was, the next turn sees the process ran.
     assert inspector.decide(base, ran).decision == "full"
 
 
 @pytest.mark.parametrize(("after", "only"), [
-    (replace(AGENT, activity=(3, 1, 1, 2)), True),  # nothing moved
-    (replace(AGENT, activity=(3, 1, 1, 3)), True),  # its one thread woke and slept again
-    (replace(AGENT, activity=(3, 1, 1, 4)), False),  # more switches than threads
-    (replace(AGENT, activity=(4, 1, 1, 3)), False),  # a clock tick of user time
-    (replace(AGENT, activity=(3, 2, 1, 3)), False),  # of system time
-    (replace(AGENT, activity=(3, 1, 2, 3)), False),  # a thread started
-    (replace(AGENT, activity=(3, 1, 1, 1)), False),  # fewer: not the same process
+    (replace(AGENT, activity=(3, 1, 1, 2, 0)), True),  # nothing moved
+    (replace(AGENT, activity=(3, 1, 1, 3, 0)), True),  # its one thread woke and slept again
+    (replace(AGENT, activity=(3, 1, 1, 3, 1)), True),  # ... preempted on the way
+    (replace(AGENT, activity=(3, 1, 1, 4, 0)), False),  # and slept once more: it ran
+    (replace(AGENT, activity=(3, 1, 1, 2, 2)), False),  # preempted more than once
+    (replace(AGENT, activity=(4, 1, 1, 3, 0)), False),  # a clock tick of user time
+    (replace(AGENT, activity=(3, 2, 1, 3, 0)), False),  # of system time
+    (replace(AGENT, activity=(3, 1, 2, 3, 0)), False),  # a thread started
+    (replace(AGENT, activity=(3, 1, 1, 1, 0)), False),  # fewer: not the same process
     (replace(AGENT, memory=(2000, 504, 104, 400, 0, 300, 0)), False),  # memory moved
     (replace(AGENT, start_ticks=61), False),  # another process under the same pid
 ])
@@ -351,7 +386,7 @@ def test_thaw_only_allows_one_wake_up_per_thread_and_nothing_else(after: Proc,
 
 
 def test_thaw_only_ignores_the_activity_of_hermits_init_but_not_its_memory() -> None:
-    assert inspector.thaw_only(INIT, replace(INIT, activity=(5, 5, 1, 99)))
+    assert inspector.thaw_only(INIT, replace(INIT, activity=(5, 5, 1, 99, 0)))
     assert not inspector.thaw_only(INIT, replace(INIT, memory=(801, 4, 0, 0, 0, 4, 0)))
 
 
@@ -362,7 +397,7 @@ def test_a_process_that_ran_between_the_dump_and_a_late_thaw_read_makes_the_next
     since, changed its memory after the dump: the next turn must be full, not files-only
     (that restored older memory with newer files)."""
     kube = FakeKube()
-    ran = (replace(AGENT, activity=(9, 2, 1, 40)),)
+    ran = (replace(AGENT, activity=(9, 2, 1, 40, 0)),)
     late = snap(procs=(INIT, *ran))
     turn2 = snap(files={"rootfs": {"etc/x": replace(SIG, size=11)},
                         "workspace": {"a.txt": SIG}}, procs=(INIT, *ran))

@@ -57,7 +57,8 @@ class Proc:
     exe: str
     cmdline: tuple[str, ...]
     memory: tuple[int, ...]  # VmSize, VmRSS, RssAnon, RssFile, RssShmem, VmData, VmSwap (kB)
-    activity: tuple[int, ...]  # utime, stime, threads, voluntary + nonvoluntary switches
+    # utime, stime, threads, voluntary and nonvoluntary context switches (of all threads)
+    activity: tuple[int, ...]
     exempt: bool = False  # Hermit's init: its activity is ignored
 
     @property
@@ -137,17 +138,21 @@ def process_changes(before: Snapshot, after: Snapshot) -> list[str]:
 def thaw_only(at_dump: Proc, after_thaw: Proc) -> bool:
     """Whether all that moved in one process between its checkpoint's dump (read while
     the tree was still frozen) and the read after the thaw is the thaw's own wake-up: a
-    thawed thread finishes the wait it was frozen in and sleeps again, at most one more
-    context switch per thread, with no clock tick of CPU time and no memory counter moved.
-    Anything more means the process ran after the dump: its memory may differ from the
-    checkpoint's."""
+    thawed thread finishes the wait it was frozen in and sleeps again (one voluntary
+    context switch; on a busy node it may also be preempted on the way, one involuntary
+    one), with no clock tick of CPU time and no memory counter moved. Anything more means
+    the process ran after the dump: its memory may differ from the checkpoint's. (Work
+    that sleeps again makes a voluntary switch beyond the thaw's: one tick of a
+    single-threaded workload after the dump is seen.)"""
     if at_dump.identity != after_thaw.identity or at_dump.memory != after_thaw.memory:
         return False
     if at_dump.exempt:
         return True
-    utime, stime, threads, switches = at_dump.activity
-    moved = after_thaw.activity[3] - switches
-    return after_thaw.activity[:3] == (utime, stime, threads) and 0 <= moved <= threads
+    utime, stime, threads, voluntary, involuntary = at_dump.activity
+    woke = after_thaw.activity[3] - voluntary
+    preempted = after_thaw.activity[4] - involuntary
+    return (after_thaw.activity[:3] == (utime, stime, threads)
+            and 0 <= woke <= threads and 0 <= preempted <= threads)
 
 
 def settled(turn_end: Snapshot, at_dump: Snapshot, after_thaw: Snapshot) -> Snapshot:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import stat
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Final
 
@@ -21,7 +22,8 @@ from hermit_node.host import container, locate
 
 INIT_NAME: Final = "hermit-init"
 MEMORY_KEYS: Final = ("VmSize", "VmRSS", "RssAnon", "RssFile", "RssShmem", "VmData", "VmSwap")
-SWITCH_KEYS: Final = ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")
+VOLUNTARY: Final = "voluntary_ctxt_switches"
+INVOLUNTARY: Final = "nonvoluntary_ctxt_switches"
 TCP_LISTEN: Final = "0A"
 UNIX_LISTEN_FLAG: Final = 0x10000  # __SO_ACCEPTCON
 SECTION_ROOTFS: Final = "rootfs"
@@ -86,21 +88,23 @@ def process(pid: int, proc_root: Path, exempt: bool) -> Proc | None:
         return None
     utime, stime, start = stat_fields(stat_text)
     status = status_fields(status_text)
-    switches = 0
+    voluntary = involuntary = 0
     try:
         tasks = list((base / "task").iterdir())
     except OSError:
         return None
     for task in tasks:
         fields = status_fields(_read(task / "status") or "")
-        switches += sum(fields.get(k, 0) for k in SWITCH_KEYS)
+        voluntary += fields.get(VOLUNTARY, 0)
+        involuntary += fields.get(INVOLUNTARY, 0)
     try:
         exe = os.readlink(base / "exe")
     except OSError:
         exe = ""
     return Proc(pid=pid, start_ticks=start, exe=exe, cmdline=tuple(cmdline.split("\0")),
                 memory=tuple(status.get(k, 0) for k in MEMORY_KEYS),
-                activity=(utime, stime, status.get("Threads", 0), switches), exempt=exempt)
+                activity=(utime, stime, status.get("Threads", 0), voluntary, involuntary),
+                exempt=exempt)
 
 
 def _init_pids(init_pid: int, proc_root: Path) -> set[int]:
@@ -143,6 +147,48 @@ def take(container_id: str, workspace_path: str | None,
     return Snapshot(files=files, processes=processes, sockets=listening(net),
                     unreadable=tuple(unreadable))
 
+
+
+FROZEN_POLL_SECONDS: Final = 0.002
+FROZEN_WAIT_SECONDS: Final = 0.2
+
+
+def runnable_threads(pids: Iterable[int], proc_root: Path = Path("/proc")) -> list[int]:
+    """The threads of ``pids`` in state R (running or runnable)."""
+    out = []
+    for pid in pids:
+        try:
+            tasks = list((proc_root / str(pid) / "task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            text = _read(task / "stat")
+            if text is not None and text.rsplit(")", 1)[1].split()[:1] == ["R"]:
+                out.append(int(task.name))
+    return out
+
+
+def frozen(read: Callable[[], Snapshot], proc_root: Path = Path("/proc")) -> Snapshot:
+    """``read()`` of a frozen tree once none of its threads is runnable before and after
+    the read. The freezer counts a task frozen a moment before it leaves the CPU, so its
+    last context switch can land after a read taken at once. After FROZEN_WAIT_SECONDS,
+    the read as it is: a switch counted late then makes the next turn full, never skip."""
+    deadline = time.monotonic() + FROZEN_WAIT_SECONDS
+    snap = read()
+    while time.monotonic() < deadline:
+        if not runnable_threads(snap.processes, proc_root):
+            again = read()  # bracketed by two looks that found every thread off the CPU
+            if not runnable_threads(again.processes, proc_root):
+                return again
+        time.sleep(FROZEN_POLL_SECONDS)
+        snap = read()
+    return snap
+
+
+def at_dump(container_id: str) -> Snapshot:
+    """The container's processes (no files) while a checkpoint's tree is still frozen
+    after the dump (``frozen``)."""
+    return frozen(lambda: take(container_id, None, with_files=False))
 
 
 STEADY_POLL_SECONDS: Final = 0.05

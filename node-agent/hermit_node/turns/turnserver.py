@@ -49,7 +49,7 @@ def take_snapshot(sp: SandboxPod) -> Snapshot:
 def read_at_dump(sp: SandboxPod) -> Snapshot | None:
     if sp.container_id is None:
         return None
-    return snapshot.take(sp.container_id, None, with_files=False)
+    return snapshot.at_dump(sp.container_id)
 
 
 def read_after_thaw(sp: SandboxPod) -> Snapshot | None:
