@@ -135,3 +135,45 @@ def test_the_containers_mounts_of_a_gone_init_are_a_retryable_failure() -> None:
     assert "/" in {m.mountpoint for m in mountcheck.read_container_mounts(os.getpid())}
     with pytest.raises(RestoreFailed):
         mountcheck.read_container_mounts(2**22 + 7)
+
+
+def _entries(*mounts: tuple[str, int]) -> list[dict[str, object]]:
+    return [{"mnt_id": i + 1, "parent_mnt_id": 0 if i == 0 else 1, "mountpoint": point,
+             "fstype": 5, "flags": flags, "root_dev": 77, "root": "/", "source": "shm",
+             "options": ""} for i, (point, flags) in enumerate(mounts)]
+
+
+def test_a_mount_the_runtime_restricts_more_is_narrowed_to_the_new_pod() -> None:
+    """containerd 1.6 mounts /dev/shm without nosuid, nodev and noexec, containerd 2 with
+    them: a tree moved from one to the other restores with the new pod's flags."""
+    entries = _entries(("/", 0), ("/dev/shm", 0), ("/dev", 2), ("/only/in/image", 0))
+    assert mountcheck.narrow_entries(entries, pod()) == ["/dev/shm +nosuid,nodev,noexec"]
+    assert [e["flags"] for e in entries] == [0, 14, 2, 0]
+    narrowed = image(Mount("/dev/shm", "tmpfs", 14))
+    assert found([narrowed]) == []
+
+
+def test_the_runtimes_masks_are_never_narrowed_a_dump_without_them_is_refused() -> None:
+    entries = _entries(("/", 0), ("/proc/sys", 14), ("/sys", 0))
+    assert mountcheck.narrow_entries(entries, pod()) == ["/sys +ro,nosuid,nodev,noexec"]
+    assert entries[1]["flags"] == 14  # /proc/sys keeps its dropped ro: refused below
+    assert found([image(Mount("/proc/sys", "proc", 14))]) == [
+        "mount /proc/sys asks flags nosuid,nodev,noexec; the new pod mounts it "
+        "ro,nosuid,nodev,noexec"]
+
+
+def test_narrowing_rewrites_only_the_images_it_changes(tmp_path: Path) -> None:
+    import pycriu.images
+
+    for name, flags in (("mountpoints-1.img", 0), ("mountpoints-2.img", 14)):
+        (tmp_path / name).write_bytes(pycriu.images.dumps(
+            {"magic": "MNTS", "entries": _entries(("/", 0), ("/dev/shm", flags))}))
+    untouched = (tmp_path / "mountpoints-2.img").stat().st_ino
+    linked = tmp_path / "cached-copy"
+    os.link(tmp_path / "mountpoints-1.img", linked)  # as a chunk cache might hold it
+    before = linked.read_bytes()
+    assert mountcheck.narrow_image_mounts(tmp_path, pod()) == ["/dev/shm +nosuid,nodev,noexec"]
+    assert [[m.flags for m in ns] for ns in mountcheck.read_image_mounts(tmp_path)] == [
+        [0, 14], [0, 14]]
+    assert linked.read_bytes() == before  # a new file, not the shared one rewritten
+    assert (tmp_path / "mountpoints-2.img").stat().st_ino == untouched

@@ -180,16 +180,20 @@ def _apply_files(admitted: admit.Admitted, local: Path, view: container.Containe
 def check_images(target: RestoreTarget, images: Path, *, lazy: bool = False) -> None:
     """Before anything is applied or CRIU reads a byte: no process of the images holds
     more than the new container's init (credcheck.py) nor open a file that carries a
-    capability it lacks (fdcheck.py), their mounts are no wider than its mounts
-    (mountcheck.py), and the pagemaps a lazy restore parses itself are
-    within their bound. Raises CheckpointRefused."""
+    capability it lacks (fdcheck.py), their mounts, narrowed to its mounts' flags, are
+    no wider than its mounts (mountcheck.py), and the pagemaps a lazy restore parses
+    itself are within their bound. Raises CheckpointRefused."""
     what = f"checkpoint {target.namespace}/{target.checkpoint}"
     try:
         granted = credcheck.read_granted(target.init_pid)
         credcheck.check(credcheck.read_images(images), granted, what)
         fdcheck.check(images, granted, what)
-        mountcheck.check(mountcheck.read_image_mounts(images),
-                         mountcheck.read_container_mounts(target.init_pid),
+        container_mounts = mountcheck.read_container_mounts(target.init_pid)
+        narrowed = mountcheck.narrow_image_mounts(images, container_mounts)
+        if narrowed:
+            log.info("%s: mounts restored as narrow as the new pod's: %s", what,
+                     ", ".join(narrowed))
+        mountcheck.check(mountcheck.read_image_mounts(images), container_mounts,
                          granted.has(credcheck.CAP_SYS_ADMIN), what)
         if lazy:
             criu.read_pagemaps(images)

@@ -236,6 +236,16 @@ def load_image(path: Path, max_bytes: int) -> dict[str, Any]:
     return image
 
 
+def save_image(path: Path, image: dict[str, Any]) -> None:
+    """Writes ``image`` (as ``load_image`` gives it) to ``path``: a new file renamed over
+    the old, so another link to the old file keeps its bytes."""
+    import pycriu.images
+
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(pycriu.images.dumps(image))
+    os.replace(tmp, path)
+
+
 def _skip_network_lock(opts: Any, rpc: Any) -> None:
     # Locking needs iptables/nftables inside the netns; the sandbox's netns is external
     # and its pod is about to go away, so there is nothing to protect.

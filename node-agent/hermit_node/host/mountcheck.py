@@ -21,8 +21,16 @@ made):
   with at least those flags;
 - a second mount namespace needs CAP_SYS_ADMIN (a process could not have made one).
 
-Pure functions over plain data; ``read_image_mounts`` and ``read_container_mounts``
-are the thin readers (criu.py decodes, size-bounded).
+A mount restored narrower than it was dumped is no escape, so before that check the
+images are narrowed to the new container (``narrow_entries``): each mount gets the
+restricting flags that the container's mount at its path has and it lacks. A tree dumped
+where the runtime mounted ``/dev/shm`` without nosuid, nodev and noexec (containerd 1.6)
+then restores where it mounts them (containerd 2), instead of being refused. Mounts under
+/proc and /sys are not narrowed: every runtime masks them alike, so a dump without those
+flags there is forged, and refused.
+
+Pure functions over plain data; ``read_image_mounts``, ``read_container_mounts`` and
+``narrow_image_mounts`` are the thin readers and writer (criu.py decodes, size-bounded).
 """
 
 from __future__ import annotations
@@ -117,6 +125,25 @@ def namespace_violations(mounts: Sequence[Mount], pod: Mapping[str, Mount]) -> l
     return out
 
 
+def narrow_entries(entries: Sequence[dict[str, Any]], container: Sequence[Mount]) -> list[str]:
+    """Adds to each mount of one ``mountpoints-<id>.img`` (pycriu's entries, in place) the
+    restricting flags that ``container``'s mount at the same path has and it lacks, but
+    under /proc and /sys (the runtime's masks: ``check`` refuses a dump without them);
+    what it changed, one "path +flags" each."""
+    pod = {m.mountpoint: m for m in container}
+    changed = []
+    for entry in entries:
+        theirs = pod.get(str(entry.get("mountpoint", "")))
+        if theirs is None or theirs.mountpoint.startswith(MASKED_UNDER):
+            continue
+        flags = int(entry.get("flags", 0))
+        missing = theirs.flags & RESTRICTING & ~flags
+        if missing:
+            entry["flags"] = flags | missing
+            changed.append(f"{theirs.mountpoint} +{flag_names(missing)}")
+    return changed
+
+
 # -- parsers (pure) ----------------------------------------------------------------------
 
 def parse_mountinfo(text: str) -> list[Mount]:
@@ -157,6 +184,22 @@ def read_image_mounts(images_dir: Path) -> list[list[Mount]]:
     """The mounts of each mount namespace the images hold."""
     return [image_mounts(criu.load_image(path, MAX_MOUNTS_IMAGE_BYTES)["entries"])
             for path in sorted(images_dir.iterdir()) if _MOUNTS_IMAGE.match(path.name)]
+
+
+def narrow_image_mounts(images_dir: Path, container: Sequence[Mount]) -> list[str]:
+    """``narrow_entries`` on every mount namespace image, each rewritten (a new file
+    renamed over the old: the local copy, never a file shared with the chunk cache) only
+    when something changed."""
+    changed = []
+    for path in sorted(images_dir.iterdir()):
+        if not _MOUNTS_IMAGE.match(path.name):
+            continue
+        image = criu.load_image(path, MAX_MOUNTS_IMAGE_BYTES)
+        narrowed = narrow_entries(image["entries"], container)
+        if narrowed:
+            criu.save_image(path, image)
+            changed += narrowed
+    return changed
 
 
 def read_container_mounts(init_pid: int) -> list[Mount]:
