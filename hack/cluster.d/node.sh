@@ -341,7 +341,9 @@ node_import_images() {
     # Skip only when this tar is the last one imported for the image: another worktree's
     # build of the same image (same ref) may have been imported since.
     [ "$(grep -F "/$img-" "$done_f" | tail -n 1)" = "$tar" ] && continue
+    # (containerd 2's ctr repeats the daemon's cgroup v1 deprecation warning per call)
     node_ctr "$name" -n k8s.io images import --no-unpack=false "$tar" >/dev/null \
+      2> >(grep -v "support for cgroup v1 is deprecated" >&2) \
       || die "importing $tar into $name failed"
     echo "$tar" >>"$done_f"
   done
