@@ -189,11 +189,11 @@ def check_images(target: RestoreTarget, images: Path, *, lazy: bool = False) -> 
         credcheck.check(credcheck.read_images(images), granted, what)
         fdcheck.check(images, granted, what)
         container_mounts = mountcheck.read_container_mounts(target.init_pid)
-        narrowed = mountcheck.narrow_image_mounts(images, container_mounts)
+        namespaces, narrowed = mountcheck.narrow_image_mounts(images, container_mounts)
         if narrowed:
             log.info("%s: mounts restored as narrow as the new pod's: %s", what,
                      ", ".join(narrowed))
-        mountcheck.check(mountcheck.read_image_mounts(images), container_mounts,
+        mountcheck.check(namespaces, container_mounts,
                          granted.has(credcheck.CAP_SYS_ADMIN), what)
         if lazy:
             criu.read_pagemaps(images)

@@ -186,11 +186,13 @@ def read_image_mounts(images_dir: Path) -> list[list[Mount]]:
             for path in sorted(images_dir.iterdir()) if _MOUNTS_IMAGE.match(path.name)]
 
 
-def narrow_image_mounts(images_dir: Path, container: Sequence[Mount]) -> list[str]:
+def narrow_image_mounts(images_dir: Path, container: Sequence[Mount]
+                        ) -> tuple[list[list[Mount]], list[str]]:
     """``narrow_entries`` on every mount namespace image, each rewritten (a new file
     renamed over the old: the local copy, never a file shared with the chunk cache) only
-    when something changed."""
-    changed = []
+    when something changed; the narrowed mounts of each namespace (as
+    ``read_image_mounts`` would now read them) and what changed."""
+    namespaces, changed = [], []
     for path in sorted(images_dir.iterdir()):
         if not _MOUNTS_IMAGE.match(path.name):
             continue
@@ -199,7 +201,8 @@ def narrow_image_mounts(images_dir: Path, container: Sequence[Mount]) -> list[st
         if narrowed:
             criu.save_image(path, image)
             changed += narrowed
-    return changed
+        namespaces.append(image_mounts(image["entries"]))
+    return namespaces, changed
 
 
 def read_container_mounts(init_pid: int) -> list[Mount]:
