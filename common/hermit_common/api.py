@@ -53,6 +53,8 @@ REASON_POD_NOT_READY: Final = "ContainersNotReady"
 REASON_POD_SUCCEEDED: Final = "PodSucceeded"
 REASON_POD_FAILED: Final = "PodFailed"
 REASON_POD_LOST: Final = "PodLost"  # deleted, evicted or disrupted under a live sandbox
+# The kubelet refused a bound pod at admission, before anything ran (a Normal Event).
+REASON_POD_REJECTED: Final = "PodRejected"
 REASON_POD_TERMINATING: Final = "PodTerminating"
 REASON_SUSPEND_REQUESTED: Final = "SuspendRequested"
 REASON_RESUMED: Final = "Resumed"

@@ -330,6 +330,8 @@ def _run(st: _State, out: KubeObject, pod: KubeObject | None, incarnation: int) 
     stopped = _stopping(st, out, incarnation, pod)
     if stopped is not None:
         return stopped
+    if pod_was_rejected(pod):
+        return _rejected(st, out, incarnation, pod)
     if pod_is_lost(pod):
         st.events.append(Event(WARNING, api.REASON_POD_LOST,
                                f"pod {pod_name} was lost: {container_message(pod)}"))
@@ -550,6 +552,33 @@ def _replace(st: _State, out: KubeObject, incarnation: int, *, lost: str | None,
     record = ck.restore_record(ckpt, st.now, clean=ck.ended(ckpt, incarnation))
     return _create(st, out, incarnation, delete,
                    _Restore(last, record, _loss_event(record, new, lost, resuming)))
+
+
+def _rejected(st: _State, out: KubeObject, incarnation: int, pod: KubeObject) -> Plan:
+    """The kubelet refused the pod before any container ran (its view of the node lagged
+    the scheduler's): nothing was lost, so a Normal Event, and the new pod does what the
+    refused one was to do (restore the same checkpoint, or start afresh)."""
+    name = pod["metadata"]["name"]
+    status = pod.get("status") or {}
+    node = (pod.get("spec") or {}).get("nodeName") or "?"
+    new = _next_pod(st, incarnation)
+    st.events.append(Event(NORMAL, api.REASON_POD_REJECTED, protocol.one_line(
+        f"the kubelet on node {node} refused pod {name} before it ran "
+        f"({status.get('reason')}: {status.get('message') or ''}); replacing it with pod "
+        f"{new}", 1024, mark="")))
+    source = _restore_source(pod)
+    record = dict(st.status.get("restoredFrom") or {})
+    fork = (st.sandbox.get("spec") or {}).get("restoreFrom")
+    if source and record.get("name") == source and not (incarnation == 0 and fork):
+        _drop(out, st.status, *_RETRY_FIELDS)
+        event = Event(NORMAL, api.REASON_RESTORE_STARTED,
+                      f"restoring checkpoint {source} into pod {new} instead")
+        return _create(st, out, incarnation, name, _Restore(source, record, event))
+    if not source and not (incarnation == 0 and fork):
+        _drop(out, st.status, *_RETRY_FIELDS)
+        return _create(st, out, incarnation, name, None,
+                       fresh=Event(NORMAL, api.REASON_POD_CREATING, f"creating pod {new}"))
+    return _replace(st, out, incarnation, lost=name, delete=name)
 
 
 def _loss_event(record: KubeObject, new: str, lost: str | None, resuming: bool) -> Event:

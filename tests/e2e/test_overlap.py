@@ -7,7 +7,7 @@ release). Both times nothing may be lost or duplicated, the status must account 
 move (incarnation + 1, restores + 1, restoredFrom the stopping checkpoint with nothing
 stale, lastDowntime), and the first replacement pod must be created before the checkpoint
 is durable with overlap and after it without. A replacement its node's kubelet refused is
-allowed only with the operator's PodLost Event for it (and one more incarnation). The
+allowed only with the operator's Normal PodRejected Event for it (and one more incarnation). The
 test prints notice -> durable and notice -> running again for both.
 """
 
@@ -98,8 +98,8 @@ def _preempt(kube: Kube, cfg: E2EConfig, ns: str, name: str, where: sb.Running) 
     runs again on a new pod (which must continue the counter exactly). The first
     replacement pod is the one the overlap creates; when the node's kubelet refused it
     (a kubelet whose copy of the Node lags a label the scheduler already saw rejects a
-    pod with NodeAffinity), the operator reported it lost and replaced it, and the move
-    ends on a later pod: each one skipped must have a PodLost Event."""
+    pod with NodeAffinity), the operator replaced it with a Normal PodRejected Event,
+    and the move ends on a later pod: each one skipped must have that Event."""
     sb.wait_agent_ready(kube, RELEASE_NS, where.node)
     before = sb.status(ns, name)
     incarnation = int(before["incarnation"])
@@ -152,16 +152,17 @@ def _preempt(kube: Kube, cfg: E2EConfig, ns: str, name: str, where: sb.Running) 
 
 def _lost_between(kube: Kube, ns: str, name: str, first: str, final: str) -> list[str]:
     """The pods from ``first`` up to, not including, ``final`` (incarnations in between),
-    each with the PodLost Event that says why it was replaced."""
+    each with the PodRejected Event that says the kubelet refused it before it ran."""
     lost = [f"{name}-{k}" for k in range(int(first.rsplit("-", 1)[1]),
                                          int(final.rsplit("-", 1)[1]))]
     for pod in lost:
-        said = f"pod {pod} was lost"
+        said = f"refused pod {pod} before it ran"
 
         def names_it(event: Obj, said: str = said) -> bool:
-            return event["reason"] == api.REASON_POD_LOST and said in event["message"]
+            return (event["reason"] == api.REASON_POD_REJECTED and event["type"] == "Normal"
+                    and said in event["message"])
 
-        sb.wait_events(kube, ns, name, f"a PodLost Event for pod {pod}", names_it)
+        sb.wait_events(kube, ns, name, f"a PodRejected Event for pod {pod}", names_it)
     return lost
 
 

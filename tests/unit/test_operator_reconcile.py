@@ -174,12 +174,35 @@ def test_a_pod_the_kubelet_rejected_is_replaced_not_failed() -> None:
     assert p.delete_pod == "minimal-1"
     assert p.create_pod is not None and p.create_pod["metadata"]["name"] == "minimal-2"
     assert p.status_patch.get("phase") != "Failed"
+    # Nothing ran, so nothing was lost: Normal Events only, no PodLost Warning.
+    assert [(e.type, e.reason) for e in p.events] == [
+        ("Normal", "PodRejected"), ("Normal", "PodCreating")]
+    assert "NodeAffinity" in p.events[0].message and "minimal-2" in p.events[0].message
     # Its container ran: the sandbox's own failure, not a rejection.
     ran = pod("Failed", reason="NodeAffinity", message="Pod was rejected: ...")
     ran["status"]["containerStatuses"] = [
         {"name": "agent", "state": {"terminated": {"exitCode": 1}}}]
     assert not pod_is_lost(ran)
     assert not pod_is_lost(pod("Failed", reason="NodeAffinity", message="something else"))
+
+
+def test_a_rejected_restore_pod_is_replaced_by_one_restoring_the_same_checkpoint() -> None:
+    """A restore pod refused by the kubelet (NodeAffinity) before its init ran: the next pod
+    restores the same checkpoint, with the same record (staleness unchanged), and no
+    Warning: the loss, if any, was reported when the refused pod was made."""
+    rejected = restore_pod("minimal-3", 3, "minimal-stop-2", None, phase="Failed")
+    rejected["status"].update(reason="NodeAffinity",
+                              message="Pod was rejected: Predicate NodeAffinity failed")
+    record = {"name": "minimal-stop-2", "staleSeconds": 40, "at": "2026-01-01T11:59:00Z"}
+    p = plan(sandbox({"incarnation": 3, "podName": "minimal-3", "restores": 2,
+                      "restoredFrom": record}), rejected, NOW, settings=SETTINGS)
+    assert p.delete_pod == "minimal-3"
+    assert p.create_pod is not None and p.create_pod["metadata"]["name"] == "minimal-4"
+    assert (p.create_pod["metadata"]["annotations"][protocol.ANNOTATION_RESTORE_FROM]
+            == "minimal-stop-2")
+    assert p.status_patch["restoredFrom"] == record
+    assert {e.type for e in p.events} == {"Normal"}
+    assert [e.reason for e in p.events] == ["PodRejected", "RestoreStarted"]
 
 
 def _other_checkpoint(phase: str | None = "Completed", message: str | None = None, *,
