@@ -105,6 +105,24 @@ TAINT_INTERRUPTION: Final = f"{GROUP}/interruption"
 # node-agent never came up (a new node without Hermit, a Windows or virtual node).
 LABEL_NODE_AGENT: Final = f"{GROUP}/node-agent"
 NODE_AGENT_READY: Final = "ready"
+# Nodes, set by the node-agent with its ready label: the CHECKPOINT_FORMAT_LEVEL it reads,
+# a decimal integer ("2"). A pod that restores a checkpoint of level L > 1 requires it to be
+# greater than L - 1 (operator Gt, which compares integers); a node without it (a node-agent
+# of a release from before levels) takes no such pod. The agent changes it, never removes it.
+LABEL_CHECKPOINT_FORMAT: Final = f"{GROUP}/checkpoint-format"
+
+# -- the checkpoint format level (docs/operations.md, "The node-agent and the manifests") --
+# The level of what this release writes (the manifest and the objects it names) and the
+# highest it reads: a node-agent reads every level up to its own. 1 is every release from
+# before levels were recorded (no Checkpoint status.formatLevel, no node label); 2 added
+# manifests with ``chunk_lengths`` (docs/criu.md), which level-1 node-agents refuse. Bump it
+# whenever a node-agent of the previous level would refuse or misread what this release
+# writes (a new manifest field, a new chunk or image layout), and never otherwise: each bump
+# makes restores of new checkpoints wait for upgraded nodes during the next rollout.
+CHECKPOINT_FORMAT_LEVEL: Final = 2
+# The highest level the CRDs accept (status.formatLevel's maximum): far above any real one,
+# low enough that ``str(level - 1)`` is a label value Kubernetes parses as an integer.
+MAX_FORMAT_LEVEL: Final = 1_000_000
 
 # -- what a node-agent may write (the chart's node-agent-policy.yaml holds it to this) ---
 # The only pod annotations a node-agent writes: a restore's outcome.
@@ -162,6 +180,16 @@ def node_of(ckpt: Mapping[str, Any]) -> str | None:
     """The node label of a Checkpoint (whose node-agent serves it); None when absent."""
     value = (meta(ckpt).get("labels") or {}).get(LABEL_NODE)
     return str(value) if value else None
+
+
+def format_level_of(ckpt: Mapping[str, Any]) -> int | None:
+    """status.formatLevel: the CHECKPOINT_FORMAT_LEVEL the node-agent wrote the checkpoint in
+    (recorded with Dumping and Completed); None when absent (a release from before levels:
+    level 1) or malformed."""
+    value = (ckpt.get("status") or {}).get("formatLevel")
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value if 1 <= value <= MAX_FORMAT_LEVEL else None
 
 
 def node_selector(node: str) -> str:

@@ -116,6 +116,7 @@ def last_checkpoint_status(ckpt: KubeObject) -> KubeObject:
     stored = status.get("storedBytes")
     if isinstance(stored, int) and not isinstance(stored, bool):
         out["size"] = display.size(stored)
+    out["formatLevel"] = protocol.format_level_of(ckpt)
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -329,17 +330,28 @@ def restore_record(ckpt: Mapping[str, Any], now: datetime, *, clean: bool,
     out: KubeObject = {"name": name_of(ckpt), "reason": reason_of(ckpt) or None,
                      "checkpointTime": when or None,
                      "staleSeconds": 0 if clean else stale_seconds(ckpt, now),
-                     "fallback": fallback}
+                     "fallback": fallback, "formatLevel": protocol.format_level_of(ckpt)}
     return {k: v for k, v in out.items() if v is not None}
 
 
 def as_checkpoint(record: Mapping[str, Any]) -> KubeObject:
     """A stand-in Checkpoint for a status record (lastCheckpoint, restoredFrom) whose object
-    is gone: name, reason and completion time."""
+    is gone: name, reason, completion time and format level (a restore of it still asks
+    for a node that reads that level)."""
     when = record.get("checkpointTime") or record.get("time")
+    status: KubeObject = {"phase": COMPLETED, "completedAt": when} if when else {}
+    level = protocol.format_level_of({"status": {"formatLevel": record.get("formatLevel")}})
+    if level is not None:
+        status["formatLevel"] = level
     return {"metadata": {"name": record.get("name")},
-            "spec": {"reason": record.get("reason")},
-            "status": {"phase": COMPLETED, "completedAt": when} if when else {}}
+            "spec": {"reason": record.get("reason")}, "status": status}
+
+
+def restore_level(ckpt: Mapping[str, Any] | None, record: Mapping[str, Any]) -> int | None:
+    """The format level a restore asks its node for: the Checkpoint's status.formatLevel,
+    or, when its object is gone (``ckpt`` None), that of ``record`` (status.restoredFrom,
+    lastCheckpoint) that kept it. None: level 1 (no requirement)."""
+    return protocol.format_level_of(ckpt if ckpt is not None else as_checkpoint(record))
 
 
 def fallback_for(ckpts: Sequence[KubeObject], refused: Mapping[str, Any]) -> KubeObject | None:

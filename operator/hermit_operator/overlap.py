@@ -85,9 +85,13 @@ def waiting_for(pod: Mapping[str, Any], checkpoint: str) -> bool:
 
 def adoptable(pod: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
     """Whether the replacement can be the new incarnation the plan would create as
-    ``wanted``: it restores the same checkpoint, asks for the same capacity and is not
-    being deleted. A failed or ended one is adopted too: its failure is then handled as
-    any restore pod's (a retry with backoff, or a fallback), which keeps the count."""
+    ``wanted``: it restores the same checkpoint, asks for the same capacity and the same
+    checkpoint format of its node (one created before the node-agent recorded the format,
+    by an older operator, could be on a node that cannot read it), and is not being
+    deleted. A failed or ended one is adopted too: its failure is then handled as any
+    restore pod's (a retry with backoff, or a fallback), which keeps the count."""
     return (not terminating(pod) and source_of(pod) == source_of(wanted)
             and source_of(wanted) is not None
-            and podspec.capacity_of(dict(pod)) == podspec.capacity_of(dict(wanted)))
+            and podspec.capacity_of(dict(pod)) == podspec.capacity_of(dict(wanted))
+            and podspec.required_format_level(dict(pod))
+            == podspec.required_format_level(dict(wanted)))

@@ -27,13 +27,14 @@ POD_SCHEDULED = "PodScheduled"
 @dataclass(frozen=True)
 class Unplaced:
     """A pod no node has taken: the scheduler's message, the capacity it asks for
-    (api.CAPACITIES, None: no spot requirement), and when it moves to an on-demand node
-    (None: never)."""
+    (api.CAPACITIES, None: no spot requirement), when it moves to an on-demand node
+    (None: never), and the checkpoint format level its node must read (None: any node)."""
 
     pod: str
     message: str
     capacity: str | None = None
     fallback_at: datetime | None = None
+    format_level: int | None = None
 
     def due(self, now: datetime) -> bool:
         """Whether the fallback to an on-demand node is due."""
@@ -67,4 +68,5 @@ def unplaced(sandbox: KubeObject, pod: KubeObject) -> Unplaced | None:
     fallback_at = None
     if capacity == api.CAPACITY_SPOT and after is not None and created is not None:
         fallback_at = created + timedelta(seconds=after)
-    return Unplaced(str(meta.get("name")), message, capacity, fallback_at)
+    return Unplaced(str(meta.get("name")), message, capacity, fallback_at,
+                    podspec.required_format_level(pod))

@@ -95,13 +95,16 @@ tolerates_interruption = podpolicy.tolerates_interruption
 
 def build_sandbox_pod(sandbox: KubeObject, settings: OperatorSettings, incarnation: int,
                       restore_from: str | None, *, on_demand: bool = False,
-                      overlap: bool = False) -> KubeObject:
+                      overlap: bool = False, format_level: int | None = None) -> KubeObject:
     """The V1Pod manifest for this incarnation of the sandbox (restoring ``restore_from``).
 
     ``on_demand``: a sandbox that requires spot nodes asks for a node that is not spot
     instead (spec.placement.fallbackToOnDemandAfterSeconds has passed); see
     ``pod_capacity`` for the label that records which. ``overlap``: the pod is created
-    while ``restore_from`` is still being taken (overlap.py): its init waits longer."""
+    while ``restore_from`` is still being taken (overlap.py): its init waits longer.
+    ``format_level``: the checkpoint format level of ``restore_from`` (its
+    status.formatLevel; None: level 1): above 1, only a node whose node-agent reads it may
+    take the pod (``format_requirement``)."""
     validate(sandbox, settings.pod_policy)
     meta = sandbox["metadata"]
     spec = sandbox.get("spec") or {}
@@ -125,6 +128,9 @@ def build_sandbox_pod(sandbox: KubeObject, settings: OperatorSettings, incarnati
     _apply_placement(pod_spec, spec, on_demand=capacity == api.CAPACITY_ON_DEMAND)
     if settings.require_ready_node_agent:
         _require_ready_node_agent(pod_spec)
+    requirement = format_requirement(format_level) if restore_from else None
+    if requirement is not None:
+        _require_in_every_term(pod_spec, requirement)
     pod_spec = podpolicy.secure_defaults(pod_spec, settings.pod_policy)
 
     pod_meta = _pod_metadata(sandbox, incarnation, labels, annotations)
@@ -471,25 +477,61 @@ READY_NODE_AGENT: KubeObject = {
 
 def _require_ready_node_agent(pod_spec: KubeObject) -> None:
     """Only a node whose node-agent is ready (it labels its node): READY_NODE_AGENT is added
-    to every required nodeSelectorTerm, as terms are ORed (an empty term, which matches no
-    node, stays as it is), or is the only term when there is none. A node without Hermit
+    to every required nodeSelectorTerm (``_require_in_every_term``). A node without Hermit
     (new, Windows, virtual) then never gets a sandbox it could not save."""
+    _require_in_every_term(pod_spec, READY_NODE_AGENT)
+
+
+def format_requirement(level: int | None) -> KubeObject | None:
+    """The node selector requirement of a pod that restores a checkpoint of format ``level``:
+    a node whose node-agent reads it, i.e. labels its node protocol.LABEL_CHECKPOINT_FORMAT
+    with a level of at least ``level`` (Gt compares label values as integers; a node
+    without the label, a node-agent from before levels, does not match). None for level 1
+    or unknown (a checkpoint from before levels): every node-agent reads those."""
+    if level is None or level <= 1:
+        return None
+    return {"key": protocol.LABEL_CHECKPOINT_FORMAT, "operator": "Gt", "values": [str(level - 1)]}
+
+
+def required_format_level(pod: KubeObject) -> int | None:
+    """The checkpoint format level a pod built here requires of its node (the lowest its
+    required terms ask for, as any one of them may place it); None: none required."""
+    spec = pod.get("spec") or {}
+    terms = _required_node_selector_terms(spec)
+    levels: list[int] = []
+    for term in terms:
+        if not (term.get("matchExpressions") or term.get("matchFields")):
+            continue  # an empty term matches no node: it places nothing
+        asked = [int(e["values"][0]) + 1 for e in term.get("matchExpressions") or []
+                 if e.get("key") == protocol.LABEL_CHECKPOINT_FORMAT and e.get("operator") == "Gt"
+                 and len(e.get("values") or []) == 1 and str(e["values"][0]).isdigit()]
+        if not asked:
+            return None
+        levels.append(max(asked))
+    return min(levels) if levels else None
+
+
+def _require_in_every_term(pod_spec: KubeObject, requirement: KubeObject) -> None:
+    """``requirement`` is added to every required nodeSelectorTerm, as terms are ORed (an
+    empty term, which matches no node, stays as it is), or is the only term when there is
+    none."""
     affinity = pod_spec.get("affinity") or {}
     node_affinity = affinity.get("nodeAffinity") or {}
     required = node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}
-    terms = [_with_ready_node_agent(term) for term in required.get("nodeSelectorTerms") or []]
+    terms = [_with_requirement(term, requirement)
+             for term in required.get("nodeSelectorTerms") or []]
     pod_spec["affinity"] = {**affinity, "nodeAffinity": {
         **node_affinity, "requiredDuringSchedulingIgnoredDuringExecution": {
             **required, "nodeSelectorTerms": terms or [
-                {"matchExpressions": [copy.deepcopy(READY_NODE_AGENT)]}]}}}
+                {"matchExpressions": [copy.deepcopy(requirement)]}]}}}
 
 
-def _with_ready_node_agent(term: KubeObject) -> KubeObject:
-    """``term`` ANDed with READY_NODE_AGENT (as it is when empty or already has it)."""
+def _with_requirement(term: KubeObject, requirement: KubeObject) -> KubeObject:
+    """``term`` ANDed with ``requirement`` (as it is when empty or already has it)."""
     expressions = term.get("matchExpressions") or []
-    if READY_NODE_AGENT in expressions or not (expressions or term.get("matchFields")):
+    if requirement in expressions or not (expressions or term.get("matchFields")):
         return term
-    return {**term, "matchExpressions": [*expressions, copy.deepcopy(READY_NODE_AGENT)]}
+    return {**term, "matchExpressions": [*expressions, copy.deepcopy(requirement)]}
 
 
 def _apply_placement(pod_spec: KubeObject, spec: KubeObject, *, on_demand: bool) -> None:

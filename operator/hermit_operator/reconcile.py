@@ -32,7 +32,7 @@ The checkpoint/restore protocol (docs/protocol.md), seen from the operator:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Final
 
@@ -463,10 +463,13 @@ def _overlap(st: _State, incarnation: int, flight: KubeObject) -> None:
     if st.replacement is not None:
         st.keep_replacement = overlap.waiting_for(st.replacement, source)
         return
-    if not st.settings.overlap_moves:
+    if not st.settings.overlap_moves or ck.phase_of(flight) not in ck.ACTIVE:
+        # Pending: no node-agent has said yet which format it writes the checkpoint in
+        # (status.formatLevel comes with Dumping), so the node the pod needs is not known.
         return
     st.early_pod = podspec.build_sandbox_pod(st.sandbox, st.settings, incarnation + 1, source,
-                                             overlap=True)
+                                             overlap=True,
+                                             format_level=protocol.format_level_of(flight))
     st.events.append(Event(NORMAL, api.REASON_REPLACEMENT_CREATED, (
         f"creating pod {st.early_pod['metadata']['name']} while checkpoint {source} "
         f"({ck.reason_of(flight)}) is taken: it restores it once it is durable")))
@@ -650,8 +653,12 @@ def _create(st: _State, out: KubeObject, incarnation: int, delete: str | None,
     for an on-demand node; every other new pod asks for spot (when the sandbox wants it)."""
     new_incarnation = incarnation + 1
     source = restore.name if restore is not None else None
+    level = (ck.restore_level(ck.find(st.namespace_ckpts, restore.name), restore.record)
+             if restore is not None else None)
+    if restore is not None and level is not None:  # kept for when the Checkpoint is gone
+        restore = replace(restore, record={**restore.record, "formatLevel": level})
     manifest = podspec.build_sandbox_pod(st.sandbox, st.settings, new_incarnation, source,
-                                         on_demand=on_demand is not None)
+                                         on_demand=on_demand is not None, format_level=level)
     name = manifest["metadata"]["name"]
     adopt = st.replacement
     if adopt is not None and (restore is None or not overlap.adoptable(adopt, manifest)):

@@ -285,7 +285,21 @@ def _ready_pod(s: PodObserved) -> Verdict:
 
 
 def _waiting_for_node(u: Unplaced) -> Verdict:
-    """No node has taken the pod: for a spot pod, when (or whether) it falls back."""
+    """No node has taken the pod: for a spot pod, when (or whether) it falls back; for a
+    pod restoring a checkpoint of a newer format, which nodes it waits for."""
+    verdict = _waiting_for_capacity(u)
+    if u.format_level is None:
+        return verdict
+    # The scheduler's message does not say which requirement no node met: say first
+    # what this one asks, which the scheduler's cut message could otherwise lose.
+    return Verdict(verdict.status, verdict.reason, protocol.one_line(
+        f"waiting for a node whose node-agent reads checkpoint format {u.format_level} "
+        f"(pod {u.pod} restores a checkpoint of that format; a node-agent labels its node "
+        f"{protocol.LABEL_CHECKPOINT_FORMAT} with the format it reads: is the node-agent "
+        f"DaemonSet being rolled out?); {verdict.message}"))
+
+
+def _waiting_for_capacity(u: Unplaced) -> Verdict:
     if u.capacity != api.CAPACITY_SPOT:
         asks = " (it asks for an on-demand node)" if u.capacity == api.CAPACITY_ON_DEMAND else ""
         return Verdict(FALSE, api.REASON_UNSCHEDULABLE,

@@ -209,6 +209,30 @@ def test_a_node_agent_changes_only_the_interruption_taint_and_cordon_of_its_node
         ("ready label on another node", "only its own node (node-a)", agent.attempt(
             patch, "node-b", {"metadata": {"labels": {
                 protocol.LABEL_NODE_AGENT: protocol.NODE_AGENT_READY}}}, _content_type=MERGE)),
+        # The checkpoint format it reads (protocol.LABEL_CHECKPOINT_FORMAT): a decimal
+        # integer only, with the ready label as planner.node_ready_patch writes both.
+        ("format label", None, agent.attempt(
+            patch, "node-a", {"metadata": {"labels": {
+                protocol.LABEL_CHECKPOINT_FORMAT: str(protocol.CHECKPOINT_FORMAT_LEVEL)}}},
+            _content_type=MERGE)),
+        ("ready and format labels", None, agent.attempt(
+            patch, "node-a", {"metadata": {"labels": {
+                protocol.LABEL_NODE_AGENT: protocol.NODE_AGENT_READY,
+                protocol.LABEL_CHECKPOINT_FORMAT: "2"}}}, _content_type=MERGE)),
+        ("format label, the highest level", None, agent.attempt(
+            patch, "node-a", {"metadata": {"labels": {
+                protocol.LABEL_CHECKPOINT_FORMAT: str(protocol.MAX_FORMAT_LEVEL)}}},
+            _content_type=MERGE)),
+        *[(f"format label {value!r}", "never its labels", agent.attempt(
+            patch, "node-a", {"metadata": {"labels": {protocol.LABEL_CHECKPOINT_FORMAT: value}}},
+            _content_type=MERGE))
+          for value in ("two", "0", "02", "1.5", "2x", "1000001", "99999999999999999999")],
+        ("format label and another label", "never its labels", agent.attempt(
+            patch, "node-a", {"metadata": {"labels": {
+                protocol.LABEL_CHECKPOINT_FORMAT: "2", "zone": "z2"}}}, _content_type=MERGE)),
+        ("format label on another node", "only its own node (node-a)", agent.attempt(
+            patch, "node-b", {"metadata": {"labels": {
+                protocol.LABEL_CHECKPOINT_FORMAT: "2"}}}, _content_type=MERGE)),
         ("owner", "owners or finalizers", agent.attempt(patch, "node-a", {"metadata": {
             "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": "node-b",
                                  "uid": "u"}]}}, _content_type=MERGE)),
@@ -258,6 +282,35 @@ def test_a_node_agent_never_removes_its_ready_label_but_taints_a_node_labelled_o
             ])
     finally:
         admin.patch_node("node-a", {"metadata": {"labels": {protocol.LABEL_NODE_AGENT: None}}})
+
+
+def test_a_node_agent_changes_its_format_label_but_never_removes_it(
+        agent: Caller, plane: ControlPlane) -> None:
+    """Once there (here an admin's, as a node-agent's would be), the format label may be
+    set to another level (an upgrade, or a rollback to a release that sets it) and stay
+    as it is while the taint is written, never be removed or made a non-number."""
+    admin = client.CoreV1Api(Caller(plane, None).client)
+    patch = agent.core.patch_node
+    label = protocol.LABEL_CHECKPOINT_FORMAT
+
+    def labels(value: str | None) -> str | None:
+        return agent.attempt(patch, "node-a", {"metadata": {"labels": {label: value}}},
+                             _content_type=MERGE)
+
+    try:
+        admin.patch_node("node-a", {"metadata": {"labels": {label: "2"}}})
+        _check([
+            ("removed", "never its labels", labels(None)),
+            ("cordon", None, agent.attempt(
+                patch, "node-a", {"spec": {"unschedulable": True}}, _content_type=MERGE)),
+            ("the same level", None, labels("2")),
+            ("a higher level", None, labels("3")),
+            ("a lower level", None, labels("1")),
+            ("not a number", "never its labels", labels("v2")),
+            ("empty", "never its labels", labels("")),
+        ])
+    finally:
+        admin.patch_node("node-a", {"metadata": {"labels": {label: None}}})
 
 
 def test_a_node_agent_writes_only_the_restore_annotations_of_pods_on_its_node(

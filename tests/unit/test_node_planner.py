@@ -300,7 +300,7 @@ def test_restore_annotations() -> None:
 def test_status_patches_follow_the_crd() -> None:
     dumping = planner.status_dumping(NODE, NOW)
     assert dumping == {"phase": "Dumping", "nodeName": NODE, "startedAt": "2026-01-02T03:04:05Z",
-                       "progress": "dumping"}
+                       "progress": "dumping", "formatLevel": protocol.CHECKPOINT_FORMAT_LEVEL}
     uploading = planner.status_uploading(120, 100)
     assert uploading["progress"] == "uploading"
     progress = planner.status_progress(UploadProgress(2, 5, 8_000_000, 20_000_000, 1_000))
@@ -317,6 +317,8 @@ def test_status_patches_follow_the_crd() -> None:
     assert (completed["frozenMs"], completed["dumpMs"], completed["uploadMs"]) == (120, 100, 300)
     assert completed["completedAt"] == "2026-01-02T03:04:05Z"
     assert "ended" in completed["message"]
+    # The format it is written in (issue 21): restores ask for a node that reads it.
+    assert completed["formatLevel"] == protocol.CHECKPOINT_FORMAT_LEVEL == 2
     for doc in (with_status(dumping), with_status(dumping, uploading),
                 with_status(dumping, uploading, progress),
                 with_status(dumping, uploading, progress, completed),
@@ -364,6 +366,11 @@ def test_notice_taints_cordons_and_checkpoints_with_stop(tmp_path: Path) -> None
     assert [(n, s["phase"]) for n, s in kube.statuses] == [
         ("box-1-preempt", "Dumping"), ("box-1-preempt", "Uploading"),
         ("box-1-preempt", "Completed")]
+    # The format it is written in, from the claim on (a move's replacement pod asks for a
+    # node that reads it) to the end (issue 21).
+    assert [s.get("formatLevel") for _, s in kube.statuses] == [
+        protocol.CHECKPOINT_FORMAT_LEVEL, None, protocol.CHECKPOINT_FORMAT_LEVEL]
+    assert kube.checkpoints["box-1-preempt"]["status"]["formatLevel"] == 2
 
 
 def test_progress_is_written_at_most_once_a_second_and_per_tenth() -> None:
@@ -898,7 +905,8 @@ def test_the_next_stopping_request_follows_the_highest_made_when_old_ones_were_d
 def test_dumping_status_records_the_checkpoint_the_pod_was_restored_from() -> None:
     restored = planner.status_dumping(NODE, NOW, parent="box-1-preempt")
     assert restored == {"phase": "Dumping", "nodeName": NODE, "progress": "dumping",
-                        "startedAt": "2026-01-02T03:04:05Z", "parent": "box-1-preempt"}
+                        "startedAt": "2026-01-02T03:04:05Z", "parent": "box-1-preempt",
+                        "formatLevel": protocol.CHECKPOINT_FORMAT_LEVEL}
     assert "parent" not in planner.status_dumping(NODE, NOW, parent=None)
     assert "parent" not in planner.status_dumping(NODE, NOW)
     # The value the agent passes: the pod's restore-from annotation, None on a fresh pod.

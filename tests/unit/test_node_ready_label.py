@@ -12,7 +12,9 @@ from hermit_node.control import planner
 from hermit_node.control.agent import NodeAgent
 from tests.support.node_agent import NODE, NOW, FakeEngine, FakeKube, fake_proc
 
-READY = {"metadata": {"labels": {protocol.LABEL_NODE_AGENT: protocol.NODE_AGENT_READY}}}
+# With the checkpoint format it reads (issue 21): restores of newer checkpoints require it.
+READY = {"metadata": {"labels": {protocol.LABEL_NODE_AGENT: protocol.NODE_AGENT_READY,
+                                 protocol.LABEL_CHECKPOINT_FORMAT: "2"}}}
 
 
 class Health:
@@ -41,7 +43,24 @@ def test_the_patch_sets_only_the_label_and_none_when_it_is_there() -> None:
     assert planner.node_ready_patch({"metadata": {"labels": {
         protocol.LABEL_NODE_AGENT: "other"}}}) == READY
     assert planner.node_ready_patch({"metadata": {"labels": {
-        protocol.LABEL_NODE_AGENT: protocol.NODE_AGENT_READY, "zone": "a"}}}) is None
+        protocol.LABEL_NODE_AGENT: protocol.NODE_AGENT_READY, "zone": "a"}}}) == READY
+    assert planner.node_ready_patch({"metadata": {"labels": {
+        protocol.LABEL_NODE_AGENT: protocol.NODE_AGENT_READY,
+        protocol.LABEL_CHECKPOINT_FORMAT: "2", "zone": "a"}}}) is None
+
+
+def test_the_format_label_follows_this_release_and_is_what_the_policy_admits() -> None:
+    """An upgrade from a release without levels adds the label to a node already labelled
+    ready; one from another level (an older or newer release's label) sets this one's.
+    The value is the decimal integer the chart's policy admits (tests/integration/
+    test_node_policy.py) and the restores' Gt requirement compares."""
+    assert planner.node_ready_labels()[protocol.LABEL_CHECKPOINT_FORMAT] == str(
+        protocol.CHECKPOINT_FORMAT_LEVEL)
+    for other in ("1", "3"):
+        assert planner.node_ready_patch({"metadata": {"labels": {
+            protocol.LABEL_NODE_AGENT: protocol.NODE_AGENT_READY,
+            protocol.LABEL_CHECKPOINT_FORMAT: other}}}) == READY
+    assert protocol.LABEL_CHECKPOINT_FORMAT == "hermit.dev/checkpoint-format"
 
 
 def test_the_node_is_labelled_once_the_agent_is_ready_and_only_once(tmp_path: Path) -> None:

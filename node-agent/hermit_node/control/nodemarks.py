@@ -1,11 +1,11 @@
 """What this node-agent writes on its Node: the taint and cordon of a cloud notice, and
-the label that says it is ready (sandbox pods require it)."""
+the labels that say it is ready (sandbox pods require it) and which checkpoint format it
+reads (restores of newer checkpoints require it)."""
 
 from __future__ import annotations
 
 import logging
 
-from hermit_common import protocol
 from hermit_common.protocol import KubeObject
 from hermit_node.control import planner
 from hermit_node.control.kube import Kube, KubeError
@@ -38,20 +38,21 @@ class NodeMarks:
 
     def mark_ready(self, node: KubeObject | None) -> None:
         """Once this agent is ready (its /readyz), label its node with it
-        (protocol.LABEL_NODE_AGENT): sandbox pods require the label. Written only while it
-        is missing; an API error is logged and the next loop tries again. Never removed:
-        a sandbox already on the node stays where it is when this agent stops being
-        ready (docs/real-clusters.md, "Which nodes")."""
+        (protocol.LABEL_NODE_AGENT; sandbox pods require the label) and with the checkpoint
+        format level it reads (protocol.LABEL_CHECKPOINT_FORMAT; restores of checkpoints of
+        a newer level than 1 require it). Written only while either is missing or differs;
+        an API error is logged and the next loop tries again. Never removed: a sandbox
+        already on the node stays where it is when this agent stops being ready
+        (docs/real-clusters.md, "Which nodes")."""
         if node is None or not self._health.readiness().ok:
             return
         patch = planner.node_ready_patch(node)
         if patch is None:
             return
+        marks = ", ".join(f"{k}={v}" for k, v in planner.node_ready_labels().items())
         try:
             self._kube.patch_node(patch)
         except KubeError as exc:
-            log.warning("cannot label node %s %s=%s yet: %s", self.node,
-                        protocol.LABEL_NODE_AGENT, protocol.NODE_AGENT_READY, exc)
+            log.warning("cannot label node %s %s yet: %s", self.node, marks, exc)
             return
-        log.info("node %s labelled %s=%s", self.node, protocol.LABEL_NODE_AGENT,
-                 protocol.NODE_AGENT_READY)
+        log.info("node %s labelled %s", self.node, marks)

@@ -400,14 +400,23 @@ def node_taint_patch(node: Mapping[str, Any], kind: str) -> KubeObject | None:
     }
 
 
+def node_ready_labels() -> dict[str, str]:
+    """The labels a ready node-agent puts on its node: that it is ready
+    (protocol.LABEL_NODE_AGENT) and the checkpoint format level it reads
+    (protocol.LABEL_CHECKPOINT_FORMAT), which restores of newer checkpoints require."""
+    return {protocol.LABEL_NODE_AGENT: protocol.NODE_AGENT_READY,
+            protocol.LABEL_CHECKPOINT_FORMAT: str(protocol.CHECKPOINT_FORMAT_LEVEL)}
+
+
 def node_ready_patch(node: Mapping[str, Any]) -> KubeObject | None:
-    """The merge patch that labels ``node`` with this node-agent's readiness
-    (protocol.LABEL_NODE_AGENT: NODE_AGENT_READY); None when it already is. A merge patch
-    of one label leaves the node's other labels as they are."""
+    """The merge patch that labels ``node`` with ``node_ready_labels``; None when it already
+    carries them. A merge patch of these labels leaves the node's other labels as they are;
+    a format label another release set is replaced by this release's level."""
     labels = protocol.meta(node).get("labels") or {}
-    if labels.get(protocol.LABEL_NODE_AGENT) == protocol.NODE_AGENT_READY:
+    wanted = node_ready_labels()
+    if all(labels.get(key) == value for key, value in wanted.items()):
         return None
-    return {"metadata": {"labels": {protocol.LABEL_NODE_AGENT: protocol.NODE_AGENT_READY}}}
+    return {"metadata": {"labels": wanted}}
 
 
 # -- checkpoint requests ----------------------------------------------------------------
@@ -757,9 +766,12 @@ def status_dumping(node: str, now: datetime, parent: str | None = None,
     ``restore-from`` annotation), recorded as ``status.parent``: the sandbox's lineage.
     ``storage`` is where the checkpoint is written (``storage.Location.to_status``),
     recorded as ``status.storage`` before anything is: restores and a restarted agent
-    read it from there."""
+    read it from there. ``formatLevel``: the format it is written in, known from the start
+    so that a move's replacement pod (created while it is taken) asks for a node that
+    reads it (protocol.CHECKPOINT_FORMAT_LEVEL)."""
     status: KubeObject = {"phase": protocol.DUMPING, "nodeName": node,
-                          "startedAt": protocol.rfc3339(now), "progress": display.DUMPING}
+                          "startedAt": protocol.rfc3339(now), "progress": display.DUMPING,
+                          "formatLevel": protocol.CHECKPOINT_FORMAT_LEVEL}
     if parent:
         status["parent"] = parent
     if storage:
@@ -812,6 +824,7 @@ def status_completed(result: CheckpointResult, now: datetime, *, stopped: bool,
     end = "the sandbox ended on this node" if stopped else "the sandbox kept running"
     status: KubeObject = {
         "phase": protocol.COMPLETED,
+        "formatLevel": protocol.CHECKPOINT_FORMAT_LEVEL,
         "frozenMs": result.frozen_ms,
         "dumpMs": result.dump_ms,
         "uploadMs": result.upload_ms,
