@@ -14,6 +14,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from hermit_common import api, protocol
+from hermit_node.control import planner
 from tests.support.controlplane import ControlPlane, control_plane, install_crds
 from tests.support.wait import wait_until
 
@@ -396,6 +398,20 @@ def test_a_node_agent_creates_only_its_own_checkpoints_and_reports_only_its_node
         ("delete", "deletes nothing", agent.attempt(
             agent.custom.delete_namespaced_custom_object, G, V, NS, P, "mine-1-preempt")),
     ])
+
+
+def test_the_checkpoint_format_level_a_node_agent_writes_is_kept(agent: Caller) -> None:
+    """status.formatLevel as the planner writes it with Dumping is admitted and served back
+    (the CRD keeps it: an unknown field would be pruned and the checkpoint would look like
+    level 1); a level below 1 is refused by the schema."""
+    dumping = planner.status_dumping("node-a", datetime(2026, 1, 1, tzinfo=UTC))
+    assert dumping["formatLevel"] == protocol.CHECKPOINT_FORMAT_LEVEL
+    served = agent.custom.patch_namespaced_custom_object_status(
+        G, V, NS, P, "mine-1-preempt", {"status": dumping}, _content_type=MERGE, dry_run="All")
+    assert served["status"]["formatLevel"] == protocol.CHECKPOINT_FORMAT_LEVEL
+    _check([("level 0", "formatLevel", agent.attempt(
+        agent.custom.patch_namespaced_custom_object_status, G, V, NS, P, "mine-1-preempt",
+        {"status": {**dumping, "formatLevel": 0}}, _content_type=MERGE))])
 
 
 def test_only_the_operator_marks_a_checkpoint_verified(agent: Caller, plane: ControlPlane
