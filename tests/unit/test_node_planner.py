@@ -820,6 +820,28 @@ def test_refused_restore_is_not_retryable(tmp_path: Path) -> None:
     assert kube2.annotations[-1][1][protocol.ANNOTATION_RESTORE_RETRYABLE] == "true"
 
 
+def test_a_checkpoint_of_a_newer_format_is_never_handed_to_criu_and_may_restore_elsewhere(
+        tmp_path: Path) -> None:
+    """A node mislabelled with a format it does not read (issue 21): the restore fails
+    retryable, so the operator tries the same checkpoint on another node, never an older."""
+    newer = protocol.CHECKPOINT_FORMAT_LEVEL + 1
+    assert planner.unreadable_format({"status": {"formatLevel": newer}}, "c1") is not None
+    for level in (None, 1, protocol.CHECKPOINT_FORMAT_LEVEL):
+        assert planner.unreadable_format({"status": {"formatLevel": level}}, "c1") is None
+    restoring = pod("box-2", incarnation=2, annotations={protocol.ANNOTATION_RESTORE_FROM: "c1"})
+    kube = FakeKube([restoring], [ckpt("c1", status={"phase": "Completed", "formatLevel": newer,
+                                                      "manifestDigest": DIGEST})])
+    engine = FakeEngine()
+    agent = make_agent(tmp_path, kube, engine)
+    agent.reconcile_once()
+    agent.shutdown()
+    written = kube.annotations[-1][1]
+    assert written[protocol.ANNOTATION_RESTORE_PHASE] == protocol.RESTORE_FAILED
+    assert written[protocol.ANNOTATION_RESTORE_RETRYABLE] == "true"
+    assert f"checkpoint format {newer}" in str(written[protocol.ANNOTATION_RESTORE_MESSAGE])
+    assert engine.calls == []
+
+
 def test_a_failed_stopping_request_is_made_again_while_the_node_goes_away() -> None:
     pods = sps(pod("box-1"))
 

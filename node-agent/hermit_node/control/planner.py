@@ -738,6 +738,21 @@ def restore_origin(ckpt: Mapping[str, Any] | None, name: str) -> Pin | str:
                digest=view.manifest_digest)
 
 
+def unreadable_format(ckpt: Mapping[str, Any], name: str) -> str | None:
+    """Why this node-agent must not restore Checkpoint ``name``: its status.formatLevel is
+    newer than the protocol.CHECKPOINT_FORMAT_LEVEL it reads; None when it reads it. The
+    operator places such a restore only on a node labelled with a newer level, so this
+    is a node mislabelled (a rollback that kept the label) and the restore is retryable:
+    the same checkpoint on another node, never a fallback to an older one."""
+    level = protocol.format_level_of(ckpt)
+    if level is None or level <= protocol.CHECKPOINT_FORMAT_LEVEL:
+        return None
+    return (f"Checkpoint {name} is of checkpoint format {level}, newer than this node-agent "
+            f"reads ({protocol.CHECKPOINT_FORMAT_LEVEL}): its node's "
+            f"{protocol.LABEL_CHECKPOINT_FORMAT} label is wrong; it restores on a node whose "
+            "node-agent reads that format")
+
+
 def restored_message(name: str, result: RestoreResult) -> str:
     """The restore-message of a restored pod: how long it took and where its chunks came
     from (the node's chunk cache: docs/storage.md#prefetch-and-the-chunk-cache)."""

@@ -140,6 +140,9 @@ class Restoring:
         if isinstance(origin, str) or ckpt is None:
             # Gone for good, or not Completed yet (the same restore may work later).
             raise (CheckpointRefused if ckpt is None else RestoreFailed)(str(origin))
+        unreadable = planner.unreadable_format(ckpt, name)
+        if unreadable is not None:  # retryable: another node reads it
+            raise RestoreFailed(unreadable)
         sandbox_uid = sp.sandbox_uid
         owner = None  # the sandbox the checkpoint is of: its uid binds it, its Secret reads it
         if origin.sandbox != sp.sandbox or self._stores is not None:
