@@ -496,6 +496,35 @@ def _wait_crds_established() -> None:
             for c in ext.read_custom_resource_definition(n).status.conditions or []))
 
 
+def release_values(s3: S3) -> list[str]:
+    """The e2e release's helm flags, but its images (e2e_images): the same for this
+    checkout's chart and for the previous release's (test_upgrade.py)."""
+    return [
+        "--set", f"s3.bucket={BUCKET}", "--set", f"s3.endpoint={s3.endpoint}",
+        "--set", "s3.existingSecret=hermit-s3", "--set", "nodeAgent.logLevel=DEBUG",
+        # S3 garbage collection without its minimum age: what retention drops goes at
+        # once (test_gc.py), and every test runs with it.
+        "--set", "nodeAgent.gc.minAgeSeconds=0",
+        "--set-string", "operator.nodeSelector.karpenter\\.sh/capacity-type=on-demand",
+        # The baseline pod policy: the sandboxes run as root, as their image says. Under
+        # the restricted default they would run as 65532, and CRIU reads a non-root task's
+        # rlimits with prlimit(2), which needs CAP_SYS_RESOURCE: hack/cluster's nodes run
+        # in a container without it (docs/cluster.md), so no checkpoint could be taken.
+        # test_policy.py switches to restricted for the test that shows it; a cluster
+        # whose node-agents hold it can run everything so: HERMIT_E2E_POD_POLICY_PROFILE.
+        "--set", f"operator.podPolicy.profile={POD_POLICY_PROFILE}",
+        # The local cluster runs no cluster DNS: node-agents reach the operator's key
+        # service by its Service's ClusterIP (docs/security.md#the-key-service).
+        "--set", "nodeAgent.sealing.keyService.serviceLinks=true",
+    ]
+
+
+def e2e_images() -> list[str]:
+    """Images from a registry instead of the ones hack/cluster imports: the flags
+    hack/push-images prints (docs/images.md), e.g. "--set init.image.repository=..."."""
+    return shlex.split(os.environ.get("HERMIT_E2E_HELM_SET", ""))
+
+
 @pytest.fixture(scope="session")
 def hermit_release(kube: Kube, s3_for_pods: S3, e2e_config: E2EConfig) -> Iterator[str]:
     """The chart installed with S3 credentials in a Secret, and with it this worktree's CRDs
@@ -515,26 +544,7 @@ def hermit_release(kube: Kube, s3_for_pods: S3, e2e_config: E2EConfig) -> Iterat
     _apply_secret(kube, s3_for_pods)
     proc = subprocess.run(
         [helm, "install", RELEASE, str(REPO / "charts/hermit"), "-n", RELEASE_NS,
-         "--set", f"s3.bucket={BUCKET}", "--set", f"s3.endpoint={s3_for_pods.endpoint}",
-         "--set", "s3.existingSecret=hermit-s3", "--set", "nodeAgent.logLevel=DEBUG",
-         # S3 garbage collection without its minimum age: what retention drops goes at
-         # once (test_gc.py), and every test runs with it.
-         "--set", "nodeAgent.gc.minAgeSeconds=0",
-         "--set-string", "operator.nodeSelector.karpenter\\.sh/capacity-type=on-demand",
-         # The baseline pod policy: the sandboxes run as root, as their image says. Under
-         # the restricted default they would run as 65532, and CRIU reads a non-root task's
-         # rlimits with prlimit(2), which needs CAP_SYS_RESOURCE: hack/cluster's nodes run
-         # in a container without it (docs/cluster.md), so no checkpoint could be taken.
-         # test_policy.py switches to restricted for the test that shows it; a cluster
-         # whose node-agents hold it can run everything so: HERMIT_E2E_POD_POLICY_PROFILE.
-         "--set", f"operator.podPolicy.profile={POD_POLICY_PROFILE}",
-         # The local cluster runs no cluster DNS: node-agents reach the operator's key
-         # service by its Service's ClusterIP (docs/security.md#the-key-service).
-         "--set", "nodeAgent.sealing.keyService.serviceLinks=true",
-         # Images from a registry instead of the ones hack/cluster imports: the flags
-         # hack/push-images prints (docs/images.md), e.g. "--set init.image.repository=...".
-         *shlex.split(os.environ.get("HERMIT_E2E_HELM_SET", "")),
-         "--wait", "--timeout", "180s"],
+         *release_values(s3_for_pods), *e2e_images(), "--wait", "--timeout", "180s"],
         env=env, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, f"helm install failed: {proc.stdout}{proc.stderr}"
     _wait_crds_established()

@@ -74,6 +74,7 @@ def test_crds_only_install_needs_no_bucket() -> None:
     ({"nodeAgent": {"uploadBandwidthBytesPerSecond": "1Gbit"}},
      "nodeAgent.uploadBandwidthBytesPerSecond"),
     ({"nodeAgent": {"hostPaths": {"workDir": "var/lib/hermit"}}}, "nodeAgent.hostPaths.workDir"),
+    ({"nodeAgent": {"updateStrategy": "Recreate"}}, "nodeAgent.updateStrategy"),
     ({"operator": {"watchNamespaces": ["Team_A"]}}, "operator.watchNamespaces.0"),
     ({"operator": {"watchNamespaces": ["team-a", "team-a"]}}, "operator.watchNamespaces"),
     ({"operator": {"watchNamespaces": ["n" * 64]}}, "operator.watchNamespaces.0"),
@@ -379,6 +380,18 @@ def test_the_turn_endpoint_is_on_by_default_and_port_0_removes_it_and_its_rights
     rules_off, env_off = _node_agent_parts("nodeAgent.turns.port=0")
     assert not any(r in rules_off for r in REVIEWS)
     assert env_off["HERMIT_TURN_PORT"] == "0"
+
+
+def test_the_node_agents_roll_node_by_node_by_default_or_on_delete() -> None:
+    """nodeAgent.updateStrategy: RollingUpdate with maxUnavailable, or OnDelete (a team
+    rolls the node-agents out itself; the upgrade e2e test does, node by node)."""
+    def strategy(*sets: str) -> dict[str, Any]:
+        ds = next(d for d in _render(*sets) if d["kind"] == "DaemonSet")
+        return dict(ds["spec"]["updateStrategy"])
+
+    assert strategy() == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
+    assert strategy("nodeAgent.maxUnavailable=2")["rollingUpdate"] == {"maxUnavailable": 2}
+    assert strategy("nodeAgent.updateStrategy=OnDelete") == {"type": "OnDelete"}
 
 
 def test_upload_bandwidth_is_unlimited_by_default_and_rendered_as_an_integer() -> None:
