@@ -217,13 +217,17 @@ def test_upgrade_from_the_previous_release_while_a_sandbox_moves_twice(
         _roll_out(kube, second, new_digest)
         assert _format_label(kube, third) is None
 
-        # Move 1: old node-agent -> new node-agent (third kept out of the way).
+        # Move 1: old node-agent -> new node-agent. `third` is cordoned meanwhile (not
+        # `first`: a cordon there would be a drain, an Eviction checkpoint, not a notice's).
         done: set[str] = set()
-        with sb.only_schedulable_spot(kube, second):
+        sb.set_unschedulable(kube, third)
+        try:
             ckpt, last = _preempt(kube, cfg, namespace, name, where, done)
             assert "formatLevel" not in ckpt["status"], (
                 f"the previous release's checkpoint carries a format level: {ckpt['status']}")
             where = _restored(kube, namespace, name, where, ckpt, last)
+        finally:
+            sb.set_unschedulable(kube, third, False)
         assert where.node == second
         print(f"move 1: {first} (previous release) -> {second} (this one), checkpoint "
               f"{ckpt['metadata']['name']}")
