@@ -6,7 +6,7 @@ Against the cluster in $KUBECONFIG (hack/cluster; run it under the shared cluste
     KUBECONFIG=$(hack/cluster kubeconfig) .venv/bin/python -m bench.preempt_load \\
         [--sandboxes 30] [--mem-mb 16] [--notice 120] [--node spot-1]
 
-It installs the chart as the e2e tests do (tests/e2e/conftest.py: this worktree's CRDs and
+It installs the chart as the e2e tests do (tests/e2e/cluster.py: this worktree's CRDs and
 chart, MinIO on the host bridge, the operator on an on-demand node), creates --sandboxes
 self-checking stateful sandboxes (tests/e2e/sandboxes.py) on ONE spot node (every other
 node is cordoned while they start), makes sure another spot node is Ready, sends that
@@ -23,7 +23,6 @@ the preempted spot node is replaced (hack/cluster add-node --spot).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
 import statistics
@@ -31,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -40,17 +39,14 @@ from typing import Any
 import pytest
 from kubernetes.client.exceptions import ApiException
 
+from bench.harness import counts, log, namespace, only_node, release, sandboxes, seconds
 from hermit_common import api, protocol
-from tests.e2e import conftest as e2e
+from tests.e2e import cluster as e2e
 from tests.e2e import sandboxes as sb
 
 Obj = dict[str, Any]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 POLL_SECONDS = 0.5
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 # -- processes of this host: CPU and RSS of a process and its descendants ----------------
@@ -229,81 +225,6 @@ class Sampler(threading.Thread):
 
 
 # -- the cluster ----------------------------------------------------------------------------
-
-
-def unwrapped(fixture_function: Any) -> Callable[..., Any]:
-    """The function under pytest's fixture decorator (a fixture is not called directly)."""
-    function: Callable[..., Any] = fixture_function.__wrapped__
-    return function
-
-
-@contextlib.contextmanager
-def fixture(gen: Generator[Any, None, None]) -> Iterator[Any]:
-    """An e2e fixture's generator as a context manager (set-up, value, tear-down)."""
-    value = next(gen)
-    try:
-        yield value
-    finally:
-        gen.close()
-
-
-@contextlib.contextmanager
-def namespace(kube: e2e.Kube) -> Iterator[str]:
-    """A fresh namespace, deleted afterwards and waited for while the operator still runs
-    (kopf's finalizers on the sandboxes need it)."""
-    name = f"bench-preempt-{os.urandom(3).hex()}"
-    body: Any = {"metadata": {"name": name}}
-    kube.api.create_namespace(body)
-    e2e.wait_until(f"default service account in {name}", 60,
-                   lambda: kube.api.read_namespaced_service_account("default", name))
-    try:
-        yield name
-    finally:
-        kube.api.delete_namespace(name, grace_period_seconds=0)
-        gone = _namespace_gone(kube, name)
-        deadline = time.monotonic() + 180
-        while not gone() and time.monotonic() < deadline:
-            time.sleep(2)
-        log(f"namespace {name} {'deleted' if gone() else 'still terminating after 180 s'}")
-
-
-def _namespace_gone(kube: e2e.Kube, name: str) -> Callable[[], bool]:
-    def gone() -> bool:
-        try:
-            kube.api.read_namespace(name)
-        except ApiException as exc:
-            return bool(exc.status == 404)
-        return False
-
-    return gone
-
-
-def set_unschedulable(kube: e2e.Kube, node: str, value: bool) -> None:
-    body: Any = {"spec": {"unschedulable": value}}
-    kube.api.patch_node(node, body)
-
-
-@contextlib.contextmanager
-def only_node(kube: e2e.Kube, target: str) -> Iterator[None]:
-    """Every other schedulable node cordoned (so new pods can only go to ``target``),
-    uncordoned on the way out."""
-    others = [e2e.name_of(n) for n in kube.nodes() if e2e.name_of(n) != target
-              and not n.get("spec", {}).get("unschedulable")]
-    try:
-        for node in others:
-            set_unschedulable(kube, node, True)
-        yield
-    finally:
-        for node in others:
-            with contextlib.suppress(ApiException):
-                set_unschedulable(kube, node, False)
-
-
-def sandboxes(ns: str) -> dict[str, Obj]:
-    listed: Any = sb.custom().list_namespaced_custom_object(
-        api.GROUP, api.VERSION, ns, api.SANDBOX_PLURAL)
-    items: list[Obj] = listed["items"]
-    return {e2e.name_of(s): s for s in items}
 
 
 def wait_all_running(kube: e2e.Kube, ns: str, names: list[str], target: str,
@@ -510,12 +431,12 @@ def report(args: argparse.Namespace, target: str, moves: dict[str, Move],
           f"{'upload ms':>9} "
           f"{'size':>10} {'running':>8}  {'on':12} invariants")
     for name, m in sorted(moves.items(), key=lambda kv: (rank.get(kv[0], 999), kv[0])):
-        print(f"{rank.get(name, '-'):>3} {name:10} {m.phase or '-':17} {_s(m.durable_s):>8} "
-              f"{_s(m.started_at_s):>7} {_s(m.completed_at_s):>11} "
+        print(f"{rank.get(name, '-'):>3} {name:10} {m.phase or '-':17} {seconds(m.durable_s):>8} "
+              f"{seconds(m.started_at_s):>7} {seconds(m.completed_at_s):>11} "
               f"{m.frozen_ms if m.frozen_ms is not None else '-':>9} "
               f"{m.dump_ms if m.dump_ms is not None else '-':>7} "
               f"{m.upload_ms if m.upload_ms is not None else '-':>9} {m.size or '-':>10} "
-              f"{_s(m.running_s):>8}  {m.node or '-':12} {m.invariants}")
+              f"{seconds(m.running_s):>8}  {m.node or '-':12} {m.invariants}")
     in_time = [(t, n) for t, n in order if t <= args.notice]
     last = f" (last at {in_time[-1][0]:.1f} s)" if in_time else ""
     print(f"\n{len(in_time)}/{len(moves)} durable before the deadline{last}; "
@@ -524,23 +445,12 @@ def report(args: argparse.Namespace, target: str, moves: dict[str, Move],
     if running:
         print(f"notice->running: p50 {statistics.median(running):.1f} s, max "
               f"{running[-1]:.1f} s ({len(running)}/{len(moves)} running again); where: "
-              f"{_counts(m.node for m in moves.values() if m.node)}")
+              f"{counts(m.node for m in moves.values() if m.node)}")
     held = sum(m.invariants.startswith("ok") for m in moves.values())
     print(f"invariants held: {held}/{len(moves)}")
     for label, series in sampler.series.items():
         print(f"{label:32} {series.summary(sampler.notice_at)}")
     print(f"notice to deadline: {sampler.host.summary()}")
-
-
-def _s(value: float | None) -> str:
-    return f"{value:.1f}" if value is not None else "-"
-
-
-def _counts(values: Any) -> str:
-    counts: dict[str, int] = {}
-    for v in values:
-        counts[v] = counts.get(v, 0) + 1
-    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -558,13 +468,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # `timeout` sends SIGTERM: unwind (uncordon, delete, uninstall) instead of dying.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    cfg = e2e._e2e_config()
-    kube: e2e.Kube = unwrapped(e2e.kube)(cfg)
-    spot_before = len(sb.ready_spot_nodes(kube))
-    with fixture(unwrapped(e2e.s3_for_pods)()) as s3, \
-            fixture(unwrapped(e2e.hermit_release)(kube, s3, cfg)) as release_ns:
+    with release() as rel:
+        kube, cfg, release_ns = rel.kube, rel.cfg, rel.namespace
+        spot_before = len(sb.ready_spot_nodes(kube))
         try:
-            with namespace(kube) as ns:
+            with namespace(kube, "bench-preempt") as ns:
                 target, before = start(kube, cfg, release_ns, ns, args)
                 moves, sampler = preempt(kube, cfg, release_ns, ns, target, before, args)
                 check_invariants(kube, ns, moves)
