@@ -247,8 +247,8 @@ def _log_first_tick(rel: Release, ns: str, fork: Fork, now: float) -> None:
 
 def follow(rel: Release, ns: str, forks: dict[str, Fork], timeout: float,
            ledger_start: int) -> None:
-    """Polls pods and sandboxes until every fork made its first tick (or Failed, or the
-    timeout)."""
+    """Polls pods and sandboxes until every fork made its first tick and is Running (or
+    Failed, or the timeout)."""
     began = time.monotonic()
     collector = ledger.current()
     while time.monotonic() - began < timeout:
@@ -260,7 +260,10 @@ def follow(rel: Release, ns: str, forks: dict[str, Fork], timeout: float,
         else:
             for fork in forks.values():
                 _log_first_tick(rel, ns, fork, now)
-        if all(f.first_tick_at is not None or f.failed for f in forks.values()):
+        # Done when each fork ticked and its sandbox says Running (the two come in
+        # either order), or it Failed.
+        if all((f.first_tick_at is not None and f.running_at is not None) or f.failed
+               for f in forks.values()):
             return
         time.sleep(max(0.0, POLL_SECONDS - (time.monotonic() - now)))
     log(f"WARNING: not every fork ticked within {timeout:.0f} s")
