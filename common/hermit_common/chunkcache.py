@@ -8,6 +8,11 @@ it exactly as a download from S3 is verified (``store.download``), and drops an 
 that fails (``discard``). Entries are written atomically (a temporary file, then a
 rename); temporary files left by an earlier run are deleted when the cache opens. The
 total size is bounded: the least recently used entries go first.
+
+Fetches through the cache are single-flight: the first thread to ``claim`` an entry name
+fetches the object and then, whatever happened, gives the name up (``release``); a thread
+that claims it meanwhile gets an event to ``await_fetch`` on, then reads the entry from
+the cache and verifies it itself. Nothing but the cache entry passes between threads.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +30,8 @@ from typing import Final
 log = logging.getLogger(__name__)
 
 _TMP_PREFIX: Final = ".tmp-"
+# How often a thread waiting for another's fetch looks at its own stop event.
+_STOP_POLL_SECONDS: Final = 0.2
 
 
 def entry_name(location: str, key: str) -> str:
@@ -71,6 +79,7 @@ class ChunkCache:
         self._entries: OrderedDict[str, int] = OrderedDict()  # name -> size, oldest first
         self._bytes = 0
         self._seq = 0
+        self._fetching: dict[str, threading.Event] = {}  # name -> set when its fetch ends
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._load()
 
@@ -151,6 +160,36 @@ class ChunkCache:
             log.warning("chunk cache: cannot store an entry under %s: %s", self.root, exc)
             return False
         return True
+
+    def claim(self, name: str) -> threading.Event | None:
+        """None: the caller now fetches entry ``name`` and must ``release`` it (in a
+        ``finally``). Otherwise another thread is fetching it: the event is set when that
+        fetch ends (stored or not), and the caller then reads the entry with ``get``."""
+        with self._lock:
+            pending = self._fetching.get(name)
+            if pending is None:
+                self._fetching[name] = threading.Event()
+            return pending
+
+    def release(self, name: str) -> None:
+        """Ends the caller's claim on ``name``, waking the threads waiting for it."""
+        with self._lock:
+            pending = self._fetching.pop(name, None)
+        if pending is not None:
+            pending.set()
+
+    @staticmethod
+    def await_fetch(pending: threading.Event, timeout: float,
+                    stop: threading.Event | None = None) -> bool:
+        """Waits for a claimed fetch to end, at most ``timeout`` seconds and no longer
+        than ``stop`` stays clear; True when it ended."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or (stop is not None and stop.is_set()):
+                return pending.is_set()
+            if pending.wait(min(left, _STOP_POLL_SECONDS)):
+                return True
 
     def discard(self, name: str) -> None:
         """Forgets and deletes entry ``name`` (e.g. one that failed verification)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,83 @@ def test_tally_counts() -> None:
     tally.miss()
     tally.stored(7)
     assert (tally.hits, tally.misses, tally.chunks, tally.stored_bytes) == (1, 2, 3, 7)
+
+
+# -- single-flight: claim / release / await_fetch -------------------------------------
+
+
+def test_the_first_claim_leads_and_later_claims_wait_until_its_release(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 100)
+    assert cache.claim("a") is None  # the leader
+    pending = cache.claim("a")
+    assert pending is not None and not pending.is_set()
+    assert cache.claim("a") is pending, "followers share one event"
+    assert cache.claim("b") is None, "another entry is claimed on its own"
+    assert cache.put("a", b"x")
+    cache.release("a")
+    assert pending.is_set()
+    assert cache.claim("a") is None, "a released entry can be claimed again"
+    cache.release("a")
+    cache.release("b")
+    cache.release("never-claimed")  # harmless
+
+
+def test_a_follower_waits_for_the_leader_then_reads_its_entry(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 100)
+    assert cache.claim("a") is None
+    started = threading.Event()
+    got: list[bytes | None] = []
+
+    def follower() -> None:
+        pending = cache.claim("a")
+        assert pending is not None
+        started.set()
+        assert ChunkCache.await_fetch(pending, 30.0)
+        got.append(cache.get("a"))
+
+    t = threading.Thread(target=follower)
+    t.start()
+    assert started.wait(10)
+    assert not got, "the follower did not wait"
+    assert cache.put("a", b"object")
+    cache.release("a")
+    t.join(10)
+    assert got == [b"object"]
+
+
+def test_a_failed_leader_still_releases_and_its_followers_find_nothing(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 100)
+
+    def leader() -> None:
+        assert cache.claim("a") is None
+        try:
+            raise OSError("the S3 GET failed")
+        finally:
+            cache.release("a")
+
+    assert cache.claim("b") is None
+    pending = cache.claim("b")
+    assert pending is not None
+    with pytest.raises(OSError):
+        leader()
+    cache.release("b")
+    assert ChunkCache.await_fetch(pending, 0.0)
+    assert cache.get("b") is None, "nothing stored: the follower fetches it itself"
+    assert cache.claim("a") is None, "the failed leader left no claim behind"
+
+
+def test_a_wait_ends_at_its_timeout_or_when_stopped(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 100)
+    assert cache.claim("a") is None
+    pending = cache.claim("a")
+    assert pending is not None
+    began = time.monotonic()
+    assert not ChunkCache.await_fetch(pending, 0.3)
+    assert 0.25 <= time.monotonic() - began < 5
+    stop = threading.Event()
+    stop.set()
+    began = time.monotonic()
+    assert not ChunkCache.await_fetch(pending, 60.0, stop)
+    assert time.monotonic() - began < 5, "a stopped wait did not end"
+    cache.release("a")
+    assert ChunkCache.await_fetch(pending, 60.0, stop)

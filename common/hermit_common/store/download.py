@@ -257,18 +257,54 @@ class Downloader:
         where = f"checkpoint {at.namespace}/{at.checkpoint}: chunk {digest} of {locs[0].label}"
         data = self._cached_chunk(key, name, digest, chunk_size, at, where)
         if data is None:
-            compressed = self._get_chunk(key, where, chunk_size)
-            data = self.codec.open_chunk(compressed, name, digest, chunk_size, at.cipher,
-                                         where)
-            self._cache_put(key, compressed, at.tally)
-            if at.tally is not None:
-                at.tally.miss()
+            data = self._fetch_once(key, name, digest, chunk_size, at, where, stop)
         for loc in locs:
             if len(data) != loc.length:
                 raise CheckpointRefused(
                     f"checkpoint {at.namespace}/{at.checkpoint}: chunk {digest} of {loc.label} "
                     f"has {len(data)} bytes, the manifest expects {loc.length}")
             _write_all(loc.path, loc.offset, data)
+
+    def _fetch_once(self, key: str, name: str, digest: str, chunk_size: int, at: _Where,
+                    where: str, stop: threading.Event) -> bytes:
+        """The chunk, fetched from S3 once on this node for every download that wants it
+        at the same time (single-flight through the cache): a thread that finds another
+        fetching it waits, then reads and verifies the cache entry itself; when that fetch
+        failed or its entry is not there (refused, evicted), it fetches from S3 itself."""
+        if self.cache is None:
+            return self._fetch_from_s3(key, name, digest, chunk_size, at, where)
+        entry = self.cache_name(key)
+        pending = self.cache.claim(entry)
+        if pending is not None:
+            self.cache.await_fetch(pending, self._follow_seconds(), stop)
+            data = self._cached_chunk(key, name, digest, chunk_size, at, where)
+            if data is not None:
+                return data
+            return self._fetch_from_s3(key, name, digest, chunk_size, at, where)
+        try:
+            # A fetch that ended between our miss and our claim may have stored it.
+            data = self._cached_chunk(key, name, digest, chunk_size, at, where)
+            if data is not None:
+                return data
+            return self._fetch_from_s3(key, name, digest, chunk_size, at, where)
+        finally:
+            self.cache.release(entry)
+
+    def _follow_seconds(self) -> float:
+        """How long a thread waits for another's fetch of the same chunk: one S3 read
+        timeout. A GET stalled that long is likely retrying, and the waiter fetching
+        itself then costs one more GET, not a stuck restore."""
+        return self.objects.settings.read_timeout_seconds
+
+    def _fetch_from_s3(self, key: str, name: str, digest: str, chunk_size: int, at: _Where,
+                       where: str) -> bytes:
+        """The chunk from S3, verified, then kept in the cache (when there is one)."""
+        compressed = self._get_chunk(key, where, chunk_size)
+        data = self.codec.open_chunk(compressed, name, digest, chunk_size, at.cipher, where)
+        self._cache_put(key, compressed, at.tally)
+        if at.tally is not None:
+            at.tally.miss()
+        return data
 
     def _get_chunk(self, key: str, where: str, chunk_size: int) -> bytes:
         """A chunk's stored object, from S3."""
@@ -334,17 +370,22 @@ class Downloader:
                 return
             name = object_name(at.cipher, digest)
             key = self.objects.chunk_key(namespace, sandbox, name)
-            if self.cache_name(key) in cache:
+            entry = self.cache_name(key)
+            # In the cache, or being fetched into it (by a restore or another prefetch).
+            if entry in cache or cache.claim(entry) is not None:
                 return
             where = f"checkpoint {namespace}/{checkpoint}: chunk {digest}"
             try:
+                if entry in cache:  # stored by a fetch that ended before our claim
+                    return
                 compressed = self._get_chunk(key, where, manifest.chunk_size)
                 self.codec.open_chunk(compressed, name, digest, manifest.chunk_size,
                                       at.cipher, where)
+                self._cache_put(key, compressed, tally)
             except CheckpointRefused as exc:  # missing or bad: not cached, the rest goes on
                 log.warning("prefetch: %s", exc)
-                return
-            self._cache_put(key, compressed, tally)
+            finally:
+                cache.release(entry)
 
         jobs = [partial(one, d) for d in sorted(manifest.chunk_digests())]
         run_parallel(workers, "hermit-prefetch", jobs, ignore, threading.Event())
