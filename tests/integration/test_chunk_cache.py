@@ -1,6 +1,7 @@
 """The node-local chunk cache against a real MinIO: after a prefetch of checkpoint A, a
-download of checkpoint B (sharing most chunks) fetches only B's other chunks from S3, and
-a corrupted cache entry is fetched again (docs/storage.md, "Prefetch and the chunk cache")."""
+download of checkpoint B (sharing most chunks) fetches only B's other chunks from S3, a
+corrupted cache entry is fetched again, and concurrent downloads of one checkpoint fetch
+each chunk once (docs/storage.md, "Prefetch and the chunk cache")."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import random
 import re
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -35,9 +37,14 @@ class CountingClient:
     def __init__(self, client: Any) -> None:
         self._client = client
         self.gets: Counter[str] = Counter()
+        self.chunk_delay = 0.0  # seconds each chunk GET is held up (as over a slow link)
+        self._lock = threading.Lock()
 
     def get_object(self, **kw: Any) -> Any:
-        self.gets[kw["Key"]] += 1
+        with self._lock:  # downloads GET from many threads
+            self.gets[kw["Key"]] += 1
+        if self.chunk_delay and "/chunks/" in kw["Key"]:
+            time.sleep(self.chunk_delay)
         return self._client.get_object(**kw)
 
     def __getattr__(self, name: str) -> Any:
@@ -187,3 +194,107 @@ def test_a_sealed_store_caches_sealed_objects_and_verifies_them(
     assert len(counting.chunk_gets()) == 2 and tally.misses == 2 and tally.hits > 0
     assert (tmp_path / "restored" / "criu" / "pages-1.img").read_bytes() == \
         (tmp_path / "b" / "criu" / "pages-1.img").read_bytes()
+
+
+RESTORES = 6
+
+
+def test_concurrent_downloads_of_one_checkpoint_fetch_each_chunk_once(
+        stores: tuple[CheckpointStore, CheckpointStore, CountingClient], tmp_path: Path,
+) -> None:
+    """Forks restored at once on one node: every chunk is fetched from S3 by one download
+    while the others wait for it and read it from the cache (verifying it themselves)."""
+    writer, reader, counting = stores
+    a = writer.upload(_binding("a"), _tree(tmp_path / "a"), {})
+    keys = _keys(writer, a.manifest)
+    counting.gets.clear()
+    counting.chunk_delay = 0.05  # keeps each fetch in flight while the others ask for it
+    start = threading.Barrier(RESTORES)
+    tallies = [CacheTally() for _ in range(RESTORES)]
+    failures: list[BaseException] = []
+
+    def restore(i: int) -> None:
+        try:
+            start.wait(30)
+            reader.download_deferred(Pin(NS, BOX, "a", uid=UID, digest=a.manifest_digest),
+                                     tmp_path / f"fork-{i}", tally=tallies[i])
+        except BaseException as exc:  # reported below, in the test's thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=restore, args=(i,)) for i in range(RESTORES)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not failures, failures
+    assert counting.chunk_gets() == Counter(dict.fromkeys(keys, 1)), \
+        "a chunk was fetched from S3 more than once"
+    assert sum(t.misses for t in tallies) == len(keys)
+    assert sum(t.hits for t in tallies) == (RESTORES - 1) * len(keys)
+    for i in range(RESTORES):
+        for f in ("pages-1.img", "core-1.img"):
+            assert (tmp_path / f"fork-{i}" / "criu" / f).read_bytes() == \
+                (tmp_path / "a" / "criu" / f).read_bytes()
+    print(f"{RESTORES} concurrent downloads of {len(keys)} chunks: "
+          f"{sum(counting.chunk_gets().values())} chunk GETs from S3")
+
+
+def test_when_the_fetching_download_fails_the_waiting_ones_fetch_for_themselves(
+        stores: tuple[CheckpointStore, CheckpointStore, CountingClient], tmp_path: Path,
+) -> None:
+    """The first GET of one chunk fails (after the others started waiting for it): its
+    download fails, the waiting downloads fetch that chunk from S3 themselves."""
+    writer, reader, counting = stores
+    a = writer.upload(_binding("a"), _tree(tmp_path / "a"), {})
+    entry = next(e for e in a.manifest.sections["criu"] if e.path == "pages-1.img")
+    victim = writer.chunk_key(NS, BOX, entry.chunks[3])
+    counting.gets.clear()
+    waiting = threading.Event()
+    real_get = CountingClient.get_object
+    failed = threading.Lock()
+
+    def get_object(self: CountingClient, **kw: Any) -> Any:
+        if kw["Key"] == victim and failed.acquire(blocking=False):
+            waiting.wait(10)  # until another download waits for this fetch
+            raise CheckpointRefused("injected: this GET fails")
+        return real_get(self, **kw)
+
+    cache = reader.cache
+    assert cache is not None
+    real_claim = cache.claim
+
+    def claim(name: str) -> threading.Event | None:
+        pending = real_claim(name)
+        if pending is not None and name == reader._cache_name(victim):
+            waiting.set()
+        return pending
+
+    start = threading.Barrier(3)
+    results: dict[int, BaseException | None] = {}
+
+    def restore(i: int) -> None:
+        try:
+            start.wait(30)
+            reader.download_deferred(Pin(NS, BOX, "a", uid=UID), tmp_path / f"fork-{i}",
+                                     tally=CacheTally())
+            results[i] = None
+        except BaseException as exc:
+            results[i] = exc
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CountingClient, "get_object", get_object)
+        mp.setattr(cache, "claim", claim)
+        threads = [threading.Thread(target=restore, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    failures = [e for e in results.values() if e is not None]
+    assert len(results) == 3 and len(failures) == 1, results
+    assert "injected" in str(failures[0])
+    assert waiting.is_set(), "no download waited for the failing fetch"
+    assert counting.gets[victim] >= 2, "the waiting downloads did not fetch it themselves"
+    for i, exc in results.items():
+        if exc is None:
+            assert (tmp_path / f"fork-{i}" / "criu" / "pages-1.img").read_bytes() == \
+                (tmp_path / "a" / "criu" / "pages-1.img").read_bytes()
