@@ -293,7 +293,10 @@ def test_when_the_fetching_download_fails_the_waiting_ones_fetch_for_themselves(
     assert len(results) == 3 and len(failures) == 1, results
     assert "injected" in str(failures[0])
     assert waiting.is_set(), "no download waited for the failing fetch"
-    assert counting.gets[victim] >= 2, "the waiting downloads did not fetch it themselves"
+    # The failed GET is not counted (it never reached S3). A waiting download fetched the
+    # chunk itself; a download that came to it later may read that fetch from the cache
+    # instead (both seen under load: 1 or 2 GETs), so at least one GET, not two.
+    assert counting.gets[victim] >= 1, "the waiting downloads did not fetch it themselves"
     for i, exc in results.items():
         if exc is None:
             assert (tmp_path / f"fork-{i}" / "criu" / "pages-1.img").read_bytes() == \
